@@ -1,0 +1,33 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-slow lint bench clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip >/dev/null
+	$(PY) -m pip install -e '.[dev,sweep]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/runner
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -m slow
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check runner tasks tests benchmarks
+	$(VENV)/bin/ruff format --check runner tasks tests benchmarks
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf $(VENV) outputs multirun wandb .pytest_cache build *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,143 @@
+"""Datasets as in-memory tensors, plus the two training-set corruptions the methods study.
+
+`load_data(cfg, seed)` builds the dataset named `cfg.name` (clean labels), makes its training split
+long-tailed when `cfg.imbalance > 1`, then injects label noise when `cfg.label_noise.kind != "none"`.
+Everything is deterministic given the seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from runner.schema import ConfigError, DatasetConfig
+
+
+@dataclass
+class Split:
+    x: torch.Tensor  # float32 [N, ...]
+    y: torch.Tensor  # int64 [N], the labels a method trains on (noisy when label noise is on)
+    y_clean: torch.Tensor  # int64 [N], the true labels
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def subset(self, idx) -> Split:
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        return Split(self.x[idx], self.y[idx], self.y_clean[idx])
+
+
+@dataclass
+class Data:
+    train: Split
+    val: Split
+    test: Split
+    num_classes: int
+    input_shape: tuple[int, ...]
+    meta: dict = field(default_factory=dict)
+
+
+Builder = Callable[[DatasetConfig, np.random.Generator], Data]
+DATASETS: dict[str, Builder] = {}
+DATASET_SCHEMAS: dict[str, type] = {}
+
+
+def register_dataset(name: str, schema: type | None = None):
+    """Register `fn(cfg, rng) -> Data` under `name`; `schema` validates dataset-specific keys."""
+
+    def wrap(fn: Builder) -> Builder:
+        DATASETS[name] = fn
+        if schema is not None:
+            DATASET_SCHEMAS[name] = schema
+        return fn
+
+    return wrap
+
+
+def split_of(x, y) -> Split:
+    """A clean split from arrays or tensors."""
+    y = torch.as_tensor(np.asarray(y), dtype=torch.long)
+    return Split(torch.as_tensor(np.asarray(x), dtype=torch.float32), y, y.clone())
+
+
+def three_way_split(x, y, val_fraction: float, test_fraction: float, rng: np.random.Generator):
+    """Stratified train/val/test splits of arrays (fractions of the whole)."""
+    from sklearn.model_selection import train_test_split
+
+    seed = int(rng.integers(2**31))
+    idx = np.arange(len(y))
+    rest, test = train_test_split(idx, test_size=test_fraction, stratify=y, random_state=seed)
+    val_share = val_fraction / (1.0 - test_fraction)
+    if val_share > 0:
+        train, val = train_test_split(rest, test_size=val_share, stratify=y[rest], random_state=seed)
+    else:
+        train, val = rest, rest[:0]
+    return tuple(split_of(x[i], y[i]) for i in (train, val, test))
+
+
+def longtail_counts(n_max: int, num_classes: int, imbalance: float) -> list[int]:
+    """Per-class sizes n_c = floor(n_max * imbalance^(-c / (C - 1))), c = 0..C-1 (CIFAR-LT profile)."""
+    if num_classes < 2:
+        raise ValueError(f"num_classes={num_classes}: a long-tail profile needs at least 2 classes")
+    if imbalance < 1:
+        raise ValueError(f"imbalance={imbalance}: must be >= 1 (n_max / n_min)")
+    return [int(n_max * imbalance ** (-c / (num_classes - 1))) for c in range(num_classes)]
+
+
+def longtail_indices(y: np.ndarray, num_classes: int, imbalance: float, rng: np.random.Generator):
+    """Indices of a long-tailed subset: the first n_c of a shuffled class c, n_max = smallest class."""
+    per_class = [rng.permutation(np.flatnonzero(y == c)) for c in range(num_classes)]
+    counts = longtail_counts(min(len(p) for p in per_class), num_classes, imbalance)
+    return np.sort(np.concatenate([p[:n] for p, n in zip(per_class, counts)]))
+
+
+def next_class_map(num_classes: int) -> np.ndarray:
+    """Asymmetric noise mapping c -> c + 1 (mod C), used where no class-pair mapping is standard."""
+    return (np.arange(num_classes) + 1) % num_classes
+
+
+def inject_label_noise(y, num_classes: int, kind: str, rate: float, rng: np.random.Generator, mapping=None):
+    """Noisy copy of labels `y` (DivideMix convention).
+
+    floor(rate * N) indices are drawn without replacement. `symmetric`: each gets a label drawn
+    uniformly from all C classes (so it may keep its true label). `asymmetric`: each gets
+    `mapping[y]` (default: the next class).
+    """
+    y = np.asarray(y).copy()
+    if kind == "none" or rate == 0:
+        return y
+    if not 0 <= rate <= 1:
+        raise ValueError(f"label noise rate={rate}: must be in [0, 1]")
+    idx = rng.choice(len(y), size=int(np.floor(rate * len(y))), replace=False)
+    if kind == "symmetric":
+        y[idx] = rng.integers(0, num_classes, size=len(idx))
+    elif kind == "asymmetric":
+        mapping = next_class_map(num_classes) if mapping is None else np.asarray(mapping)
+        y[idx] = mapping[y[idx]]
+    else:
+        raise ValueError(f"label noise kind={kind!r}: choose one of none, symmetric, asymmetric")
+    return y
+
+
+def load_data(cfg, seed: int) -> Data:
+    """Build dataset `cfg.name`, then apply `cfg.imbalance` and `cfg.label_noise` to its train split."""
+    if cfg.name not in DATASETS:
+        raise ConfigError(f"dataset.name={cfg.name!r} is unknown; choices: {', '.join(sorted(DATASETS))}")
+    rng = np.random.default_rng(seed)
+    data = DATASETS[cfg.name](cfg, rng)
+    if cfg.imbalance > 1:
+        keep = longtail_indices(data.train.y_clean.numpy(), data.num_classes, cfg.imbalance, rng)
+        data.train = data.train.subset(keep)
+    noise = cfg.label_noise
+    if noise.kind != "none":
+        noisy = inject_label_noise(
+            data.train.y_clean.numpy(), data.num_classes, noise.kind, noise.rate, rng, data.meta.get("asym_map")
+        )
+        data.train.y = torch.as_tensor(noisy, dtype=torch.long)
+    return data
+
+
+from runner.data import builtin  # noqa: E402,F401  (registers the datasets)
