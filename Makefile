@@ -23,10 +23,9 @@ test-slow: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check runner tasks tests benchmarks
-	$(VENV)/bin/ruff format --check runner tasks tests benchmarks
 
 bench: $(STAMP)
-	$(PY) -m benchmarks
+	$(PY) -m benchmarks $(B)
 
 clean:
 	rm -rf $(VENV) outputs multirun wandb .pytest_cache build *.egg-info

@@ -7,6 +7,7 @@ fails in a second with one line naming the bad value and the valid choices, inst
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import time
@@ -122,11 +123,25 @@ def _typed(cfg: DictConfig, schemas: dict) -> DictConfig:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _job(cfg: DictConfig) -> float | None:
+    try:
+        return _run(cfg)
+    except ConfigError as e:  # bad input found while building data, model or device: one line
+        if HydraConfig.get().mode.name == "MULTIRUN":
+            raise
+        print(f"runner: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _run(cfg: DictConfig) -> float | None:
+    """One job: validate, set up device and tracker, run the task, write the summary."""
     from runner.hardware import RunContext, seed_everything, setup
     from runner.track import Tracker
 
     t0 = time.perf_counter()
     cfg = _typed(cfg, validate(cfg))
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode.name == "MULTIRUN" and cfg.logger.group is None:  # one W&B group per sweep
+        cfg.logger.group = "/".join(Path(hydra_cfg.sweep.dir).parts[-2:])
     device, rank, world_size = setup(cfg.hardware)
     seed_everything(cfg.seed, cfg.hardware.deterministic)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -138,14 +153,7 @@ def _job(cfg: DictConfig) -> float | None:
     method = cfg.method.name if "method" in cfg else "erm"
     log.info("%s: method=%s dataset=%s model=%s device=%s seed=%d -> %s", module.__name__, method,
              cfg.dataset.name, cfg.model.name, device, cfg.seed, run_dir)  # fmt: skip
-    try:
-        summary = dict(module.run(cfg, ctx))
-    except ConfigError as e:  # bad input found while building data or model: one line, not a traceback
-        tracker.finish({"error": str(e)})
-        if HydraConfig.get().mode.name == "MULTIRUN":
-            raise
-        print(f"runner: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    summary = dict(module.run(cfg, ctx))
     summary["time/total_s"] = time.perf_counter() - t0
     tracker.finish(summary)
     metric = module.METRIC[0]
@@ -158,9 +166,30 @@ def _job(cfg: DictConfig) -> float | None:
     return float(value) if value is not None else None
 
 
+def _launch_overrides(argv: list[str]) -> list[str]:
+    """Hydra overrides every launch adds (docs/sweeps.md): the multirun summary callback, the Optuna
+    direction of the task's METRIC (unless given), and no Hydra files from torchrun ranks other than 0."""
+    overrides = _override_args(argv)
+    if overrides is None:
+        return []
+    extra = [] if any(o.startswith("hydra/callbacks") for o in overrides) else ["hydra/callbacks=sweep_summary"]
+    if int(os.environ.get("RANK", 0)) > 0:
+        extra += ["hydra.output_subdir=null", "hydra/job_logging=none"]
+    if {"-m", "--multirun"} & set(argv) and not any(o.startswith("hydra.sweeper.direction=") for o in overrides):
+        from hydra import compose, initialize_config_dir
+
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            choices = [o for o in overrides if o.startswith("hydra/")]
+            cfg = compose("config", overrides=_variants(overrides)[0] + choices, return_hydra_config=True)
+        if "optuna" in cfg.hydra.sweeper._target_:
+            extra.append("hydra.sweeper.direction=" + {"max": "maximize", "min": "minimize"}[task_module(cfg).METRIC[1]])
+    return extra
+
+
 def main() -> None:
     try:
         preflight(sys.argv[1:])
+        sys.argv += _launch_overrides(sys.argv[1:])
     except ConfigError as e:
         print(f"runner: error: {e}", file=sys.stderr)
         sys.exit(2)

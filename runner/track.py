@@ -28,6 +28,8 @@ class Tracker:
         self.enabled = enabled
         self.metrics_path = self.dir / "metrics.jsonl"
         self.wandb = None
+        if enabled:
+            self.dir.mkdir(parents=True, exist_ok=True)
         if enabled and logger_cfg is not None and logger_cfg.name == "wandb" and logger_cfg.mode != "disabled":
             self.wandb = self._start_wandb(logger_cfg, config)
 

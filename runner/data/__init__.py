@@ -140,4 +140,5 @@ def load_data(cfg, seed: int) -> Data:
     return data
 
 
+import runner.data.blobs  # noqa: E402,F401  (registers `blobs`, DB-OT clustering)
 from runner.data import builtin  # noqa: E402,F401  (registers the datasets)

@@ -1,0 +1,440 @@
+"""`runner-report PATH`: the runs under a run or multirun dir as a Markdown table and PNG plots.
+
+A run is a Hydra job dir (`.hydra/overrides.yaml`) with the runner's resolved `config.yaml`, its
+`summary.json` and its per-epoch `metrics.jsonl`. The parameters that differ between runs are the swept
+ones; runs that differ only in `seed` are replicates of one setting. Written into PATH:
+
+    report.md                    one row per setting: mean ± std over its seeds, the best setting in bold
+    report_<param>.png           the main metric against each swept parameter
+    report_curves.png            learning curves (mean ± std over seeds) from metrics.jsonl
+
+The main metric and its direction are the task's `METRIC`. Failed runs (`summary.json` holding an
+`error`) and incomplete ones (no `summary.json`: killed, still running) are listed, never averaged.
+`SweepSummary` is the Hydra callback that prints the same table at the end of every multirun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib
+import json
+import logging
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from hydra.experimental.callback import Callback
+
+from runner.schema import ConfigError
+
+log = logging.getLogger(__name__)
+
+REPLICATE_KEY = "seed"
+MAX_EXTRA_COLUMNS = 4
+_SKIP_DIRS = {".hydra", ".submitit", "wandb", "checkpoints"}
+
+
+@dataclass
+class Run:
+    dir: Path
+    overrides: dict[str, str]  # key -> value, as given on the command line (or chosen by the sweeper)
+    config: dict
+    summary: dict | None  # None: no summary.json yet
+
+    @property
+    def status(self) -> str:
+        if self.summary is None:
+            return "incomplete"
+        return "failed" if "error" in self.summary else "ok"
+
+    def value(self, key: str):
+        """The run's value of a (possibly swept) key: its override, else its resolved config value."""
+        if key in self.overrides:
+            return _parse_scalar(self.overrides[key])
+        node = self.config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):  # a config group (model=cnn): its name
+            node = node.get("name")
+        return node
+
+
+@dataclass
+class Group:
+    """The runs of one setting of the swept parameters (its seeds)."""
+
+    params: dict
+    runs: list[Run] = field(default_factory=list)
+
+    def stats(self, key: str) -> tuple[float, float, int]:
+        """(mean, sample std, count) of a summary value over the group's runs; std is nan for one run."""
+        values = [float(r.summary[key]) for r in self.runs if _is_number(r.summary.get(key))]
+        if not values:
+            return math.nan, math.nan, 0
+        mean = sum(values) / len(values)
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else math.nan
+        return mean, std, len(values)
+
+
+@dataclass
+class Report:
+    root: Path
+    runs: list[Run]
+    swept: list[str]  # swept parameters (seed excluded)
+    groups: list[Group]  # settings with at least one completed run, sorted by parameter values
+    metric: str
+    direction: str  # "max" | "min"
+    columns: list[str]  # summary keys tabled, the main metric first
+
+    @property
+    def skipped(self) -> list[Run]:
+        return [r for r in self.runs if r.status != "ok"]
+
+    def best(self) -> Group | None:
+        scored = [g for g in self.groups if g.stats(self.metric)[2]]
+        if len(scored) < 2:
+            return None
+        pick = max if self.direction == "max" else min
+        return pick(scored, key=lambda g: g.stats(self.metric)[0])
+
+
+# ----------------------------------------------------------------------------------------- reading
+
+
+def find_runs(root: Path) -> list[Run]:
+    """Every run dir under `root` (itself included), in natural order of their paths."""
+    runs = []
+    for dirpath, dirnames, _ in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        if (here / ".hydra" / "overrides.yaml").exists():
+            runs.append(load_run(here))
+    return sorted(runs, key=lambda r: _natural_key(str(r.dir.relative_to(root))))
+
+
+def load_run(run_dir: Path) -> Run:
+    overrides = {}
+    for item in yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or []:
+        key, _, value = str(item).partition("=")
+        overrides[key.lstrip("+~")] = value if _ else "(deleted)"
+    config_path = run_dir / "config.yaml"  # the validated config; Hydra's own copy if the job died before
+    if not config_path.exists():
+        config_path = run_dir / ".hydra" / "config.yaml"
+    config = (yaml.safe_load(config_path.read_text()) if config_path.exists() else None) or {}
+    summary_path = run_dir / "summary.json"
+    try:
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    except json.JSONDecodeError:  # cut off mid-write
+        summary = None
+    return Run(run_dir, overrides, config, summary)
+
+
+def task_metric(config: dict) -> tuple[str, str]:
+    """The task's main metric `(key, "max" | "min")` for a run config."""
+    task = (config.get("method") or {}).get("task", "classify")
+    return importlib.import_module(f"tasks.{task}").METRIC
+
+
+def build_report(root, metric: str | None = None, columns: list[str] | None = None) -> Report:
+    """Read, group and order the runs under `root`. `metric` is `KEY` or `KEY:max|min`."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"{root}: no such directory")
+    runs = find_runs(root)
+    if not runs:
+        raise ValueError(f"{root}: no runs found (a run dir holds .hydra/overrides.yaml)")
+    done = [r for r in runs if r.status == "ok"]
+    keys = list(dict.fromkeys(k for r in runs for k in r.overrides))
+    swept = [k for k in keys if k != REPLICATE_KEY and len({_hashable(r.value(k)) for r in runs}) > 1]
+
+    if metric is None:
+        key, direction = task_metric((done or runs)[0].config)
+    else:
+        key, _, direction = metric.partition(":")
+        direction = direction or "max"
+        if direction not in ("max", "min"):
+            raise ValueError(f"--metric {metric}: the direction after ':' must be max or min")
+    if done and not any(key in r.summary for r in done):
+        shown = ", ".join(k for k in done[0].summary if _is_number(done[0].summary[k]))
+        raise ValueError(f"metric {key!r} is in no summary.json; keys: {shown}")
+
+    groups: dict[tuple, Group] = {}
+    for r in done:
+        params = {k: r.value(k) for k in swept}
+        groups.setdefault(tuple(_hashable(v) for v in params.values()), Group(params)).runs.append(r)
+    ordered = sorted(groups.values(), key=lambda g: [_sort_key(v) for v in g.params.values()])
+
+    if columns is None:  # the main metric, then its siblings (test/acc -> test/loss, ...)
+        prefix = key.split("/")[0] + "/" if "/" in key else None
+        seen = dict.fromkeys(k for r in done for k in r.summary if _is_number(r.summary[k]))
+        siblings = [k for k in seen if prefix and k.startswith(prefix) and k != key]
+        columns = [key, *siblings[:MAX_EXTRA_COLUMNS]]
+    elif key not in columns:
+        columns = [key, *columns]
+    return Report(root, runs, swept, ordered, key, direction, columns)
+
+
+# -------------------------------------------------------------------------------------- the table
+
+
+def markdown(report: Report, plots: list[Path] = ()) -> str:
+    """The report as Markdown: a line of counts, the table, Optuna's pick, skipped runs, plots."""
+    counts = {s: sum(r.status == s for r in report.runs) for s in ("ok", "failed", "incomplete")}
+    lines = [
+        f"# {report.root}",
+        "",
+        f"{len(report.runs)} runs: {counts['ok']} completed, {counts['failed']} failed, "
+        f"{counts['incomplete']} incomplete. "
+        + (f"Swept: {', '.join(report.swept)}. " if report.swept else "")
+        + f"Mean ± std over seeds; best ({report.direction} {report.metric}) in bold.",
+        "",
+    ]
+    if report.groups:
+        lines += table(report)
+    results = report.root / "optimization_results.yaml"
+    if results.exists():  # written by the Optuna sweeper
+        best = yaml.safe_load(results.read_text()) or {}
+        if "best_params" in best:
+            params = " ".join(f"{k}={_show(v)}" for k, v in best["best_params"].items())
+            lines += ["", f"Optuna best: {params} -> {report.metric} = {_show(best.get('best_value'))}"]
+    if report.skipped:
+        lines += ["", "Skipped runs:"]
+        for r in report.skipped:
+            lines.append(f"- {_label(r, report)}: {r.status}"
+                         + (f": {r.summary['error']}" if r.status == "failed" else " (no summary.json)"))  # fmt: skip
+    if plots:
+        lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def table(report: Report) -> list[str]:
+    best = report.best()
+    header = [*report.swept, "seeds", *report.columns]
+    rows = [header, ["---"] * len(header)]
+    for g in report.groups:
+        row = [_show(v) for v in g.params.values()] + [str(len(g.runs))]
+        for key in report.columns:
+            mean, std, n = g.stats(key)
+            cell = "-" if n == 0 else _mean_std(mean, std)
+            row.append(f"**{cell}**" if g is best and key == report.metric else cell)
+        rows.append(row)
+    return ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def _mean_std(mean: float, std: float) -> str:
+    """Four significant digits of the mean; the std to the same decimal place."""
+    digits = 3 - math.floor(math.log10(abs(mean))) if mean and math.isfinite(mean) else 4
+    digits = min(max(digits, 0), 8)
+    return f"{mean:.{digits}f}" + ("" if math.isnan(std) else f" ± {std:.{digits}f}")
+
+
+# ------------------------------------------------------------------------------------------ plots
+
+
+def plot(report: Report, out: Path) -> list[Path]:
+    """Write the PNGs into `out`; return their paths."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+
+    written = []
+    for param in report.swept:
+        fig = Figure(figsize=(5, 3.6), layout="constrained")
+        ax = fig.add_subplot()
+        _plot_against(ax, report, param)
+        path = out / f"report_{_slug(param)}.png"
+        fig.savefig(path, dpi=120)
+        written.append(path)
+    curves = [(g, _curves(g, report.metric)) for g in report.groups]
+    if any(c for _, c in curves):
+        fig = Figure(figsize=(10, 3.6), layout="constrained")
+        axes = fig.subplots(1, 2)
+        best = report.best()
+        for g, per_key in curves:
+            label = _params_label(g.params) or "all runs"
+            for ax, key in zip(axes, ("train/loss", report.metric)):
+                if key in per_key:
+                    x, mean, std = per_key[key]
+                    (line,) = ax.plot(x, mean, label=label, lw=2.2 if g is best else 1.2,
+                                      marker="o" if len(x) <= 20 else None, ms=3)
+                    ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2, lw=0)
+        for ax, key in zip(axes, ("train/loss", report.metric)):
+            ax.set(xlabel="epoch", ylabel=key, title=key)
+        if 1 < len(curves) <= 10:
+            axes[1].legend(fontsize=7)
+        path = out / "report_curves.png"
+        fig.savefig(path, dpi=120)
+        written.append(path)
+    return written
+
+
+def _plot_against(ax, report: Report, param: str) -> None:
+    """Mean ± std of the metric against `param`; one line per setting of the other swept parameters."""
+    others = [k for k in report.swept if k != param]
+    values = sorted({_hashable(g.params[param]) for g in report.groups}, key=_sort_key)
+    numeric = all(_is_number(v) for v in values)
+    position = {v: (float(v) if numeric else i) for i, v in enumerate(values)}
+    lines: dict[tuple, list] = {}
+    for g in report.groups:
+        lines.setdefault(tuple(_hashable(g.params[k]) for k in others), []).append(g)
+    as_lines = len(lines) <= 8 and max(len(gs) for gs in lines.values()) > 1  # else a scatter (Optuna)
+    for rest, gs in lines.items() if as_lines else [((), report.groups)]:
+        gs = sorted(gs, key=lambda g: position[_hashable(g.params[param])])
+        x = [position[_hashable(g.params[param])] for g in gs]
+        stats = [g.stats(report.metric) for g in gs]
+        label = ", ".join(f"{k}={_show(v)}" for k, v in zip(others, rest)) if as_lines else None
+        ax.errorbar(x, [s[0] for s in stats], yerr=[0 if math.isnan(s[1]) else s[1] for s in stats],
+                    marker="o", capsize=3, ls="-" if as_lines else "none", label=label or None)  # fmt: skip
+    if numeric and min(position.values()) > 0 and max(position.values()) / min(position.values()) >= 20:
+        ax.set_xscale("log")
+    if not numeric:
+        ax.set_xticks(list(position.values()), [_show(v) for v in values])
+    ax.set(xlabel=param, ylabel=report.metric, title=f"{report.metric} vs {param}")
+    if as_lines and others:
+        ax.legend(fontsize=7)
+
+
+def _curves(group: Group, metric: str) -> dict:
+    """{key: (epochs, mean, std)} over the group's runs, for train/loss and the metric, where logged."""
+    import numpy as np
+
+    out = {}
+    histories = []
+    for r in group.runs:
+        path = r.dir / "metrics.jsonl"
+        if path.exists():
+            histories.append([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
+    for key in ("train/loss", metric):
+        series = [[(rec.get("epoch", rec.get("step", i)), rec[key]) for i, rec in enumerate(h)
+                   if _is_number(rec.get(key))] for h in histories]  # fmt: skip
+        series = [s for s in series if s]
+        if not series:
+            continue
+        n = min(len(s) for s in series)  # runs cut short: the common prefix
+        values = np.array([[v for _, v in s[:n]] for s in series], dtype=float)
+        std = values.std(0, ddof=1) if len(values) > 1 else np.zeros(n)  # as in the table
+        out[key] = (np.array([e for e, _ in series[0][:n]], dtype=float), values.mean(0), std)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def _parse_scalar(text: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _hashable(v):
+    return json.dumps(v, sort_keys=True) if isinstance(v, (list, dict)) else v
+
+
+def _sort_key(v):
+    return (0, float(v), "") if _is_number(v) else (1, 0.0, str(v))
+
+
+def _show(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _natural_key(text: str) -> list:
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", text)]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
+def _params_label(params: dict) -> str:
+    return ", ".join(f"{k}={_show(v)}" for k, v in params.items())
+
+
+def _label(run: Run, report: Report) -> str:
+    """A run's dir (relative to the report's root) and its swept values."""
+    name = str(run.dir.relative_to(report.root)) if run.dir != report.root else run.dir.name
+    keys = [*report.swept, REPLICATE_KEY]
+    values = " ".join(f"{k}={_show(run.value(k))}" for k in keys if k in run.overrides)
+    return f"{name} ({values})" if values else name
+
+
+# ------------------------------------------------------------------------------- entry points
+
+
+def write_report(root, metric: str | None = None, columns: list[str] | None = None, out=None) -> Report:
+    """Build the report for `root`, write report.md and the plots into `out` (default: `root`)."""
+    report = build_report(root, metric, columns)
+    out = Path(out) if out is not None else report.root
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plot(report, out) if report.groups else []
+    (out / "report.md").write_text(markdown(report, plots))
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="runner-report",
+        description="Table (mean ± std over seeds) and plots of every run under a run or multirun dir.",
+    )
+    parser.add_argument("path", type=Path, help="a run dir, or a multirun dir holding run dirs")
+    parser.add_argument("--metric", help="KEY or KEY:max|min (default: the task's main metric)")
+    parser.add_argument("--columns", help="comma-separated summary keys to table (default: the metric's siblings)")
+    parser.add_argument("--out", type=Path, help="where to write report.md and the PNGs (default: PATH)")
+    args = parser.parse_args(argv)
+    columns = [c for c in args.columns.split(",") if c] if args.columns else None
+    try:
+        report = write_report(args.path, args.metric, columns, args.out)
+    except ValueError as e:
+        parser.exit(2, f"runner-report: error: {e}\n")
+    out = args.out or args.path
+    print(markdown(report), end="")
+    print(f"\nwrote {out / 'report.md'} and its plots")
+    if not report.groups:
+        sys.exit(1)
+
+
+def print_sweep_summary(sweep_dir) -> None:
+    """The table of a finished (or failed) multirun, printed at its end; never raises."""
+    try:
+        text = markdown(build_report(sweep_dir))
+    except Exception as e:  # a summary must not mask the sweep's own outcome
+        print(f"runner: no sweep summary for {sweep_dir}: {e}", file=sys.stderr)
+        return
+    print(f"\n{text}\nPlots and report.md: runner-report {sweep_dir}", flush=True)
+
+
+class SweepSummary(Callback):
+    """Hydra callback (conf/hydra/callbacks/sweep_summary.yaml): report failures, summarize each multirun.
+
+    Hydra's sweepers run every job of a batch, then raise the first failure, so `on_multirun_end` never
+    runs after a failed job: the summary is printed at exit instead, after Hydra's own error report.
+    """
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        atexit.register(print_sweep_summary, Path(config.hydra.sweep.dir))
+
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        from hydra.core.utils import JobStatus
+
+        if job_return.status != JobStatus.FAILED:
+            return
+        error = job_return._return_value  # the exception; `.return_value` would re-raise it
+        if isinstance(error, ConfigError):  # a bad value: its one line says it all
+            log.error("job %s failed: %s", config.hydra.job.num, error)
+        else:
+            log.error("job %s failed", config.hydra.job.num, exc_info=(type(error), error, error.__traceback__))
+        summary = Path(config.hydra.runtime.output_dir) / "summary.json"
+        if not summary.exists():  # it failed before the tracker opened (a bad trial value, no GPU)
+            summary.write_text(json.dumps({"error": f"{type(error).__name__}: {error}"}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The `runner` command end to end (subprocesses in a scratch dir)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import summaries
+from wandb.proto import wandb_internal_pb2
+
+
+def wandb_records(path: Path):
+    """Decode a W&B transaction log (.wandb: a LevelDB-style log of protobuf `Record`s)."""
+    data, block, pos, payload = path.read_bytes(), 32768, 7, b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        payload += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk: a record is complete
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            yield record
+            payload = b""
+
+
+def test_default_run_trains_digits_and_logs_to_wandb_offline(cli, tmp_path):
+    proc = cli("train.progress=false")
+    (run_dir, summary), = summaries(tmp_path / "outputs").items()
+    assert summary["test/acc"] >= 0.95
+    assert "test/acc=" in proc.stdout  # the printed summary line
+    assert (run_dir / "config.yaml").exists() and (run_dir / "checkpoints" / "last.pt").exists()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 30 and json.loads(lines[-1])["test/acc"] == summary["test/acc"]
+    # The offline W&B run holds the same per-epoch metrics.
+    (log_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+               for r in wandb_records(log_file) if r.WhichOneof("record_type") == "history"]  # fmt: skip
+    accs = [h["test/acc"] for h in history if "test/acc" in h]
+    assert len(accs) == 30 and accs[-1] == pytest.approx(summary["test/acc"])
+
+
+def test_two_job_multirun_writes_one_result_per_job(cli, tmp_path):
+    cli("-m", "seed=0,1", "train.epochs=2", "logger=none", "train.progress=false")
+    found = summaries(tmp_path / "outputs" / "multirun")
+    assert sorted(p.name for p in found) == ["0", "1"]
+    seeds = sorted(json.loads(json.dumps(__import__("yaml").safe_load((p / "config.yaml").read_text())))["seed"]
+                   for p in found)  # fmt: skip
+    assert seeds == [0, 1]
+
+
+def test_restart_in_same_dir_resumes(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    cli(f"hydra.run.dir={run_dir}", "train.epochs=2", "logger=none", "train.progress=false")
+    proc = cli(f"hydra.run.dir={run_dir}", "train.epochs=4", "logger=none", "train.progress=false")
+    assert "resumed" in proc.stderr + proc.stdout
+    assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)["epoch"] == 3
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["model=transformer"], "model='transformer' is not an option; choices: cnn, mlp"),
+        (["train.batch_size=-3"], "train.batch_size=-3 is out of range"),
+        (["+method=erm", "method.alpha=1"], "unknown key method.alpha"),
+        (["hardware=gpu"], "no CUDA device"),
+    ],
+)
+def test_bad_input_exits_nonzero_with_one_line(cli, args, expected):
+    if args == ["hardware=gpu"] and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    proc = cli(*args, "logger=none", check=False)
+    assert proc.returncode == 2
+    assert expected in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,77 @@
+"""Config composition and validation: every group option composes; bad input is one clear line."""
+
+from pathlib import Path
+
+import pytest
+
+from runner.cli import CONF_DIR, _compose, preflight
+from runner.schema import ConfigError, check_range, validate
+
+GROUPS = ["dataset", "model", "hardware", "logger"]
+
+
+def options(group):
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_group_option_composes_and_validates(group, option):
+    cfg = _compose([f"{group}={option}"])
+    checked = validate(cfg)
+    assert checked[group].name == option
+
+
+@pytest.mark.parametrize("method", options("method"))
+def test_every_method_composes_and_validates(method):
+    cfg = _compose([f"+method={method}"])
+    assert validate(cfg)["method"].name == cfg.method.name
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_every_experiment_preset_composes(experiment):
+    validate(_compose([f"+experiment={experiment}"]))
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["dataset=nope"], ["dataset='nope'", "digits", "synthetic"]),
+        (["+method=nope"], ["method='nope'", "erm"]),
+        (["method=erm"], ["+method=NAME"]),
+        (["train.nope=1"], ["train.nope", "epochs", "batch_size"]),
+        (["train.epochs=many"], ["train.epochs", "many"]),
+        (["train.lr=-0.1"], ["train.lr=-0.1", "(0.0, inf]"]),
+        (["train.optimizer=rmsprop"], ["rmsprop", "sgd", "adam"]),
+        (["dataset.label_noise.kind=weird"], ["weird", "symmetric", "asymmetric"]),
+        (["dataset.label_noise.rate=1.5"], ["dataset.label_noise.rate=1.5", "[0.0, 1.0]"]),
+        (["seed=0,1", "dataset=digits,nope"], ["dataset='nope'"]),
+        (["logger.mode=sometimes"], ["sometimes", "offline", "online"]),
+    ],
+)
+def test_bad_input_is_one_line_naming_value_and_choices(args, expected):
+    with pytest.raises(ConfigError) as err:
+        preflight(args)
+    message = str(err.value)
+    assert "\n" not in message
+    for part in expected:
+        assert part in message
+
+
+def test_preflight_checks_every_value_of_a_sweep():
+    preflight(["-m", "seed=0,1", "dataset=digits,synthetic", "train.epochs=1"])
+    with pytest.raises(ConfigError, match="train.batch_size=0"):
+        preflight(["-m", "train.batch_size=8,0"])
+
+
+def test_help_skips_validation():
+    preflight(["--help", "dataset=nope"])
+
+
+def test_check_range_open_and_closed_bounds():
+    check_range("x", 0.0, 0.0, 1.0)
+    with pytest.raises(ConfigError, match=r"\(0.0, 1.0\]"):
+        check_range("x", 0.0, 0.0, 1.0, lo_open=True)
+
+
+def test_conf_dir_is_the_repo_conf():
+    assert CONF_DIR == Path(__file__).resolve().parents[1] / "conf"

@@ -1,0 +1,118 @@
+"""The training loop: learning, checkpoints, resume after a kill, augmentation, evaluation."""
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from runner.cli import _compose
+from runner.data import Data, split_of
+from runner.hardware import RunContext
+from runner.models import build_model
+from runner.schema import validate
+from runner.track import Tracker
+from runner.train import CHECKPOINT, augment_crop_flip, evaluate, fit, soft_cross_entropy
+
+
+def blobs(n=300, seed=0) -> Data:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 3, (n,), generator=g)
+    x = torch.randn(n, 4, generator=g) + 6 * torch.nn.functional.one_hot(y, 4)[:, :4].float()
+    split = [split_of(x[i::3], y[i::3]) for i in range(3)]
+    return Data(*split, num_classes=3, input_shape=(4,))
+
+
+def setup(tmp_path, *overrides):
+    cfg = validate(_compose(["model.hidden=[16]", "train.progress=false", *overrides]))
+    ctx = RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path))
+    return OmegaConf.structured(cfg["model"]), OmegaConf.structured(cfg["train"]), ctx
+
+
+def train(tmp_path, epochs, hooks=None, seed=0):
+    model_cfg, train_cfg, ctx = setup(tmp_path, f"train.epochs={epochs}", "model.dropout=0.2")
+    torch.manual_seed(seed)
+    model = build_model(model_cfg, (4,), 3)
+    metrics = fit(model, blobs(), train_cfg, ctx, hooks)
+    return model, metrics
+
+
+def test_fit_learns_separable_blobs_and_writes_metrics(tmp_path):
+    _, metrics = train(tmp_path, 5)
+    assert metrics["test/acc"] > 0.9 and metrics["epoch"] == 5
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert (tmp_path / CHECKPOINT).exists()
+
+
+class KillAt:
+    """Raise at the start of `epoch`, as if the process were killed there."""
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def on_epoch_start(self, epoch, model, data):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt
+
+
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
+    straight, _ = train(tmp_path / "a", 5)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "b", 5, hooks=KillAt(3))
+    assert torch.load(tmp_path / "b" / CHECKPOINT, weights_only=False)["epoch"] == 2  # lost < 1 epoch
+    resumed, metrics = train(tmp_path / "b", 5, seed=123)  # a fresh init, overwritten by the checkpoint
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        torch.testing.assert_close(p, q)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2, 3, 4] and metrics["epoch"] == 5
+
+
+class Recorder:
+    """Counts hook calls and replaces the loss with a plain CE on hard labels."""
+
+    def __init__(self):
+        self.transforms = 0
+        self.losses = 0
+
+    def transform(self, x, y_soft, idx, model):
+        self.transforms += 1
+        assert len(idx) == len(x) and torch.allclose(y_soft.sum(1), torch.ones(len(x)))
+        return x, y_soft
+
+    def loss(self, model, x, y_soft, idx, epoch):
+        self.losses += 1
+        return soft_cross_entropy(model(x), y_soft)
+
+
+def test_hooks_are_called_every_batch(tmp_path):
+    hooks = Recorder()
+    _, metrics = train(tmp_path, 2, hooks=hooks)
+    per_epoch = 100 // 64
+    assert hooks.transforms == hooks.losses == 2 * per_epoch and metrics["test/acc"] > 0.5
+
+
+def test_crop_flip_shifts_content_and_keeps_shape():
+    torch.manual_seed(0)
+    x = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).view(2, 3, 8, 8)
+    out = augment_crop_flip(x, pad=0)
+    for i in range(2):  # with no padding, only the flip can change an image
+        assert torch.equal(out[i], x[i]) or torch.equal(out[i], x[i].flip(-1))
+    out = augment_crop_flip(x, pad=2)
+    assert out.shape == x.shape
+    # Each output pixel is either padding (0) or a value of the same image and channel.
+    for i in range(2):
+        for c in range(3):
+            assert set(out[i, c].unique().tolist()) <= set(x[i, c].unique().tolist()) | {0.0}
+
+
+def test_evaluate_counts_correct_predictions(tmp_path):
+    data = blobs()
+    ctx = RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path, enabled=False))
+
+    class AlwaysZero(torch.nn.Module):  # argmax of equal logits is class 0
+        def forward(self, x):
+            return torch.zeros(len(x), 3)
+
+    acc = evaluate(AlwaysZero(), data.test, ctx)["acc"]
+    assert acc == pytest.approx(float((data.test.y_clean == 0).float().mean()))
