@@ -167,29 +167,33 @@ def _run(cfg: DictConfig) -> float | None:
 
 
 def _launch_overrides(argv: list[str]) -> list[str]:
-    """Hydra overrides every launch adds (docs/sweeps.md): the multirun summary callback, the Optuna
-    direction of the task's METRIC (unless given), and no Hydra files from torchrun ranks other than 0."""
+    """Hydra overrides a launch adds (docs/sweeps.md): the Optuna direction of the task's METRIC
+    (unless given), and no Hydra files from torchrun ranks other than 0."""
     overrides = _override_args(argv)
     if overrides is None:
         return []
-    extra = [] if any(o.startswith("hydra/callbacks") for o in overrides) else ["hydra/callbacks=sweep_summary"]
+    extra = []
     if int(os.environ.get("RANK", 0)) > 0:
-        extra += ["hydra.output_subdir=null", "hydra/job_logging=none"]
-    if {"-m", "--multirun"} & set(argv) and not any(o.startswith("hydra.sweeper.direction=") for o in overrides):
+        extra += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    multirun = {"-m", "--multirun"} & set(argv)
+    if multirun and not any(o.startswith("hydra.sweeper.direction=") for o in overrides):
         from hydra import compose, initialize_config_dir
 
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             choices = [o for o in overrides if o.startswith("hydra/")]
             cfg = compose("config", overrides=_variants(overrides)[0] + choices, return_hydra_config=True)
         if "optuna" in cfg.hydra.sweeper._target_:
-            extra.append("hydra.sweeper.direction=" + {"max": "maximize", "min": "minimize"}[task_module(cfg).METRIC[1]])
+            direction = {"max": "maximize", "min": "minimize"}[task_module(cfg).METRIC[1]]
+            extra.append(f"hydra.sweeper.direction={direction}")
     return extra
 
 
 def main() -> None:
     try:
         preflight(sys.argv[1:])
-        sys.argv += _launch_overrides(sys.argv[1:])
+        extra, given = _launch_overrides(sys.argv[1:]), _override_args(sys.argv[1:])
+        at = sys.argv.index(given[0]) if given else len(sys.argv)  # argparse wants one run of overrides
+        sys.argv[at:at] = extra
     except ConfigError as e:
         print(f"runner: error: {e}", file=sys.stderr)
         sys.exit(2)

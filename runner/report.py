@@ -77,8 +77,8 @@ class Group:
         if not values:
             return math.nan, math.nan, 0
         mean = sum(values) / len(values)
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else math.nan
-        return mean, std, len(values)
+        var = sum((v - mean) ** 2 for v in values) / (len(values) - 1) if len(values) > 1 else math.nan
+        return mean, math.sqrt(var), len(values)
 
 
 @dataclass
@@ -120,8 +120,8 @@ def find_runs(root: Path) -> list[Run]:
 def load_run(run_dir: Path) -> Run:
     overrides = {}
     for item in yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or []:
-        key, _, value = str(item).partition("=")
-        overrides[key.lstrip("+~")] = value if _ else "(deleted)"
+        key, eq, value = str(item).partition("=")
+        overrides[key.lstrip("+~")] = value if eq else "(deleted)"
     config_path = run_dir / "config.yaml"  # the validated config; Hydra's own copy if the job died before
     if not config_path.exists():
         config_path = run_dir / ".hydra" / "config.yaml"
@@ -137,7 +137,11 @@ def load_run(run_dir: Path) -> Run:
 def task_metric(config: dict) -> tuple[str, str]:
     """The task's main metric `(key, "max" | "min")` for a run config."""
     task = (config.get("method") or {}).get("task", "classify")
-    return importlib.import_module(f"tasks.{task}").METRIC
+    try:
+        return importlib.import_module(f"tasks.{task}").METRIC
+    except (ImportError, AttributeError):
+        hint = "pass --metric KEY[:max|min]"
+        raise ValueError(f"task {task!r} has no tasks/{task}.py with a METRIC; {hint}") from None
 
 
 def build_report(root, metric: str | None = None, columns: list[str] | None = None) -> Report:
@@ -192,10 +196,9 @@ def markdown(report: Report, plots: list[Path] = ()) -> str:
         f"{counts['incomplete']} incomplete. "
         + (f"Swept: {', '.join(report.swept)}. " if report.swept else "")
         + f"Mean ± std over seeds; best ({report.direction} {report.metric}) in bold.",
-        "",
     ]
     if report.groups:
-        lines += table(report)
+        lines += ["", *table(report)]
     results = report.root / "optimization_results.yaml"
     if results.exists():  # written by the Optuna sweeper
         best = yaml.safe_load(results.read_text()) or {}
@@ -205,8 +208,8 @@ def markdown(report: Report, plots: list[Path] = ()) -> str:
     if report.skipped:
         lines += ["", "Skipped runs:"]
         for r in report.skipped:
-            lines.append(f"- {_label(r, report)}: {r.status}"
-                         + (f": {r.summary['error']}" if r.status == "failed" else " (no summary.json)"))  # fmt: skip
+            why = f": {r.summary['error']}" if r.status == "failed" else " (no summary.json)"
+            lines.append(f"- {_label(r, report)}: {r.status}{why}")
     if plots:
         lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
@@ -288,7 +291,7 @@ def _plot_against(ax, report: Report, param: str) -> None:
         label = ", ".join(f"{k}={_show(v)}" for k, v in zip(others, rest)) if as_lines else None
         ax.errorbar(x, [s[0] for s in stats], yerr=[0 if math.isnan(s[1]) else s[1] for s in stats],
                     marker="o", capsize=3, ls="-" if as_lines else "none", label=label or None)  # fmt: skip
-    if numeric and min(position.values()) > 0 and max(position.values()) / min(position.values()) >= 20:
+    if numeric and min(position.values()) > 0 and max(position.values()) / min(position.values()) >= 10:
         ax.set_xscale("log")
     if not numeric:
         ax.set_xticks(list(position.values()), [_show(v) for v in values])
@@ -325,9 +328,16 @@ def _curves(group: Group, metric: str) -> dict:
 
 def _parse_scalar(text: str):
     try:
-        return yaml.safe_load(text)
+        value = yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    if isinstance(value, str):  # YAML 1.1 reads 1e-3 as a string
+        try:
+            number = float(value)
+            return number if math.isfinite(number) else value
+        except ValueError:
+            pass
+    return value
 
 
 def _is_number(v) -> bool:
@@ -386,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("path", type=Path, help="a run dir, or a multirun dir holding run dirs")
     parser.add_argument("--metric", help="KEY or KEY:max|min (default: the task's main metric)")
-    parser.add_argument("--columns", help="comma-separated summary keys to table (default: the metric's siblings)")
+    parser.add_argument("--columns", help="comma-separated summary keys to table (default: the metric's kin)")
     parser.add_argument("--out", type=Path, help="where to write report.md and the PNGs (default: PATH)")
     args = parser.parse_args(argv)
     columns = [c for c in args.columns.split(",") if c] if args.columns else None
@@ -412,7 +422,7 @@ def print_sweep_summary(sweep_dir) -> None:
 
 
 class SweepSummary(Callback):
-    """Hydra callback (conf/hydra/callbacks/sweep_summary.yaml): report failures, summarize each multirun.
+    """Hydra callback (hydra.callbacks in conf/config.yaml): report failures, summarize each multirun.
 
     Hydra's sweepers run every job of a batch, then raise the first failure, so `on_multirun_end` never
     runs after a failed job: the summary is printed at exit instead, after Hydra's own error report.
@@ -427,13 +437,13 @@ class SweepSummary(Callback):
         if job_return.status != JobStatus.FAILED:
             return
         error = job_return._return_value  # the exception; `.return_value` would re-raise it
-        if isinstance(error, ConfigError):  # a bad value: its one line says it all
-            log.error("job %s failed: %s", config.hydra.job.num, error)
-        else:
-            log.error("job %s failed", config.hydra.job.num, exc_info=(type(error), error, error.__traceback__))
-        summary = Path(config.hydra.runtime.output_dir) / "summary.json"
-        if not summary.exists():  # it failed before the tracker opened (a bad trial value, no GPU)
-            summary.write_text(json.dumps({"error": f"{type(error).__name__}: {error}"}, indent=2) + "\n")
+        # Into the job's own log, with the traceback unless a bad value's one line says it all.
+        log.error("job %s failed: %s", config.hydra.job.num, error,
+                  exc_info=None if isinstance(error, ConfigError) else error)  # fmt: skip
+        path = Path(config.hydra.runtime.output_dir) / "summary.json"
+        summary = json.loads(path.read_text()) if path.exists() else {}
+        summary["error"] = f"{type(error).__name__}: {error}"  # what runner-report lists it by
+        path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from runner.data import Data, Split
 from runner.hardware import RunContext, all_reduce_sum
+from runner.schema import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,10 @@ def _save(path, state) -> None:
 
 def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "none") -> dict:
     """Train `model` on `data.train` for `cfg.epochs` (a `TrainConfig`); return the final metrics."""
+    # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
+    # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
+    if cfg.batch_size % ctx.world_size:
+        raise ConfigError(f"train.batch_size={cfg.batch_size}: must split evenly over {ctx.world_size} ranks")
     model.to(ctx.device)
     net = model
     if ctx.distributed:
@@ -110,7 +115,7 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
     scaler = torch.amp.GradScaler(enabled=ctx.amp and ctx.device.type == "cuda")
     x_train, y_train = data.train.x.to(ctx.device), data.train.y.to(ctx.device)
     n, k = len(y_train), data.num_classes
-    steps_per_epoch = max(1, (n // ctx.world_size) // cfg.batch_size)
+    steps_per_epoch = max(1, n // cfg.batch_size)
 
     start, ckpt_path = 0, ctx.dir / CHECKPOINT
     if cfg.checkpoint and ckpt_path.exists():
@@ -132,12 +137,12 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
         model.train()
         if hooks is not None and hasattr(hooks, "on_epoch_start"):
             hooks.on_epoch_start(epoch, model, data)
-        # The same permutation on every rank; each rank takes its own interleaved shard.
+        # The same permutation on every rank; each rank takes an interleaved shard of each global batch.
         g = torch.Generator().manual_seed(torch.initial_seed() * 1_000_003 + epoch)
-        order = torch.randperm(n, generator=g)[ctx.rank :: ctx.world_size][: steps_per_epoch * cfg.batch_size]
+        order = torch.randperm(n, generator=g)[: steps_per_epoch * cfg.batch_size][ctx.rank :: ctx.world_size]
         loss_sum = torch.zeros((), device=ctx.device)
-        bar = tqdm(order.split(cfg.batch_size), desc=f"epoch {epoch + 1}/{cfg.epochs}", leave=False,
-                   disable=None if cfg.progress and ctx.is_main else True)  # fmt: skip
+        bar = tqdm(order.split(cfg.batch_size // ctx.world_size), desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                   leave=False, disable=None if cfg.progress and ctx.is_main else True)  # fmt: skip
         for idx in bar:
             idx = idx.to(ctx.device)
             x, y_soft = x_train[idx], F.one_hot(y_train[idx], k).float()

@@ -1,0 +1,137 @@
+"""Multiruns end to end: a 2 x 2 grid over seeds then `runner-report`, a failing job, an Optuna search,
+and the shipped sweep and launcher presets."""
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import summaries
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
+from test_report import PNG, mean_std, table_rows
+
+import tasks.classify
+from runner.cli import CONF_DIR, _compose, _launch_overrides
+from runner.report import main as report_main
+from runner.schema import validate
+
+FAST = ["logger=none", "train.epochs=1", "train.progress=false"]
+
+
+def test_2x2_multirun_over_seeds_then_report(cli, tmp_path, capsys):
+    sweep = tmp_path / "grid"
+    grid = ["train.lr=0.05,0.1", "train.batch_size=32,64", "seed=0,1"]
+    proc = cli("-m", *FAST, *grid, f"hydra.sweep.dir={sweep}")
+    runs = summaries(sweep)
+    assert len(runs) == 8
+    accs: dict[tuple, list] = {}
+    for run_dir, summary in runs.items():
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        accs.setdefault((cfg["train"]["lr"], cfg["train"]["batch_size"]), []).append(summary["test/acc"])
+        assert cfg["logger"]["group"] == f"{tmp_path.name}/grid"  # one W&B group per sweep: its dir
+    assert "8 runs: 8 completed" in proc.stdout  # the summary printed at the end of the multirun
+
+    report_main([str(sweep)])
+    rows = table_rows(capsys.readouterr().out)
+    assert len(rows) == 4 and {(float(r[0]), int(r[1])) for r in rows} == set(accs)
+    for lr, batch, n, acc, _ in rows:
+        values = accs[(float(lr), int(batch))]
+        assert n == "2"
+        assert mean_std(acc) == pytest.approx((statistics.mean(values), statistics.stdev(values)), abs=5e-5)
+    best = max(accs, key=lambda k: statistics.mean(accs[k]))
+    assert [r[3].startswith("**") for r in rows] == [(float(r[0]), int(r[1])) == best for r in rows]
+    md = (sweep / "report.md").read_text()
+    for name in ("report_train.lr.png", "report_train.batch_size.png", "report_curves.png"):
+        assert (sweep / name).read_bytes()[:8] == PNG and f"]({name})" in md
+
+
+def test_a_failed_job_is_reported_and_the_others_summarized(cli, tmp_path):
+    sweep = tmp_path / "mixed"
+    # cifar10 is not on disk and download is off: that job fails while loading data.
+    proc = cli("-m", *FAST, "dataset=cifar10,digits", f"hydra.sweep.dir={sweep}", check=False)
+    assert proc.returncode == 1  # the sweep's outcome is not hidden
+    assert (sweep / "1" / "summary.json").exists()  # the job after the failure ran
+    failed = json.loads((sweep / "0" / "summary.json").read_text())
+    assert failed["error"].startswith("ConfigError: cifar10 not found")
+    assert "job 0 failed: cifar10 not found" in (sweep / "0" / "cli.log").read_text()
+    out = proc.stdout
+    assert "2 runs: 1 completed, 1 failed" in out and "| digits | 1 |" in out
+    assert "- 0 (dataset=cifar10): failed: ConfigError: cifar10 not found" in out
+
+
+def test_optuna_search_of_4_trials_reports_its_best_parameters(cli, tmp_path):
+    sweep = tmp_path / "study"
+    proc = cli("-m", "+sweep=erm", *FAST, "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={sweep}")
+    assert "Directions: ['maximize']" in proc.stdout  # test/acc: the task's METRIC direction
+    trials = {}
+    for run_dir, summary in summaries(sweep).items():
+        overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
+        params = dict(o.split("=", 1) for o in overrides if o.startswith(("train.lr=", "train.batch_size=")))
+        trials[run_dir.name] = (summary["test/acc"], params)
+    assert len(trials) == 4
+    best_acc = max(acc for acc, _ in trials.values())
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_value"] == pytest.approx(best_acc)
+    assert set(results["best_params"]) == {"train.lr", "train.weight_decay", "train.batch_size"}
+    reported = {k: str(v) for k, v in results["best_params"].items() if k != "train.weight_decay"}
+    assert (best_acc, reported) in trials.values()  # the best parameters are those of a best trial
+    assert f"-> test/acc = {best_acc:.4g}" in proc.stdout  # quoted in the printed summary
+
+
+def test_optuna_direction_follows_the_task_metric(monkeypatch):
+    assert "hydra.sweeper.direction=maximize" in _launch_overrides(["-m", "hydra/sweeper=optuna"])
+    monkeypatch.setattr(tasks.classify, "METRIC", ("test/loss", "min"))
+    assert "hydra.sweeper.direction=minimize" in _launch_overrides(["-m", "+sweep=erm"])
+    given = _launch_overrides(["-m", "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize"])
+    assert not any(o.startswith("hydra.sweeper.direction") for o in given)  # the user's word wins
+    assert not any("direction" in o for o in _launch_overrides(["-m", "seed=0,1"]))  # basic sweeper: none
+    assert _launch_overrides(["seed=1"]) == []  # a single run needs nothing added
+
+
+def _hydra_compose(overrides):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=True)
+
+
+SWEEPS = sorted(p.stem for p in (CONF_DIR / "sweep").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", SWEEPS)
+def test_sweep_search_space_names_real_keys_with_valid_bounds(name):
+    """conf/sweep/NAME.yaml searches method NAME: every key exists, every choice and bound validates."""
+    has_method = (CONF_DIR / "method" / f"{name}.yaml").exists()
+    base = [f"+sweep={name}"] + ([f"+method={name}"] if has_method else [])
+    cfg = _hydra_compose(base)
+    assert cfg.hydra.sweeper._target_.endswith("OptunaSweeper")
+    params = cfg.hydra.sweeper.params
+    assert params, f"conf/sweep/{name}.yaml has no search space"
+    for key, spec in params.items():
+        (override,) = OverridesParser.create().parse_overrides([f"{key}={spec}"])
+        if override.value_type == ValueType.INTERVAL_SWEEP:
+            values = [override.value().start, override.value().end]
+        else:
+            values = list(override.sweep_iterator())
+        for value in values:
+            validate(_compose([*base, f"{key}={value}"]))  # ConfigError: unknown key, value out of range
+
+
+def test_slurm_gpu_launcher_preset():
+    launcher = _hydra_compose(["hydra/launcher=slurm_gpu"]).hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.gpus_per_node, launcher.tasks_per_node, launcher.partition) == (1, 1, "gpu")
+    assert launcher.max_num_timeout > 0  # requeued jobs resume from checkpoints/last.pt
+
+
+@pytest.mark.slow
+def test_wandb_runs_of_a_sweep_share_a_group(cli, tmp_path):
+    from test_cli import wandb_records
+
+    sweep = tmp_path / "wb"
+    cli("-m", "logger=wandb", *FAST[1:], "seed=0,1", f"hydra.sweep.dir={sweep}", timeout=600)
+    groups = []
+    for log_file in sorted(Path(sweep).glob("*/wandb/offline-run-*/run-*.wandb")):
+        groups += [r.run.run_group for r in wandb_records(log_file) if r.WhichOneof("record_type") == "run"]
+    assert len(groups) >= 2 and set(groups) == {f"{tmp_path.name}/wb"}
