@@ -134,7 +134,7 @@ def _job(cfg: DictConfig) -> float | None:
 
 def _run(cfg: DictConfig) -> float | None:
     """One job: validate, set up device and tracker, run the task, write the summary."""
-    from runner.hardware import RunContext, seed_everything, setup
+    from runner.hardware import RunContext, seed_everything, setup, teardown
     from runner.track import Tracker
 
     t0 = time.perf_counter()
@@ -156,6 +156,7 @@ def _run(cfg: DictConfig) -> float | None:
     summary = dict(module.run(cfg, ctx))
     summary["time/total_s"] = time.perf_counter() - t0
     tracker.finish(summary)
+    teardown()
     metric = module.METRIC[0]
     if rank == 0:
         shown = [k for k in summary if k == metric or k.startswith("test/")][:6]

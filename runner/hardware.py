@@ -78,6 +78,12 @@ def setup(hw) -> tuple[torch.device, int, int]:
     return torch.device("cpu"), rank, world_size
 
 
+def teardown() -> None:
+    """Leave the process group, if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over ranks (identity when not distributed)."""
     if dist.is_available() and dist.is_initialized():

@@ -142,3 +142,5 @@ def load_data(cfg, seed: int) -> Data:
 
 import runner.data.blobs  # noqa: E402,F401  (registers `blobs`, DB-OT clustering)
 from runner.data import builtin  # noqa: E402,F401  (registers the datasets)
+import runner.data.synthetic_hier  # noqa: E402,F401  (registers `synthetic_hier`, hierarchical hashing)
+import runner.data.canvas  # noqa: E402,F401  (registers `digits_canvas`, Co-Mixup)

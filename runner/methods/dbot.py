@@ -1,0 +1,530 @@
+"""Double-bounded optimal transport (DB-OT; Shi, Shen & Yan, AAAI 2024).
+
+Entropic OT whose source marginal is fixed and whose target marginal only has to lie in a box::
+
+    P* = argmin_P  <C, P> + eps * sum_ij P_ij (log P_ij - 1)
+         s.t.      P >= 0,   P 1_n = a,   b_low <= P^T 1_m <= b_up
+
+with C the (m, n) cost (m samples -> n classes or clusters), a in R^m_+ and 0 <= b_low <= b_up in R^n.
+It is feasible iff sum(b_low) <= sum(a) <= sum(b_up); the solution is unique and reads
+
+    P* = diag(u) K diag(q * v),   K = exp(-C / eps),   u > 0,  q >= 1,  0 < v <= 1,
+
+where q_j > 1 only on columns at their lower bound and v_j < 1 only on columns at their upper bound.
+The dual, maximised over f, g >= 0, h <= 0 with (f, g, h) = eps * log(u, q, v) and no duality gap, is
+
+    D(f, g, h) = <f, a> + <g, b_low> + <h, b_up> - eps * sum_ij exp((f_i + g_j + h_j - C_ij) / eps).
+
+Special cases: b_low = b_up is Sinkhorn; b_low = 0 is entropic partial OT of mass sum(a); b_low = 0 with
+b_up >= sum(a) is the row softmax P_ij = a_i softmax(-C_i / eps)_j.
+
+Applications (same module): :func:`dbot_cluster` (barycentric clustering with bounded cluster masses),
+:func:`dbot_loss` (the DB-OT training loss for long-tailed classification) and :func:`dbot_predict`
+(transductive DB-OT inference on a set of test logits).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from scipy.special import xlogy
+
+SOLVERS = ("sinkhorn", "dual", "bregman", "bregman_plain")
+LOSS_MODES = ("paper", "official")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Problem checks and diagnostics
+# ----------------------------------------------------------------------------------------------------
+def _vector(x, size: int, name: str, allow_inf: bool = False) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim == 0:
+        x = np.full(size, float(x))
+    if x.shape != (size,):
+        raise ValueError(f"{name} has shape {x.shape}: must be a scalar or have shape ({size},)")
+    bad = np.isnan(x) | (x < 0) | (np.isinf(x) & (not allow_inf))
+    if bad.any():
+        j = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{name}[{j}]={x[j]}: must be finite and >= 0")
+    return x
+
+
+def check_problem(cost, a, b_low, b_up, eps: float):
+    """Validate a DB-OT problem; return float64 (cost, a, b_low, b_up) with b_up clipped at sum(a).
+
+    Clipping is harmless (no column can carry more than the total mass) and lets b_up be ``inf``.
+    Raises ValueError on bad shapes or values and on infeasible bounds.
+    """
+    cost = np.asarray(cost, dtype=np.float64)
+    if cost.ndim != 2 or 0 in cost.shape:
+        raise ValueError(f"cost has shape {cost.shape}: must be a non-empty (m, n) matrix")
+    if not np.isfinite(cost).all():
+        raise ValueError("cost has non-finite entries: all entries must be finite")
+    m, n = cost.shape
+    a = _vector(a, m, "a")
+    b_low = _vector(b_low, n, "b_low")
+    b_up = _vector(b_up, n, "b_up", allow_inf=True)
+    if not (isinstance(eps, (int, float, np.floating)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps={eps}: must be a finite number > 0")
+    below = b_low > b_up
+    if below.any():
+        j = int(np.flatnonzero(below)[0])
+        raise ValueError(f"b_low[{j}]={b_low[j]} > b_up[{j}]={b_up[j]}: need b_low <= b_up")
+    mass = a.sum()
+    if mass <= 0:
+        raise ValueError("sum(a)=0: the source must carry some mass")
+    slack = 1e-9 * mass
+    if b_low.sum() > mass + slack:
+        raise ValueError(f"infeasible bounds: sum(b_low)={b_low.sum():.10g} > sum(a)={mass:.10g}")
+    if b_up.sum() < mass - slack:
+        raise ValueError(f"infeasible bounds: sum(b_up)={b_up.sum():.10g} < sum(a)={mass:.10g}")
+    return cost, a, b_low, np.minimum(b_up, mass)
+
+
+def marginal_violation(row_sums, col_sums, a, b_low, b_up) -> float:
+    """L1 violation of the constraints: ||P1 - a||_1 + ||(b_low - P^T 1)_+||_1 + ||(P^T 1 - b_up)_+||_1."""
+    return float(
+        np.abs(row_sums - a).sum()
+        + np.maximum(b_low - col_sums, 0.0).sum()
+        + np.maximum(col_sums - b_up, 0.0).sum()
+    )
+
+
+def dbot_objective(cost, plan, eps: float) -> float:
+    """Primal value <C, P> + eps * sum_ij P_ij (log P_ij - 1), with 0 log 0 = 0."""
+    plan = np.asarray(plan, dtype=np.float64)
+    return float((np.asarray(cost) * plan).sum() + eps * (xlogy(plan, plan) - plan).sum())
+
+
+def _weighted_sum(x, w) -> float:
+    # 0 * inf terms (zero mass, unbounded column) contribute nothing to the dual.
+    with np.errstate(invalid="ignore"):
+        return float(np.where((x == 0) | (w == 0), 0.0, x * w).sum())
+
+
+def dbot_dual(cost, a, b_low, b_up, eps: float, f, g, h) -> float:
+    """Dual value <f,a> + <g,b_low> + <h,b_up> - eps * sum_ij exp((f_i + g_j + h_j - C_ij) / eps)."""
+    cost = np.asarray(cost, dtype=np.float64)
+    f, g, h = (np.asarray(x, dtype=np.float64) for x in (f, g, h))
+    gibbs = np.exp((f[:, None] + (g + h)[None, :] - cost) / eps).sum()
+    return _weighted_sum(f, a) + _weighted_sum(g, b_low) + _weighted_sum(h, b_up) - eps * gibbs
+
+
+# ----------------------------------------------------------------------------------------------------
+# Solvers
+# ----------------------------------------------------------------------------------------------------
+def _logsumexp(x: np.ndarray, axis: int) -> np.ndarray:
+    peak = x.max(axis=axis, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    return (np.log(np.exp(x - peak).sum(axis=axis, keepdims=True)) + peak).squeeze(axis)
+
+
+def _checkpoint(n_iter: int, max_iter: int, check_every: int) -> bool:
+    return n_iter % check_every == 0 or n_iter == max_iter
+
+
+def _solve_sinkhorn(cost, a, b_low, b_up, eps, max_iter, tol, check_every):
+    """Solver II (Sinkhorn-Knopp with three scalings), one sweep:
+    u = a / K(q v);  kappa = K^T u;  q = max(b_low / (kappa v), 1);  v = min(b_up / (kappa q), 1).
+    """
+    offset = cost.min(axis=1, keepdims=True)  # row shifts leave P unchanged and keep each row's max at 1
+    kernel = np.exp((offset - cost) / eps)
+    n = cost.shape[1]
+    q, v = np.ones(n), np.ones(n)
+    stop = tol * a.sum()
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        u = a / (kernel @ (q * v))
+        kappa = u @ kernel
+        for n_iter in range(1, max_iter + 1):
+            q = np.fmax(b_low / (kappa * v), 1.0)  # fmax/fmin: a column with b_up = 0 gives 0/0
+            v = np.fmin(b_up / (kappa * q), 1.0)
+            kw = kernel @ (q * v)
+            # The row sums of the current plan come for free here, so checking costs O(m + n).
+            if _checkpoint(n_iter, max_iter, check_every):
+                err = marginal_violation(u * kw, kappa * q * v, a, b_low, b_up)
+                if err < stop:
+                    break
+            u = a / kw
+            kappa = u @ kernel
+    plan = u[:, None] * kernel * (q * v)[None, :]
+    with np.errstate(divide="ignore"):
+        duals = dict(f=eps * np.log(u) + offset[:, 0], g=eps * np.log(q), h=eps * np.log(v))
+    return plan, n_iter, err, duals
+
+
+def _solve_dual(cost, a, b_low, b_up, eps, max_iter, tol, check_every):
+    """Solver III (dual block ascent in the log domain, potentials in units of eps), one sweep:
+    f = log a - LSE_j(g_j + h_j - C_ij/eps);  lam = LSE_i(f_i - C_ij/eps);
+    g = max(log b_low - lam - h, 0);  h = min(log b_up - lam - g, 0).
+    """
+    neg_cost = -cost / eps
+    with np.errstate(divide="ignore"):
+        log_a, log_low, log_up = np.log(a), np.log(b_low), np.log(b_up)
+    n = cost.shape[1]
+    g, h = np.zeros(n), np.zeros(n)
+    stop = tol * a.sum()
+    with np.errstate(invalid="ignore", over="ignore"):
+        f = log_a - _logsumexp(neg_cost, axis=1)
+        lam = _logsumexp(neg_cost + f[:, None], axis=0)
+        for n_iter in range(1, max_iter + 1):
+            g = np.fmax(log_low - lam - h, 0.0)  # b_low_j = 0 gives -inf -> g_j = 0; fmax drops NaN
+            h = np.fmin(log_up - lam - g, 0.0)
+            row_lse = _logsumexp(neg_cost + (g + h)[None, :], axis=1)
+            if _checkpoint(n_iter, max_iter, check_every):
+                err = marginal_violation(np.exp(f + row_lse), np.exp(lam + g + h), a, b_low, b_up)
+                if err < stop:
+                    break
+            f = log_a - row_lse
+            lam = _logsumexp(neg_cost + f[:, None], axis=0)
+    plan = np.exp(neg_cost + f[:, None] + (g + h)[None, :])
+    return plan, n_iter, err, dict(f=eps * f, g=eps * g, h=eps * h)
+
+
+def _solve_bregman(cost, a, b_low, b_up, eps, max_iter, tol, check_every, dykstra):
+    """Solver I (KL projections of the plan itself), one sweep starting from P = K:
+    P <- diag(a / P1) P;  P <- P diag(max(b_low / P^T 1, 1));  P <- P diag(min(b_up / P^T 1, 1)).
+
+    The plain cycle (the paper's) is exact only when b_low = b_up: projecting in turn onto inequality
+    sets stalls at a feasible but suboptimal plan. Dykstra's correction fixes it: each bound keeps the
+    scaling z it last applied and undoes it before re-projecting, P diag(z) -> P diag(s), z <- 1/s.
+    The row set is affine and needs no correction.
+    """
+    plan = np.exp((cost.min(axis=1, keepdims=True) - cost) / eps)
+    n = cost.shape[1]
+    undo = {"low": np.ones(n), "up": np.ones(n)}
+    stop = tol * a.sum()
+    row_sums = plan.sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for n_iter in range(1, max_iter + 1):
+            plan *= (a / row_sums)[:, None]
+            col_sums = plan.sum(axis=0)
+            # Both column projections only rescale columns: track the sums and scale P once.
+            column_scale = np.ones(n)
+            for key, bound, clip in (("low", b_low, np.fmax), ("up", b_up, np.fmin)):
+                col_sums = col_sums * undo[key]
+                step = clip(bound / col_sums, 1.0)
+                column_scale *= undo[key] * step
+                col_sums = col_sums * step
+                if dykstra:  # a column forced to 0 (b_up = 0) stays 0 whatever it is scaled by
+                    undo[key] = np.where(step > 0, 1.0 / step, 1.0)
+            plan *= column_scale[None, :]
+            row_sums = plan.sum(axis=1)
+            if _checkpoint(n_iter, max_iter, check_every):
+                err = marginal_violation(row_sums, col_sums, a, b_low, b_up)
+                if err < stop:
+                    break
+    return plan, n_iter, err, {}
+
+
+def dbot(
+    cost,
+    a,
+    b_low,
+    b_up,
+    eps: float,
+    method: str = "sinkhorn",
+    max_iter: int = 1000,
+    tol: float = 1e-6,
+    check_every: int = 10,
+    log: bool = False,
+):
+    r"""Solve entropic double-bounded OT (see the module docstring for the problem).
+
+    Parameters
+    ----------
+    cost : (m, n) array, the cost C (any units; only C / eps matters).
+    a : (m,) source masses, >= 0.
+    b_low, b_up : (n,) or scalar column bounds, 0 <= b_low <= b_up (b_up may be inf).
+    eps : entropic regularisation, > 0, in the units of C.
+    method : "sinkhorn" (scalings u, q, v; fastest), "dual" (log-domain dual ascent; use for small
+        eps), "bregman" (KL projections of the plan with Dykstra's correction; exact) or
+        "bregman_plain" (the paper's cycle of projections; exact only when b_low = b_up).
+    max_iter : maximum number of sweeps.
+    tol : stop once the L1 marginal violation (:func:`marginal_violation`) is below tol * sum(a);
+        it is checked every ``check_every`` sweeps and at the cap.
+    log : also return a dict with ``n_iter``, ``err`` (final violation), ``converged`` and, for
+        "sinkhorn" and "dual", the dual potentials ``f`` (m,), ``g`` >= 0, ``h`` <= 0 (n,).
+
+    Returns
+    -------
+    plan : (m, n) float64 array [, log dict].
+    """
+    if method not in SOLVERS:
+        raise ValueError(f"method={method!r}: must be one of {SOLVERS}")
+    if not (isinstance(max_iter, (int, np.integer)) and max_iter >= 1):
+        raise ValueError(f"max_iter={max_iter}: must be an integer >= 1")
+    if not (isinstance(check_every, (int, np.integer)) and check_every >= 1):
+        raise ValueError(f"check_every={check_every}: must be an integer >= 1")
+    if not tol > 0:
+        raise ValueError(f"tol={tol}: must be > 0")
+    cost, a, b_low, b_up = check_problem(cost, a, b_low, b_up, eps)
+    args = (cost, a, b_low, b_up, eps, max_iter, tol, check_every)
+    if method == "sinkhorn":
+        plan, n_iter, err, duals = _solve_sinkhorn(*args)
+    elif method == "dual":
+        plan, n_iter, err, duals = _solve_dual(*args)
+    else:
+        plan, n_iter, err, duals = _solve_bregman(*args, dykstra=method == "bregman")
+    if not np.isfinite(err):
+        raise FloatingPointError(
+            f"eps={eps} is too small for method={method!r} (the Gibbs kernel underflows): use method='dual'"
+        )
+    if not log:
+        return plan
+    return plan, dict(n_iter=n_iter, err=err, converged=err < tol * a.sum(), **duals)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Barycentric clustering with bounded cluster masses (paper Eq. 15-17)
+# ----------------------------------------------------------------------------------------------------
+def _sq_dists(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    d = (x * x).sum(1)[:, None] - 2.0 * x @ y.T + (y * y).sum(1)[None, :]
+    return np.maximum(d, 0.0)
+
+
+def _kmeans_pp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    centers = [x[rng.integers(len(x))]]
+    d2 = _sq_dists(x, centers[0][None])[:, 0]
+    for _ in range(1, k):
+        p = d2 / d2.sum() if d2.sum() > 0 else None
+        centers.append(x[rng.choice(len(x), p=p)])
+        d2 = np.minimum(d2, _sq_dists(x, centers[-1][None])[:, 0])
+    return np.stack(centers)
+
+
+def round_plan(plan, low_counts, up_counts) -> np.ndarray:
+    """Hard assignment z (m,) maximising sum_s log P_{s z_s} s.t. low_t <= #{s : z_s = t} <= up_t.
+
+    The integer bounds make this a transportation LP with a totally unimodular constraint matrix, so
+    the simplex vertex that HiGHS returns is integral.  ``plan`` is (m, n) >= 0; the counts are (n,).
+    """
+    from scipy import sparse
+    from scipy.optimize import linprog
+
+    plan = np.asarray(plan, dtype=np.float64)
+    m, n = plan.shape
+    low, up = np.asarray(low_counts, dtype=np.float64), np.asarray(up_counts, dtype=np.float64)
+    if low.sum() > m or up.sum() < m or (low > up).any():
+        raise ValueError(
+            f"count bounds sum(low)={low.sum()}, sum(up)={up.sum()} admit no assignment of {m} rows"
+        )
+    cost = -np.log(np.maximum(plan, 1e-300)).ravel()
+    cols = sparse.kron(np.ones((1, m)), sparse.eye(n))
+    res = linprog(
+        cost,
+        A_ub=sparse.vstack([-cols, cols]).tocsr(),
+        b_ub=np.r_[-low, up],
+        A_eq=sparse.kron(sparse.eye(m), np.ones((1, n))).tocsr(),
+        b_eq=np.ones(m),
+        bounds=(0, 1),
+        method="highs-ds",
+    )
+    if res.status != 0:
+        raise RuntimeError(f"rounding LP failed: {res.message}")
+    return res.x.reshape(m, n).argmax(axis=1)
+
+
+def dbot_cluster(
+    X,
+    n_clusters: int,
+    tau=0.1,
+    eps: float = 0.05,
+    n_outer: int = 5,
+    seed: int = 0,
+    weights=None,
+    init: str = "kmeans++",
+    hard_assign: bool = True,
+    assign: str = "argmax",
+    method: str = "dual",
+    max_iter: int = 1000,
+    tol: float = 1e-6,
+    log: bool = False,
+):
+    r"""Barycentric clustering whose cluster masses stay within [(1 - tau) b, (1 + tau) b].
+
+    Each of ``n_outer`` rounds: D_st = ||x_s - c_t||^2 / median(D) (N, K); P = DBOT(D, 1/N,
+    (1 - tau) b, (1 + tau) b, eps); labels z_s = argmax_t P_st; W = P * onehot(z) (or W = P when
+    ``hard_assign`` is False, the paper's "without reweighting" variant); c_t = sum_s W_st x_s / sum_s W_st
+    (an empty cluster keeps its centroid).  The bounds hold on the *mass* sum_s P_st; with the paper's
+    argmax the hard counts follow N * [b_low, b_up] only roughly.  ``assign="rounded"`` replaces the
+    argmax by :func:`round_plan`, the most likely hard assignment whose counts lie in
+    [ceil(N b_low), floor(N b_up)] (widened to [floor, ceil] when those integers admit none).
+
+    Parameters
+    ----------
+    X : (N, d) samples.  n_clusters : K.  tau : scalar or (K,) bound rate, >= 0 (tau = 0 forces the
+    masses to b exactly).  eps : entropic regularisation relative to the median squared distance.
+    weights : (K,) target cluster proportions b (normalised; default uniform 1/K).
+    init : "kmeans++" or "random" (K distinct samples).  assign : "argmax" or "rounded" (see above).
+    method, max_iter, tol : passed to :func:`dbot`.
+    log : also return a dict with ``masses`` (n_outer, K), the column sums of P at every round, and the
+    bounds ``b_low``, ``b_up``.
+
+    Returns
+    -------
+    labels : (N,) int64,  centroids : (K, d) float64 [, log].
+    """
+    X = np.asarray(X, dtype=np.float64)
+    if X.ndim != 2 or len(X) == 0:
+        raise ValueError(f"X has shape {X.shape}: must be a non-empty (N, d) matrix")
+    n = len(X)
+    if not (isinstance(n_clusters, (int, np.integer)) and 1 <= n_clusters <= n):
+        raise ValueError(f"n_clusters={n_clusters}: must be an integer in [1, {n}]")
+    if not (isinstance(n_outer, (int, np.integer)) and n_outer >= 1):
+        raise ValueError(f"n_outer={n_outer}: must be an integer >= 1")
+    if init not in ("kmeans++", "random"):
+        raise ValueError(f"init={init!r}: must be 'kmeans++' or 'random'")
+    if assign not in ("argmax", "rounded"):
+        raise ValueError(f"assign={assign!r}: must be 'argmax' or 'rounded'")
+    tau = _vector(tau, n_clusters, "tau")
+    b = _vector(np.ones(n_clusters) if weights is None else weights, n_clusters, "weights")
+    if b.sum() <= 0:
+        raise ValueError("weights sum to 0: must have a positive entry")
+    b = b / b.sum()
+    b_low, b_up = np.maximum(1.0 - tau, 0.0) * b, (1.0 + tau) * b
+    a = np.full(n, 1.0 / n)
+    low_counts, up_counts = np.ceil(n * b_low - 1e-9), np.floor(n * b_up + 1e-9)
+    if low_counts.sum() > n or up_counts.sum() < n:  # e.g. tau = 0 with K not dividing N
+        low_counts, up_counts = np.floor(n * b_low + 1e-9), np.ceil(n * b_up - 1e-9)
+
+    rng = np.random.default_rng(seed)
+    if init == "kmeans++":
+        centroids = _kmeans_pp(X, n_clusters, rng)
+    else:
+        centroids = X[rng.choice(n, n_clusters, replace=False)].copy()
+    masses = []
+    for _ in range(n_outer):
+        dists = _sq_dists(X, centroids)
+        scale = np.median(dists)
+        plan = dbot(dists / (scale if scale > 0 else 1.0), a, b_low, b_up, eps, method, max_iter, tol)
+        masses.append(plan.sum(axis=0))
+        labels = plan.argmax(axis=1) if assign == "argmax" else round_plan(plan, low_counts, up_counts)
+        w = plan * (labels[:, None] == np.arange(n_clusters)) if hard_assign else plan
+        w_sum = w.sum(axis=0)
+        filled = w_sum > 0
+        centroids[filled] = (w.T @ X)[filled] / w_sum[filled, None]
+    if not log:
+        return labels, centroids
+    return labels, centroids, dict(masses=np.stack(masses), b_low=b_low, b_up=b_up)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Long-tailed classification: training loss and transductive inference (C = -logits, eps = 1)
+# ----------------------------------------------------------------------------------------------------
+def _log_bregman_sweeps(log_kernel, log_low, log_up, n_sweeps: int, end_on_rows: bool):
+    """Unrolled solver-I sweeps in the log domain with a = 1/B (differentiable)."""
+    log_a = -math.log(log_kernel.shape[0])
+    log_p = log_kernel
+    for sweep in range(n_sweeps):
+        log_p = log_p - torch.logsumexp(log_p, dim=1, keepdim=True) + log_a
+        if end_on_rows and sweep == n_sweeps - 1:
+            break
+        log_p = log_p + (log_low - torch.logsumexp(log_p, dim=0)).clamp(min=0.0)
+        log_p = log_p + (log_up - torch.logsumexp(log_p, dim=0)).clamp(max=0.0)
+    return log_p
+
+
+def dbot_loss(logits, target, prior, delta: float = 0.0, n_sweeps: int = 1, mode: str = "paper"):
+    r"""DB-OT training loss for long-tailed classification (a torch scalar, differentiable).
+
+    The batch is an OT problem with cost C = -logits (B, K), eps = 1, a = 1/B and column bounds
+    (1 -/+ delta) r from the training prior r.  Softmax cross-entropy is inverse OT with the row
+    constraint only; DB-OT adds the column bounds.
+
+    mode="paper": P = ``n_sweeps`` (K_train) unrolled solver-I sweeps that start from the kernel
+    exp(l) diag(r) and end on a row step, so each row of B * P is a distribution; the loss is
+    -(1/B) sum_ij y_ij log(B P_ij).  With n_sweeps = 1 this is exactly Balanced Softmax,
+    P_ij = (1/B) r_j e^{l_ij} / sum_k r_k e^{l_ik}, for any delta.
+
+    mode="official" (the authors' GammaSoftmax code): Balanced Softmax with the *batch* label counts
+    n (classes absent from the batch drop out), CE(l + log n, y), plus the soft cross-entropy
+    -sum_j t_j log softmax(s)_j between the column sums s = P^T 1 and their clip t = clip(s, b_low, b_up),
+    where P = ``n_sweeps`` plain sweeps (row, lower, upper) on exp(l + log n).
+
+    Parameters
+    ----------
+    logits : (B, K) tensor.  target : (B,) int64 labels or (B, K) soft labels (rows summing to 1).
+    prior : (K,) training class frequencies or counts, all > 0.  delta : bound rate in [0, 1).
+    n_sweeps : K_train >= 1.  mode : "paper" or "official".
+    """
+    if mode not in LOSS_MODES:
+        raise ValueError(f"mode={mode!r}: must be one of {LOSS_MODES}")
+    if not 0.0 <= delta < 1.0:
+        raise ValueError(f"delta={delta}: must be in [0, 1)")
+    if not (isinstance(n_sweeps, int) and n_sweeps >= 1):
+        raise ValueError(f"n_sweeps={n_sweeps}: must be an integer >= 1")
+    if logits.ndim != 2:
+        raise ValueError(f"logits has shape {tuple(logits.shape)}: must be (B, K)")
+    batch, n_classes = logits.shape
+    prior = torch.as_tensor(prior, dtype=logits.dtype, device=logits.device)
+    if prior.shape != (n_classes,) or not bool((prior > 0).all()):
+        raise ValueError(f"prior must have shape ({n_classes},) with all entries > 0")
+    prior = prior / prior.sum()
+    if target.ndim == 1:
+        target = torch.nn.functional.one_hot(target, n_classes).to(logits.dtype)
+    log_low, log_up = torch.log((1.0 - delta) * prior), torch.log((1.0 + delta) * prior)
+
+    if mode == "paper":
+        log_p = _log_bregman_sweeps(logits + torch.log(prior), log_low, log_up, n_sweeps, end_on_rows=True)
+        return -(target * (log_p + math.log(batch))).sum(dim=1).mean()
+
+    counts = target.sum(dim=0)
+    present = counts > 0
+    shifted = logits[:, present] + torch.log(counts[present])
+    balanced_ce = -(target[:, present] * torch.log_softmax(shifted, dim=1)).sum(dim=1).mean()
+    log_p = _log_bregman_sweeps(shifted, log_low[present], log_up[present], n_sweeps, end_on_rows=False)
+    col_sums = torch.zeros(n_classes, dtype=logits.dtype, device=logits.device)
+    col_sums = col_sums.index_put((present.nonzero()[:, 0],), torch.logsumexp(log_p, dim=0).exp())
+    clipped = torch.minimum(torch.maximum(col_sums, log_low.exp()), log_up.exp())
+    return balanced_ce - (clipped * torch.log_softmax(col_sums, dim=0)).sum()
+
+
+def dbot_predict(
+    logits,
+    prior,
+    delta: float = 0.0,
+    eps: float = 1.0,
+    batch_size: int | None = None,
+    method: str = "sinkhorn",
+    max_iter: int = 1000,
+    tol: float = 1e-6,
+):
+    r"""Transductive DB-OT inference: argmax_j P_ij, P = DBOT(-logits, 1/B, (1 -/+ delta) r, eps).
+
+    Parameters
+    ----------
+    logits : (N, K) array or tensor.  prior : (K,) expected label frequencies r of the test set (or
+    counts; normalised here; zeros allowed).  delta : bound rate >= 0 (delta = 0 is Sinkhorn with
+    column marginal r; delta >= max(1, 1/r_min - 1) makes both bounds inactive, i.e. argmax).
+    eps : entropic regularisation in logit units.  batch_size : solve each consecutive batch of this
+    many rows on its own (None: the whole set at once).  method, max_iter, tol : passed to :func:`dbot`.
+
+    Returns
+    -------
+    (N,) int64 predicted classes.
+    """
+    if isinstance(logits, torch.Tensor):
+        logits = logits.detach().cpu().numpy()
+    logits = np.asarray(logits, dtype=np.float64)
+    if logits.ndim != 2:
+        raise ValueError(f"logits has shape {logits.shape}: must be (N, K)")
+    n, n_classes = logits.shape
+    prior = _vector(prior, n_classes, "prior")
+    if prior.sum() <= 0:
+        raise ValueError("prior sums to 0: must have a positive entry")
+    if not delta >= 0:
+        raise ValueError(f"delta={delta}: must be >= 0")
+    if batch_size is not None and not (isinstance(batch_size, (int, np.integer)) and batch_size >= 1):
+        raise ValueError(f"batch_size={batch_size}: must be None or an integer >= 1")
+    prior = prior / prior.sum()
+    b_low, b_up = max(1.0 - delta, 0.0) * prior, (1.0 + delta) * prior
+    step = n if batch_size is None else batch_size
+    labels = np.empty(n, dtype=np.int64)
+    for start in range(0, n, step):
+        chunk = logits[start : start + step]
+        a = np.full(len(chunk), 1.0 / len(chunk))
+        plan = dbot(-chunk, a, b_low, b_up, eps, method=method, max_iter=max_iter, tol=tol)
+        labels[start : start + step] = plan.argmax(axis=1)
+    return labels

@@ -1,0 +1,440 @@
+"""DB-OT solver, clustering, loss and inference against oracles (POT, scipy HiGHS, closed forms)."""
+
+import numpy as np
+import ot
+import pytest
+import torch
+from scipy import sparse
+from scipy.optimize import linprog
+
+from runner.methods.dbot import (
+    SOLVERS,
+    dbot,
+    dbot_cluster,
+    dbot_dual,
+    dbot_loss,
+    dbot_objective,
+    dbot_predict,
+    marginal_violation,
+    round_plan,
+)
+
+EXACT = ("sinkhorn", "dual", "bregman")
+TIGHT = dict(tol=1e-13, max_iter=100_000)
+
+
+def random_problem(seed, m=30, n=5, delta=0.4, scale=1.0):
+    rng = np.random.default_rng(seed)
+    cost = scale * rng.random((m, n))
+    a = rng.random(m) + 0.5
+    a /= a.sum()
+    r = rng.dirichlet(np.ones(n))
+    return cost, a, (1 - delta) * r, (1 + delta) * r
+
+
+def lp_value(cost, a, b_low, b_up):
+    """Exact bounded-marginal LP min <C,P> s.t. P1 = a, b_low <= P^T 1 <= b_up, P >= 0 (HiGHS)."""
+    m, n = cost.shape
+    rows = sparse.kron(sparse.eye(m), np.ones((1, n)))
+    cols = sparse.kron(np.ones((1, m)), sparse.eye(n))
+    res = linprog(
+        cost.ravel(),
+        A_ub=sparse.vstack([-cols, cols]),
+        b_ub=np.r_[-b_low, b_up],
+        A_eq=rows,
+        b_eq=a,
+        bounds=(0, None),
+        method="highs",
+    )
+    assert res.status == 0
+    return res.fun
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1. Marginals
+@pytest.mark.parametrize("method", SOLVERS)
+@pytest.mark.parametrize("seed", range(3))
+def test_marginals_within_bounds(method, seed):
+    cost, a, b_low, b_up = random_problem(seed, delta=0.3 + 0.2 * seed)
+    plan, log = dbot(cost, a, b_low, b_up, 0.2, method=method, log=True, **TIGHT)
+    assert log["converged"] and log["err"] < 1e-12
+    assert np.abs(plan.sum(1) - a).max() < 1e-8
+    cols = plan.sum(0)
+    assert (cols >= b_low - 1e-8).all() and (cols <= b_up + 1e-8).all()
+    # the reported violation is the plan's own
+    assert log["err"] == pytest.approx(marginal_violation(plan.sum(1), cols, a, b_low, b_up), abs=1e-14)
+
+
+def test_stops_on_marginal_violation_not_plan_change():
+    cost, a, b_low, b_up = random_problem(0, delta=0.5)
+    for tol in (1e-3, 1e-6, 1e-9):
+        plan, log = dbot(cost, a, b_low, b_up, 0.05, log=True, tol=tol)
+        assert log["converged"]
+        assert marginal_violation(plan.sum(1), plan.sum(0), a, b_low, b_up) < tol
+    _, capped = dbot(cost, a, b_low, b_up, 0.05, log=True, tol=1e-15, max_iter=7)
+    assert capped["n_iter"] == 7 and not capped["converged"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. Equal bounds: Sinkhorn
+@pytest.mark.parametrize("method", SOLVERS)
+def test_equal_bounds_match_pot_sinkhorn(method):
+    cost, a, _, _ = random_problem(1, m=20, n=6)
+    b = np.random.default_rng(2).dirichlet(np.ones(6))
+    ref = ot.sinkhorn(a, b, cost, 0.1, method="sinkhorn_log", stopThr=1e-14, numItermax=100_000)
+    plan = dbot(cost, a, b, b, 0.1, method=method, **TIGHT)
+    np.testing.assert_allclose(plan, ref, atol=1e-8, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. Loose bounds: row softmax
+@pytest.mark.parametrize("method", SOLVERS)
+def test_loose_bounds_give_row_softmax(method):
+    cost, a, _, _ = random_problem(3, m=15, n=7, scale=3.0)
+    plan = dbot(cost, a, 0.0, 1.0, 0.3, method=method, **TIGHT)
+    softmax = np.exp(-cost / 0.3)
+    softmax /= softmax.sum(1, keepdims=True)
+    np.testing.assert_allclose(plan, a[:, None] * softmax, atol=1e-15, rtol=0)
+    np.testing.assert_array_equal(plan.argmax(1), cost.argmin(1))
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Solvers agree; the paper's plain cycle is feasible but not optimal
+@pytest.mark.parametrize("seed", range(5))
+def test_exact_solvers_agree(seed):
+    rng = np.random.default_rng(seed)
+    eps = float(rng.uniform(0.05, 1.0))
+    cost, a, b_low, b_up = random_problem(seed, delta=float(rng.uniform(0.05, 0.8)))
+    plans = {m: dbot(cost, a, b_low, b_up, eps, method=m, **TIGHT) for m in EXACT}
+    for m in EXACT[1:]:
+        np.testing.assert_allclose(plans[m], plans["sinkhorn"], atol=1e-8, rtol=0)
+
+
+def test_plain_bregman_feasible_never_better_and_sometimes_worse():
+    gaps = []
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        eps = float(rng.uniform(0.05, 1.0))
+        cost, a, b_low, b_up = random_problem(seed, delta=float(rng.uniform(0.0, 0.8)))
+        best = dbot_objective(cost, dbot(cost, a, b_low, b_up, eps, **TIGHT), eps)
+        plain, log = dbot(cost, a, b_low, b_up, eps, method="bregman_plain", log=True, **TIGHT)
+        assert log["converged"]
+        gaps.append(dbot_objective(cost, plain, eps) - best)
+    assert min(gaps) >= -1e-9
+    assert max(gaps) > 1e-4  # the cycle of projections stalls at a suboptimal plan
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. Strong duality
+@pytest.mark.parametrize("method", ("sinkhorn", "dual"))
+@pytest.mark.parametrize("seed", range(3))
+def test_strong_duality(method, seed):
+    cost, a, b_low, b_up = random_problem(seed, delta=0.5)
+    eps = 0.1
+    plan, log = dbot(cost, a, b_low, b_up, eps, method=method, log=True, **TIGHT)
+    assert (log["g"] >= 0).all() and (log["h"] <= 0).all()
+    primal = dbot_objective(cost, plan, eps)
+    dual = dbot_dual(cost, a, b_low, b_up, eps, log["f"], log["g"], log["h"])
+    assert primal == pytest.approx(dual, abs=1e-8)
+    # weak duality: any feasible dual point is below the primal value
+    assert dbot_dual(cost, a, b_low, b_up, eps, log["f"] - 0.01, log["g"], log["h"]) < primal
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. LP limit
+def test_gap_to_lp_shrinks_with_eps():
+    cost, a, b_low, b_up = random_problem(4, m=12, n=4, delta=0.3)
+    lp = lp_value(cost, a, b_low, b_up)
+    gaps = []
+    for eps in (0.1, 0.01, 0.001):
+        plan = dbot(cost, a, b_low, b_up, eps, method="dual", tol=1e-12, max_iter=200_000)
+        gaps.append((cost * plan).sum() - lp)
+        assert -1e-9 <= gaps[-1] <= eps * np.log(12 * 4)
+    assert gaps[0] > gaps[1] > gaps[2]
+    assert gaps[2] < 1e-3
+
+
+def test_lp_with_equal_bounds_is_emd():
+    cost, a, b, _ = random_problem(5, m=10, n=4, delta=0.0)
+    assert lp_value(cost, a, b, b) == pytest.approx(ot.emd2(a, b, cost), abs=1e-10)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7. Partial OT
+@pytest.mark.parametrize("method", EXACT)
+def test_zero_lower_bound_is_entropic_partial_ot(method):
+    cost, a, _, b_up = random_problem(6, m=25, n=6, delta=0.6)
+    ref = ot.partial.entropic_partial_wasserstein(a, b_up, cost, 0.2, m=a.sum(), numItermax=2_000)
+    plan = dbot(cost, a, 0.0, b_up, 0.2, method=method, **TIGHT)
+    np.testing.assert_allclose(plan, ref, atol=1e-10, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 8. KKT conditions
+@pytest.mark.parametrize("method", ("sinkhorn", "dual"))
+def test_kkt(method):
+    eps = 0.2
+    cost, a, b_low, b_up = random_problem(7, m=40, n=8, delta=0.3)
+    plan, log = dbot(cost, a, b_low, b_up, eps, method=method, log=True, **TIGHT)
+    cols = plan.sum(0)
+    at_low, at_up = log["g"] > 1e-9, log["h"] < -1e-9
+    assert at_low.any() and at_up.any()
+    assert not (at_low & at_up).any()
+    np.testing.assert_allclose(cols[at_low], b_low[at_low], rtol=1e-10)
+    np.testing.assert_allclose(cols[at_up], b_up[at_up], rtol=1e-10)
+    free = np.flatnonzero(~at_low & ~at_up)
+    inside = (cols[free] > b_low[free] + 1e-9) & (cols[free] < b_up[free] - 1e-9)
+    assert inside.all()
+    if len(free) >= 2:
+        j, k = free[:2]
+        np.testing.assert_allclose(
+            np.log(plan[:, j] / plan[:, k]), (cost[:, k] - cost[:, j]) / eps, atol=1e-9
+        )
+    # columns strictly inside their bounds are also free (complementary slackness the other way)
+    assert (at_low | at_up)[np.flatnonzero((cols > b_low + 1e-6) & (cols < b_up - 1e-6))].sum() == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# 9. Shift invariance
+def test_row_shift_invariance_and_column_shift_only_with_equal_bounds():
+    cost, a, b_low, b_up = random_problem(9, delta=0.4)
+    plan, log = dbot(cost, a, b_low, b_up, 0.1, log=True, **TIGHT)
+    # a column shift moves mass between free columns, so the test needs at least two of them
+    assert ((log["g"] < 1e-9) & (log["h"] > -1e-9)).sum() >= 2
+    row_shift = cost + np.arange(len(a))[:, None] * 0.7
+    np.testing.assert_allclose(dbot(row_shift, a, b_low, b_up, 0.1, **TIGHT), plan, atol=1e-12)
+
+    col_shift = cost + np.linspace(0, 1, cost.shape[1])[None, :]
+    assert np.abs(dbot(col_shift, a, b_low, b_up, 0.1, **TIGHT) - plan).max() > 1e-4
+    b = (b_low + b_up) / 2
+    equal = dbot(cost, a, b, b, 0.1, **TIGHT)
+    np.testing.assert_allclose(dbot(col_shift, a, b, b, 0.1, **TIGHT), equal, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 10. Loss
+def test_one_sweep_paper_loss_is_balanced_softmax():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 5, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 5, (16,), generator=gen)
+    counts = torch.tensor([50.0, 20, 9, 4, 1], dtype=torch.float64)
+    balanced = torch.nn.functional.cross_entropy(logits + torch.log(counts / counts.sum()), labels)
+    for delta in (0.0, 0.3):
+        loss = dbot_loss(logits, labels, counts, delta=delta, n_sweeps=1, mode="paper")
+        assert abs(loss.item() - balanced.item()) < 1e-12
+    more = dbot_loss(logits, labels, counts, delta=0.3, n_sweeps=3, mode="paper")
+    assert abs(more.item() - balanced.item()) > 1e-4
+
+
+def test_paper_loss_without_column_bounds_is_cross_entropy_and_soft_targets_match_hard():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 4, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 4, (8,), generator=gen)
+    uniform = torch.ones(4, dtype=torch.float64)
+    ce = torch.nn.functional.cross_entropy(logits, labels)
+    assert abs(dbot_loss(logits, labels, uniform).item() - ce.item()) < 1e-12
+    soft = torch.nn.functional.one_hot(labels, 4).double()
+    for mode in ("paper", "official"):
+        hard_loss = dbot_loss(logits, labels, uniform, 0.2, 2, mode)
+        assert abs(dbot_loss(logits, soft, uniform, 0.2, 2, mode).item() - hard_loss.item()) < 1e-12
+
+
+def test_official_loss_matches_its_definition():
+    """Balanced Softmax with batch counts plus soft CE between column sums and their clip."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    labels = torch.tensor([0, 0, 1, 0, 1, 3])  # class 2 absent from the batch
+    prior = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    delta = 0.1
+    counts = torch.bincount(labels, minlength=4).double()
+    shifted = logits + counts.log()
+    plan = shifted.exp()
+    low, up = (1 - delta) * prior, (1 + delta) * prior
+    plan = plan / plan.sum(1, keepdim=True) / 6
+    plan = plan * torch.clamp(low / plan.sum(0), min=1).nan_to_num(1.0)
+    plan = plan * torch.clamp(up / plan.sum(0), max=1).nan_to_num(1.0)
+    cols = plan.sum(0)
+    expected = (
+        torch.nn.functional.cross_entropy(shifted, labels)
+        - (torch.clamp(cols, low, up) * torch.log_softmax(cols, 0)).sum()
+    )
+    loss = dbot_loss(logits, labels, prior, delta, 1, "official")
+    assert abs(loss.item() - expected.item()) < 1e-12
+
+
+@pytest.mark.parametrize("mode", ("paper", "official"))
+def test_loss_gradcheck(mode):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 1, 2, 0])
+    prior = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda x: dbot_loss(x, labels, prior, 0.2, 2, mode), (logits,))
+
+
+def test_loss_rejects_bad_arguments():
+    logits, labels = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="delta"):
+        dbot_loss(logits, labels, torch.ones(3), delta=1.0)
+    with pytest.raises(ValueError, match="mode"):
+        dbot_loss(logits, labels, torch.ones(3), mode="gamma")
+    with pytest.raises(ValueError, match="prior"):
+        dbot_loss(logits, labels, torch.tensor([1.0, 0.0, 1.0]))
+    with pytest.raises(ValueError, match="n_sweeps"):
+        dbot_loss(logits, labels, torch.ones(3), n_sweeps=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 11. Input checks
+def test_infeasible_and_malformed_input_raise_value_error():
+    cost, a, _, _ = random_problem(0, m=6, n=3)
+    with pytest.raises(ValueError, match="sum\\(b_low\\)"):
+        dbot(cost, a, 0.5, 1.0, 0.1)
+    with pytest.raises(ValueError, match="sum\\(b_up\\)"):
+        dbot(cost, a, 0.0, 0.3, 0.1)
+    with pytest.raises(ValueError, match="b_low\\[1\\]"):
+        dbot(cost, a, [0.1, 0.5, 0.1], [1.0, 0.4, 1.0], 0.1)
+    with pytest.raises(ValueError, match="eps"):
+        dbot(cost, a, 0.0, 1.0, 0.0)
+    with pytest.raises(ValueError, match="method"):
+        dbot(cost, a, 0.0, 1.0, 0.1, method="lbfgs")
+    with pytest.raises(ValueError, match="shape"):
+        dbot(cost, a[:-1], 0.0, 1.0, 0.1)
+    with pytest.raises(ValueError, match="a\\[0\\]"):
+        dbot(cost, -a, 0.0, 1.0, 0.1)
+    with pytest.raises(ValueError, match="non-finite"):
+        dbot(np.full((2, 2), np.nan), [0.5, 0.5], 0.0, 1.0, 0.1)
+
+
+@pytest.mark.parametrize("method", SOLVERS)
+def test_zero_bounds_give_no_nan(method):
+    cost, a, b_low, b_up = random_problem(9, n=5, delta=0.2)
+    b_low[[0, 2, 3]] = 0.0
+    b_up[2] = 0.0  # a column that must stay empty
+    b_up[4] = 1.0
+    plan, log = dbot(cost, a, b_low, b_up, 0.1, method=method, log=True, **TIGHT)
+    assert np.isfinite(plan).all() and log["converged"]
+    assert plan[:, 2].max() == 0.0
+
+
+def test_small_eps_needs_log_domain():
+    cost, a, b_low, b_up = random_problem(10, delta=0.2)
+    cost[:, 0] += 50.0  # column 0 is nowhere near a row minimum: exp(-50 / eps) underflows
+    for method in ("sinkhorn", "bregman", "bregman_plain"):
+        with pytest.raises(FloatingPointError, match="method='dual'"):
+            dbot(cost, a, b_low, b_up, 1e-2, method=method)
+    assert dbot(cost, a, b_low, b_up, 1e-2, method="dual", log=True)[1]["converged"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# 12. Clustering
+def blobs_with_outliers(seed):
+    """5 Gaussians (std 1, centres on a circle of radius 5, sizes 40..80) and 6 outliers near (25, 25)."""
+    rng = np.random.default_rng(seed)
+    sizes = (40, 50, 60, 70, 80)
+    angles = 2 * np.pi * np.arange(5) / 5
+    centres = 5 * np.c_[np.cos(angles), np.sin(angles)]
+    x = np.concatenate([rng.normal(c, 1.0, (s, 2)) for c, s in zip(centres, sizes)])
+    x = np.concatenate([x, rng.normal(25.0, 0.5, (6, 2))])
+    y = np.concatenate([np.full(s, k) for k, s in enumerate(sizes)] + [np.full(6, 5)])
+    return x, y
+
+
+def test_cluster_masses_respect_bounds_every_round():
+    x, _ = blobs_with_outliers(0)
+    tau = np.linspace(0.1, 0.6, 5)
+    _, _, log = dbot_cluster(x, 5, tau=tau, eps=0.05, n_outer=6, seed=1, log=True)
+    assert log["masses"].shape == (6, 5)
+    assert (log["masses"] >= log["b_low"] - 1e-7).all() and (log["masses"] <= log["b_up"] + 1e-7).all()
+    np.testing.assert_allclose(log["b_low"], (1 - tau) / 5)
+
+
+def test_cluster_tau_zero_forces_equal_masses_and_seed_is_deterministic():
+    x, _ = blobs_with_outliers(1)
+    labels, centroids, log = dbot_cluster(x, 5, tau=0.0, n_outer=4, seed=3, tol=1e-10, log=True)
+    np.testing.assert_allclose(log["masses"], 0.2, atol=1e-9)
+    again, centroids_again = dbot_cluster(x, 5, tau=0.0, n_outer=4, seed=3, tol=1e-10)
+    np.testing.assert_array_equal(labels, again)
+    np.testing.assert_array_equal(centroids, centroids_again)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cluster_sizes_on_blobs_with_outliers(seed):
+    x, _ = blobs_with_outliers(seed)
+    tau, k = 0.5, 5
+    labels, _ = dbot_cluster(x, k, tau=tau, eps=0.05, n_outer=20, seed=seed)
+    sizes = np.bincount(labels, minlength=k)
+    assert sizes.min() >= 0.5 * (1 - tau) * len(x) / k
+
+
+def test_round_plan_is_the_best_assignment_within_count_bounds():
+    """Brute force over all 3^7 assignments of 7 rows to 3 clusters."""
+    import itertools
+
+    rng = np.random.default_rng(0)
+    plan = rng.dirichlet(np.ones(3), size=7) ** 3
+    low, up = np.array([2, 1, 2]), np.array([3, 2, 4])
+    best, best_z = -np.inf, None
+    for z in itertools.product(range(3), repeat=7):
+        counts = np.bincount(z, minlength=3)
+        if (counts >= low).all() and (counts <= up).all():
+            score = np.log(plan[np.arange(7), z]).sum()
+            if score > best:
+                best, best_z = score, np.array(z)
+    z = round_plan(plan, low, up)
+    assert np.log(plan[np.arange(7), z]).sum() == pytest.approx(best, abs=1e-12)
+    np.testing.assert_array_equal(z, best_z)
+    with pytest.raises(ValueError, match="no assignment"):
+        round_plan(plan, [3, 3, 3], [4, 4, 4])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rounded_cluster_counts_respect_the_bounds(seed):
+    x, _ = blobs_with_outliers(seed)
+    tau, k, n = 0.5, 5, len(x)
+    labels, _ = dbot_cluster(x, k, tau=tau, n_outer=10, seed=seed, assign="rounded")
+    sizes = np.bincount(labels, minlength=k)
+    assert sizes.min() >= np.ceil((1 - tau) * n / k) and sizes.max() <= np.floor((1 + tau) * n / k)
+
+
+def test_cluster_rejects_bad_arguments():
+    x = np.zeros((10, 2))
+    with pytest.raises(ValueError, match="n_clusters"):
+        dbot_cluster(x, 11)
+    with pytest.raises(ValueError, match="tau"):
+        dbot_cluster(x, 2, tau=-0.1)
+    with pytest.raises(ValueError, match="init"):
+        dbot_cluster(x, 2, init="farthest")
+    with pytest.raises(ValueError, match="assign"):
+        dbot_cluster(x, 2, assign="greedy")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 13. Inference
+def test_predict_histogram_follows_prior_at_delta_zero_and_argmax_at_large_delta():
+    # Logits of a model trained for uniform labels, tested under a skewed prior.  The plan's column
+    # sums are exactly N r; near the LP limit (small eps) a vertex has at most K - 1 split rows, so the
+    # argmax histogram is within K of N r.
+    rng = np.random.default_rng(0)
+    k, n = 6, 600
+    prior = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    logits = rng.normal(size=(n, k)) + 2.0 * np.eye(k)[rng.choice(k, n)]
+    counts = np.bincount(dbot_predict(logits, prior, delta=0.0, eps=0.03, tol=1e-9), minlength=k)
+    assert np.abs(counts - n * prior).max() <= k
+    assert np.abs(np.bincount(logits.argmax(1), minlength=k) - n * prior).max() > 5 * k
+    np.testing.assert_array_equal(dbot_predict(logits, prior, delta=1e3), logits.argmax(1))
+    torch_logits = torch.from_numpy(logits).float()
+    np.testing.assert_array_equal(
+        dbot_predict(torch_logits, prior, delta=0.0), dbot_predict(logits.astype(np.float32), prior)
+    )
+
+
+def test_predict_per_batch_solves_each_batch_alone():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(100, 4))
+    prior = np.ones(4)
+    per_batch = dbot_predict(logits, prior, delta=0.1, batch_size=32)
+    chunks = [dbot_predict(logits[s : s + 32], prior, delta=0.1) for s in range(0, 100, 32)]
+    np.testing.assert_array_equal(per_batch, np.concatenate(chunks))
+    assert not np.array_equal(per_batch, dbot_predict(logits, prior, delta=0.1))
+    with pytest.raises(ValueError, match="batch_size"):
+        dbot_predict(logits, prior, batch_size=0)
