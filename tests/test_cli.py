@@ -29,7 +29,7 @@ def wandb_records(path: Path):
 
 def test_default_run_trains_digits_and_logs_to_wandb_offline(cli, tmp_path):
     proc = cli("train.progress=false")
-    (run_dir, summary), = summaries(tmp_path / "outputs").items()
+    ((run_dir, summary),) = summaries(tmp_path / "outputs").items()
     assert summary["test/acc"] >= 0.95
     assert "test/acc=" in proc.stdout  # the printed summary line
     assert (run_dir / "config.yaml").exists() and (run_dir / "checkpoints" / "last.pt").exists()

@@ -62,7 +62,9 @@ def test_asymmetric_noise_is_exact_and_deterministic():
 
 def test_noise_only_touches_train_labels_and_keeps_clean_ones():
     clean = load_data(dataset_cfg(), seed=0)
-    noisy = load_data(dataset_cfg("dataset.label_noise.kind=symmetric", "dataset.label_noise.rate=0.5"), seed=0)
+    noisy = load_data(
+        dataset_cfg("dataset.label_noise.kind=symmetric", "dataset.label_noise.rate=0.5"), seed=0
+    )
     assert (noisy.train.y_clean == clean.train.y).all()
     assert (noisy.test.y == clean.test.y).all() and (noisy.val.y == clean.val.y).all()
     flipped = (noisy.train.y != noisy.train.y_clean).float().mean().item()
