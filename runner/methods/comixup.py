@@ -1,0 +1,805 @@
+"""Co-Mixup: saliency-guided joint mixup with supermodular diversity (Kim, Choo, Jeong, Song, ICLR 2021).
+
+A batch is split into partitions of `part` inputs; each partition of m inputs is turned into m mixed
+outputs at once. Every output j is a g x g grid of n = g^2 cells, and cell k of output j holds a
+source vector z[j,k] in {0, 1/2, 1}^m summing to 1 (one input, or a half/half blend of two). With the
+code's scaling beta' = beta/n, gamma' = gamma/n, eta' = eta/n and the threshold tau*n in cells, the
+energy of a partition is
+
+    f(z) = sum_j sum_k (c_k - eta' log lambda)^T z[j,k]                          (saliency, prior)
+         + beta' sum_j sum_{(k,k') 4-neighbours} 1/2 |z[j,k] - z[j,k']|^2           (smoothness)
+         + gamma' sum_j o_j^T h(P_-j)                                               (diversity)
+
+with c_k[i] = -s_i[k] the negated saliency of input i in cell k (each map pooled to the grid and
+normalised to sum 1), lambda ~ Dir(alpha 1_m) drawn once per partition, o_j = sum_k z[j,k] the
+source histogram of output j (in cells), P_-j = sum_{j' != j} o_j' the other outputs' usage, and
+A = (1 - omega) I + omega * A_hat the compatibility matrix (`compatibility`). The clipping rule h:
+
+    "none":  h(P) = A P                      -> gamma' sum_{j != j'} o_j^T A o_j'  (paper Eq. 1, no clip)
+    "soft":  h(P) = max(A P - tau n, 0)      (paper Eq. 2, per label)
+    "hard":  h(P) = A (P * [A P > tau n])    (the authors' default: full penalty past the threshold)
+
+Minimisation is block-coordinate descent over outputs (paper Algorithm 1): for output j the
+diversity term is replaced by the modular cost u = 2 gamma' h(P_-j) (exact for "none", where it is
+the conditional of f up to a constant), leaving a Potts-like MRF on the grid with unary
+U[k,i] = c_k[i] - eta' log lambda_i + u_i + gamma' R[j,i], solved by an alpha-beta-swap graph cut.
+From the second sweep the label set of output j also holds the blends 1/2(e_a + e_b) of its most used
+inputs (the three-label extension); `set_resolve` adds the penalty R that separates outputs using the
+same input set before the last sweep. Labels are mixed by mask area: y_j = sum_i (o_j[i] / n) y_i.
+
+Deviations from the authors' code, all deliberate: the smoothness of blended labels uses the exact
+squared distance above (the code charges 1 between a blend and any other label), partitions are
+near-equal chunks (`np.array_split`) instead of fixed 20s plus a remainder. For speed, the
+partitions of a batch are solved together, one graph cut per output index over the disjoint union of
+their grids (the cuts separate, so this is the same algorithm with 1/P of the calls), and an
+output's label set leaves out inputs that another input dominates in every cell (which keeps the
+optimum and the swap local minima; see `_label_step`).
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import inspect
+import math
+import multiprocessing
+import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gco import cgco
+
+THRES_TYPES = ("hard", "soft", "none")
+SOLVERS = ("gco_swap", "gco_expansion", "brute")
+RANDOM_GRIDS = (2, 4, 8, 16)  # grid=-1 draws one of these at every call (the authors' `m_block_num -1`)
+
+_BLEND_SLOTS = ((0, 1), (0, 2), (1, 2))  # blended labels: halves of the three most used inputs
+_MIX_BONUS = 5e-4  # favours a blend on ties, as the authors do
+_BRUTE_MAX_STATES = 2_000_000
+_GCO_DISABLED = 10**9  # int unary of a label a site may not take
+_GCO_MAX_TERM = 1e8  # largest scaled finite energy term sent to gco (int32)
+# the keyword options of `comixup` besides data, rng and log (what a config or `ComixupPool.submit` sets)
+OPTIONS = ("beta", "gamma", "eta", "tau", "thres_type", "omega", "alpha", "grid", "part", "n_iter",
+           "set_resolve", "mixed_labels", "solver")  # fmt: skip
+
+
+def _gco_api():
+    """gco-wrapper's C functions, with raw pointers: pygco rebuilds the grid edges, re-checks the
+    label matrix and validates every array on each call, which costs more than a 4x4 cut itself."""
+    lib = ct.CDLL(cgco._cgco._name)  # the library pygco loaded (one instance map)
+    ptr, i32 = ct.c_void_p, ct.c_int
+    signatures = {
+        "gcoCreateGeneralGraph": [i32, i32, ptr],
+        "gcoDestroyGraph": [i32],
+        "gcoSetDataCost": [i32, ptr],
+        "gcoSetAllNeighbors": [i32, ptr, ptr, ptr, i32],
+        "gcoSetSmoothCost": [i32, ptr],
+        "gcoSwap": [i32, i32, ptr],
+        "gcoExpansion": [i32, i32, ptr],
+        "gcoGetLabels": [i32, ptr],
+    }
+    for name, args in signatures.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = i32
+    return lib
+
+
+_GCO = _gco_api()
+
+
+# ----------------------------------------------------------------------------------------------
+# saliency and compatibility
+
+
+def saliency(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, grid: int = 4):
+    """Input-gradient saliency s(p) = sqrt(mean_c g[c,p]^2), g = d CE(f(x_b), y_b) / d x_b per sample.
+
+    x: (B, C, H, W) inputs as fed to the model; y: (B,) class indices or (B, K) soft targets.
+    Returns `(s, s_grid)`: the per-pixel map (B, H, W) and its `pool_saliency(s, grid)` (B, g, g).
+    The model is used in whatever mode it is in; no weight gradient is accumulated.
+    """
+    x = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        logits = model(x)
+        loss = F.cross_entropy(logits, y, reduction="sum")
+        (grad,) = torch.autograd.grad(loss, x)
+    s = grad.pow(2).mean(1).sqrt()
+    return s, pool_saliency(s, grid)
+
+
+def pool_saliency(s, grid: int):
+    """Average-pool per-pixel saliency (B, H, W) to (B, g, g) cells and normalise each map to sum 1.
+
+    An all-zero map stays zero (the normalisation has an eps where the authors divide by zero).
+    """
+    B, H, W = s.shape
+    if H % grid or W % grid:
+        raise ValueError(f"grid={grid}: must divide the image size {H}x{W}")
+    if isinstance(s, torch.Tensor):
+        pooled = s.reshape(B, grid, H // grid, grid, W // grid).mean((2, 4))
+        return pooled / (pooled.sum((1, 2), keepdim=True) + 1e-12)
+    pooled = np.asarray(s, dtype=np.float64).reshape(B, grid, H // grid, grid, W // grid).mean((2, 4))
+    return pooled / (pooled.sum((1, 2), keepdims=True) + 1e-12)
+
+
+def salient_locations(s: np.ndarray, window: int = 8) -> np.ndarray:
+    """(row, col) of the most salient window x window box of each map (B, H, W) -> (B, 2) ints.
+
+    Box sums come from an integral image (avg_pool2d(s, window, stride=1) up to a constant);
+    the window shrinks to the image size on small images.
+    """
+    B, H, W = s.shape
+    k = min(window, H, W)
+    integral = np.zeros((B, H + 1, W + 1))
+    integral[:, 1:, 1:] = s.cumsum(1).cumsum(2)
+    boxes = integral[:, k:, k:] - integral[:, :-k, k:] - integral[:, k:, :-k] + integral[:, :-k, :-k]
+    flat = boxes.reshape(B, -1).argmax(1)
+    return np.stack(np.unravel_index(flat, boxes.shape[1:]), axis=1)
+
+
+def _compatibility_from_locations(loc: np.ndarray, valid: np.ndarray, omega: float) -> np.ndarray:
+    """A = (1 - omega) I + omega * D m / sum(D), D[i,i'] = |loc_i - loc_i'|_1, per partition.
+
+    loc: (P, m, 2); valid: (P, m) marks real inputs (padding gets a plain diagonal). -> (P, m, m)
+    """
+    P, m, _ = loc.shape
+    dist = np.abs(loc[:, :, None, :] - loc[:, None, :, :]).sum(-1).astype(np.float64)
+    dist *= valid[:, :, None] & valid[:, None, :]
+    total = dist.sum((1, 2), keepdims=True)
+    sizes = valid.sum(1)[:, None, None]
+    a_hat = np.divide(dist * sizes, total, out=np.zeros_like(dist), where=total > 0)
+    return (1.0 - omega) * np.eye(m) + omega * a_hat
+
+
+def compatibility(saliency_maps, omega: float = 0.001) -> np.ndarray:
+    """Compatibility matrix A (m, m) of one partition from per-pixel saliency maps (m, H, W).
+
+    A = (1 - omega) I + omega * A_hat, A_hat = D m / sum(D) where D[i,i'] is the L1 distance between
+    the most salient 8x8 boxes of inputs i and i' (zero when all coincide). A is symmetric with
+    diagonal 1 - omega and, for omega < 1/(m+1), positive definite. Large A[i,i'] (objects far
+    apart) makes outputs that share i and i' costly, so far-apart objects end up in one output.
+    """
+    _check_range("omega", omega, 0.0, 1.0)
+    s = _as_numpy(saliency_maps)
+    if s.ndim != 3:
+        raise ValueError(f"saliency_maps: shape {tuple(s.shape)}, expected (m, H, W)")
+    if not np.isfinite(s).all():
+        raise ValueError("saliency_maps: contains NaN or inf")
+    loc = salient_locations(s)[None]
+    return _compatibility_from_locations(loc, np.ones(loc.shape[:2], bool), omega)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# per-output graph cut
+
+
+@lru_cache(maxsize=64)
+def _label_set(m: int, mixed: bool):
+    """Label vectors (L, m) in slot order, and their pairwise costs 1/2 |v - v'|^2 (L, L).
+
+    Slots are inputs reordered so that the most used ones come first; the blends are of slots
+    (0,1), (0,2), (1,2) (only (0,1) when m = 2).
+    """
+    vectors = [np.eye(m)]
+    if mixed and m >= 2:
+        pairs = _BLEND_SLOTS if m >= 3 else _BLEND_SLOTS[:1]
+        blend = np.zeros((len(pairs), m))
+        for row, (a, b) in enumerate(pairs):
+            blend[row, [a, b]] = 0.5
+        vectors.append(blend)
+    vectors = np.concatenate(vectors)
+    pairwise = 0.5 * ((vectors[:, None, :] - vectors[None, :, :]) ** 2).sum(-1)
+    return vectors, pairwise
+
+
+@lru_cache(maxsize=64)
+def _grid_edges(components: int, grid: int):
+    """4-neighbour edges (s1 < s2) of `components` disjoint grid x grid graphs, as int32 arrays."""
+    idx = np.arange(components * grid * grid).reshape(components, grid, grid)
+    s1 = np.concatenate([idx[:, :-1, :].ravel(), idx[:, :, :-1].ravel()]).astype(np.intc)
+    s2 = np.concatenate([idx[:, 1:, :].ravel(), idx[:, :, 1:].ravel()]).astype(np.intc)
+    return s1, s2, np.ones(s1.size, np.intc)
+
+
+@lru_cache(maxsize=16)
+def _all_labelings(n: int, labels: int) -> np.ndarray:
+    return np.indices((labels,) * n).reshape(n, -1).T
+
+
+def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, swap: bool):
+    """gco on a batch of grids; unary (P, n, L) float (+inf = forbidden) -> labels (P, n).
+
+    edge_weight: a scalar, or (P, E) per edge in `_grid_edges` order. Energies go to gco as int32
+    at 1e-6 resolution (gco's own float path rounds edge weights to 1e-3).
+    """
+    P, n, L = unary.shape
+    finite = np.isfinite(unary)
+    uniform = np.ndim(edge_weight) == 0
+    scale = 1e6
+    peak = max(
+        np.abs(unary, where=finite, out=np.zeros_like(unary)).max(), np.max(edge_weight) * pairwise.max()
+    )
+    if peak * scale > _GCO_MAX_TERM:
+        scale = _GCO_MAX_TERM / peak
+    unary_int = np.where(finite, np.rint(unary * scale), _GCO_DISABLED).astype(np.intc).reshape(P * n, L)
+    s1, s2, ones = _grid_edges(P, grid)
+    if uniform:  # gco charges edge_weight * smooth[l, l']: fold the weight into the label matrix
+        smooth_int = np.rint(pairwise * (edge_weight * scale)).astype(np.intc)
+        weights = ones
+    else:  # smallest integer q making the label matrix integral, the rest of the scale on the edges
+        q = next((q for q in range(1, 13) if np.allclose(pairwise * q, np.rint(pairwise * q))), 1000)
+        smooth_int = np.rint(pairwise * q).astype(np.intc)
+        weights = np.rint(np.asarray(edge_weight, np.float64).reshape(-1) * (scale / q)).astype(np.intc)
+    handle = np.empty(1, np.intc)
+    energy = np.empty(1, np.longlong)
+    labels = np.empty(P * n, np.intc)
+    _GCO.gcoCreateGeneralGraph(P * n, L, handle.ctypes.data)
+    h = int(handle[0])
+    try:  # gco keeps pointers to these arrays until the graph is destroyed
+        _GCO.gcoSetDataCost(h, unary_int.ctypes.data)
+        _GCO.gcoSetAllNeighbors(h, s1.ctypes.data, s2.ctypes.data, weights.ctypes.data, s1.size)
+        _GCO.gcoSetSmoothCost(h, smooth_int.ctypes.data)
+        (_GCO.gcoSwap if swap else _GCO.gcoExpansion)(h, -1, energy.ctypes.data)
+        _GCO.gcoGetLabels(h, labels.ctypes.data)
+    finally:
+        _GCO.gcoDestroyGraph(h)
+    return labels.reshape(P, n)
+
+
+def _brute_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int):
+    """Exact minimiser by enumeration of all L^n labelings (tiny grids only)."""
+    P, n, L = unary.shape
+    if L**n > _BRUTE_MAX_STATES:
+        raise ValueError(f"solver='brute': {L}^{n} labelings is too many; use grid <= 3 and few inputs")
+    labelings = _all_labelings(n, L)
+    s1, s2, _ = _grid_edges(1, grid)
+    edge_costs = pairwise[labelings[:, s1], labelings[:, s2]]  # (S, E)
+    weights = np.broadcast_to(np.asarray(edge_weight, np.float64), (P, s1.size))
+    sites = np.arange(n)
+    return np.stack(
+        [
+            labelings[np.argmin(u[sites, labelings].sum(1) + (edge_costs * w).sum(1))]
+            for u, w in zip(unary, weights)
+        ]
+    ).astype(np.intc)
+
+
+def grid_cut(unary, pairwise, smooth_weight, solver: str = "gco_swap") -> np.ndarray:
+    """Minimise sum_k unary[k, l_k] + sum_{4-neighbours e = (k,k')} w_e pairwise[l_k, l_k'] on a grid.
+
+    unary: (g, g, L) or (P, g, g, L) for P independent grids (+inf forbids a label at a site);
+    pairwise: (L, L) symmetric, zero diagonal (a metric for `gco_expansion`); smooth_weight: w >= 0,
+    a scalar or (P, E) per edge (the g(g-1) vertical edges row by row, then the horizontal ones).
+    Solvers: `gco_swap` (alpha-beta swap, a local minimum; exact for L = 2), `gco_expansion`,
+    `brute` (exact, L^(g^2) <= 2e6). Returns labels of shape unary.shape[:-1].
+    """
+    _check_choice("solver", solver, SOLVERS)
+    unary = np.asarray(unary, dtype=np.float64)
+    single = unary.ndim == 3
+    batch = unary[None] if single else unary
+    P, g, g2, L = batch.shape
+    if g != g2:
+        raise ValueError(f"unary: shape {unary.shape}, expected (g, g, L) or (P, g, g, L)")
+    pairwise = np.asarray(pairwise, dtype=np.float64)
+    labels = _cut(batch.reshape(P, g * g, L), pairwise, smooth_weight, g, solver).reshape(P, g, g)
+    return labels[0] if single else labels
+
+
+def _cut(unary, pairwise, edge_weight, grid, solver):
+    if unary.shape[2] == 1:  # nothing to choose (and gco aborts on fewer than 2 labels)
+        return np.zeros(unary.shape[:2], np.intc)
+    if solver == "brute":
+        return _brute_cut(unary, pairwise, edge_weight, grid)
+    return _gco_cut(unary, pairwise, edge_weight, grid, swap=solver == "gco_swap")
+
+
+# ----------------------------------------------------------------------------------------------
+# objective and block-coordinate descent (batched over partitions, padded to m inputs)
+
+
+def _diversity_cost(A: np.ndarray, others: np.ndarray, threshold: float, thres_type: str) -> np.ndarray:
+    """h(P) of the module docstring for usage P = others (..., m), A broadcastable (..., m, m)."""
+    q = (A @ others[..., None])[..., 0]
+    if thres_type == "none":
+        return q
+    if thres_type == "soft":
+        return np.maximum(q - threshold, 0.0)
+    return (A @ (others * (q > threshold))[..., None])[..., 0]
+
+
+def _energy(W, cost, A, grid, beta_n, gamma_n, threshold, thres_type):
+    """f(z) per partition; W (P, m', n, m) source weights, cost (P, n, m) = c - eta' log lambda."""
+    P, m_out, n, m = W.shape
+    unary = (W.sum(1) * cost).reshape(P, -1).sum(1)
+    cells = W.reshape(P, m_out, grid, grid, m)
+    smooth = np.square(cells[:, :, 1:] - cells[:, :, :-1]).reshape(P, -1).sum(1)
+    smooth += np.square(cells[:, :, :, 1:] - cells[:, :, :, :-1]).reshape(P, -1).sum(1)
+    o = W.sum(2)
+    others = o.sum(1, keepdims=True) - o
+    diversity = (o * _diversity_cost(A[:, None], others, threshold, thres_type)).reshape(P, -1).sum(1)
+    return unary + 0.5 * beta_n * smooth + gamma_n * diversity
+
+
+def _resolve(o: np.ndarray) -> np.ndarray:
+    """R (P, m', m): for outputs a < b with one input set (>= 2 inputs), R[a, first] = R[b, second] = 1."""
+    used = o > 0
+    P, m_out, m = used.shape
+    same = (used[:, :, None, :] == used[:, None, :, :]).all(-1) & (used.sum(-1) >= 2)[:, :, None]
+    same &= np.triu(np.ones((m_out, m_out), bool), 1)
+    order = np.argsort(~used, axis=-1, kind="stable")  # used inputs first, in index order
+    R = np.zeros((P, m_out, m))
+    p, a = np.nonzero(same.any(2))
+    R[p, a, order[p, a, 0]] = 1.0
+    p, b = np.nonzero(same.any(1))
+    R[p, b, order[p, b, 1]] = 1.0
+    return R
+
+
+def _label_step(U, counts, grid, beta_n, solver, mixed, stats):
+    """Solve output j's MRF for each active partition; U (a, n, m) unary, counts (a, m) its current o_j.
+
+    Returns source weights (a, n, m). Inputs are reordered per partition into label slots shared by
+    the whole batch of grids: with `mixed`, the three most used inputs first (the blends of slots
+    0,1 / 0,2 / 1,2 follow the one-hot labels; a blend needs its inputs in use), then every other
+    input that no single input dominates. Input i is dominated by i' when U[:, i] >= U[:, i'] at
+    every cell (ties broken by index): replacing i by i' never raises unary nor smoothness cost, so
+    a swap (or expansion) local minimum without i is one with i, and the global minimum is kept.
+    On peaked saliency this leaves a handful of labels out of m and cuts the swap's O(L^2) pairs.
+    """
+    a, n, m = U.shape
+    if mixed:
+        order = np.argsort(-counts, axis=1, kind="stable")
+        U = np.take_along_axis(U, order[:, None, :], axis=2)
+        n_used = (counts > 0).sum(1)
+        protected = np.arange(m)[None, :] < np.where(n_used >= 3, 3, np.where(n_used == 2, 2, 0))[:, None]
+    else:
+        order = np.broadcast_to(np.arange(m), (a, m))
+        protected = np.zeros((a, m), bool)
+    geq = (U[:, :, :, None] >= U[:, :, None, :]).all(1)  # geq[p, i, i']: U_i >= U_i' at every cell
+    tie_break = np.tril(np.ones((m, m), bool), -1)  # i > i' loses an exact tie
+    dominated = (geq & (~geq.transpose(0, 2, 1) | tie_break)).any(2) & ~protected
+    keep_first = np.argsort(dominated, axis=1, kind="stable")
+    order = np.take_along_axis(order, keep_first, axis=1)
+    U = np.take_along_axis(U, keep_first[:, None, :], axis=2)
+    k = max(int((~dominated).sum(1).max()), 1)
+    U = np.where(np.take_along_axis(dominated, keep_first, axis=1)[:, None, :k], np.inf, U[:, :, :k])
+    vectors, pairwise = _label_set(k, mixed)
+    if mixed and k > 1:
+        first, second = np.array(_BLEND_SLOTS[: len(vectors) - k]).T
+        needed = second + 1  # a blend of slots (i, i') needs i' + 1 inputs in use
+        unary_blend = np.where(
+            n_used[:, None, None] >= needed, 0.5 * (U[:, :, first] + U[:, :, second]) - _MIX_BONUS, np.inf
+        )
+        U = np.concatenate([U, unary_blend], axis=2)
+    tic = time.perf_counter()
+    labels = _cut(U, pairwise, beta_n, grid, solver)
+    stats["gc_seconds"] += time.perf_counter() - tic
+    stats["gc_calls"] += 1
+    W = np.zeros((a, n, m))
+    np.put_along_axis(W, order[:, None, :k], vectors[labels], axis=2)
+    return W
+
+
+def _solve_partitions(
+    s_grid,
+    A,
+    lam,
+    z0,
+    sizes,
+    *,
+    beta,
+    gamma,
+    eta,
+    tau,
+    thres_type,
+    n_iter,
+    set_resolve,
+    mixed_labels,
+    solver,
+    log=False,
+):
+    """Algorithm 1 on P padded partitions at once.
+
+    s_grid: (P, m, n) normalised saliency; A: (P, m, m); lam: (P, m); z0: (P, m, n) initial input
+    index of each cell; sizes: (P,) real inputs per partition (slots >= size are padding).
+    Returns source weights W (P, m', n, m) with m' = m (padding outputs are zero) and the log.
+    """
+    P, m, n = s_grid.shape
+    grid = math.isqrt(n)
+    beta_n, gamma_n, eta_n, threshold = beta / n, gamma / n, eta / n, tau * n
+    real = np.arange(m)[None, :] < sizes[:, None]
+    cost = np.where(
+        real[:, None, :], -s_grid.transpose(0, 2, 1) - eta_n * np.log(lam + 1e-8)[:, None, :], 0.0
+    )
+    unary_base = np.where(real[:, None, :], cost, np.inf)
+    W = np.eye(m)[z0] * real[:, :, None, None]
+    o = W.sum(2)
+    total = o.sum(1)
+    R = np.zeros((P, m, m))
+    done = np.zeros(P, bool)
+    energies = [_energy(W, cost, A, grid, beta_n, gamma_n, threshold, "none")]
+    trace, stats, sweeps = [], {"gc_seconds": 0.0, "gc_calls": 0}, 0
+    for t in range(n_iter):
+        if done.all():
+            break
+        sweeps += 1
+        mixed = mixed_labels and t > 0
+        for j in range(m):
+            act = np.flatnonzero(~done & (j < sizes))
+            if act.size == 0:
+                continue
+            others = total[act] - o[act, j]
+            u = 2.0 * gamma_n * _diversity_cost(A[act], others, threshold, thres_type) + gamma_n * R[act, j]
+            z_j = _label_step(unary_base[act] + u[:, None, :], o[act, j], grid, beta_n, solver, mixed, stats)
+            W[act, j] = z_j
+            o_j = z_j.sum(1)
+            total[act] += o_j - o[act, j]
+            o[act, j] = o_j
+            if log:
+                trace.append(_energy(W, cost, A, grid, beta_n, gamma_n, threshold, thres_type))
+        if set_resolve and t == n_iter - 2:
+            R = _resolve(o)
+        energies.append(_energy(W, cost, A, grid, beta_n, gamma_n, threshold, "none"))
+        done |= np.abs(energies[-1] - energies[-2]) < 1e-6 * np.abs(energies[-1])
+    info = None
+    if log:
+        info = {"energy": np.stack(energies), "trace": np.stack(trace), "sweeps": sweeps, **stats}
+    return W, info
+
+
+def objective(
+    masks,
+    saliency_grid,
+    lam,
+    A,
+    beta: float = 0.32,
+    gamma: float = 1.0,
+    eta: float = 0.05,
+    tau: float = 0.83,
+    thres_type: str = "none",
+):
+    """Energy f(z) of one partition (module docstring), in the units of normalised saliency.
+
+    masks: (..., m', g, g, m) source weights z (leading dims are independent labelings);
+    saliency_grid: (m, g, g) pooled saliency, normalised; lam: (m,) prior; A: (m, m).
+    Returns a float, or an array of the leading shape.
+    """
+    _check_choice("thres_type", thres_type, THRES_TYPES)
+    W = np.asarray(masks, dtype=np.float64)
+    m_out, g, _, m = W.shape[-4:]
+    lead = W.shape[:-4]
+    n = g * g
+    cost = -np.asarray(saliency_grid, dtype=np.float64).reshape(m, n).T - eta / n * np.log(
+        np.asarray(lam) + 1e-8
+    )
+    W = W.reshape(-1, m_out, n, m)
+    f = _energy(
+        W,
+        np.broadcast_to(cost, (len(W), n, m)),
+        np.broadcast_to(np.asarray(A, float), (len(W), m, m)),
+        g,
+        beta / n,
+        gamma / n,
+        tau * n,
+        thres_type,
+    )
+    return float(f[0]) if not lead else f.reshape(lead)
+
+
+def comixup_masks(
+    saliency_grid,
+    A,
+    lam,
+    beta: float = 0.32,
+    gamma: float = 1.0,
+    eta: float = 0.05,
+    tau: float = 0.83,
+    thres_type: str = "hard",
+    n_iter: int = 4,
+    set_resolve: bool = True,
+    mixed_labels: bool = True,
+    solver: str = "gco_swap",
+    rng=None,
+    log: bool = False,
+):
+    """Algorithm 1 on one partition: masks (m', g, g, m) minimising `objective` (approximately).
+
+    saliency_grid: (m, g, g) pooled, normalised saliency; A: (m, m) compatibility; lam: (m,) the
+    Dirichlet draw. The start is iid uniform one-hot (from rng). With log=True also returns a dict:
+    `energy` (unclipped f before and after each sweep), `trace` (f with the clipping rule after each
+    output update), `sweeps`, `gc_calls` and `gc_seconds` (time inside the graph cuts).
+    """
+    _check_solver_args(thres_type, solver, mixed_labels, n_iter)
+    s = np.asarray(saliency_grid, dtype=np.float64)
+    m, g, _ = s.shape
+    rng = np.random.default_rng(rng)
+    z0 = rng.integers(0, m, size=(1, m, g * g))
+    W, info = _solve_partitions(
+        s.reshape(1, m, g * g),
+        np.asarray(A, float)[None],
+        np.asarray(lam, float)[None],
+        z0,
+        np.array([m]),
+        beta=beta,
+        gamma=gamma,
+        eta=eta,
+        tau=tau,
+        thres_type=thres_type,
+        n_iter=n_iter,
+        set_resolve=set_resolve,
+        mixed_labels=mixed_labels,
+        solver=solver,
+        log=log,
+    )
+    masks = W[0].reshape(m, g, g, m)
+    if not log:
+        return masks
+    info["energy"], info["trace"] = info["energy"][:, 0], info["trace"][:, 0]
+    return masks, info
+
+
+# ----------------------------------------------------------------------------------------------
+# batch transform
+
+
+def comixup(
+    x,
+    y_onehot,
+    saliency_maps,
+    beta: float = 0.32,
+    gamma: float = 1.0,
+    eta: float = 0.05,
+    tau: float = 0.83,
+    thres_type: str = "hard",
+    omega: float = 0.001,
+    alpha: float = 2.0,
+    grid: int = 4,
+    part: int = 20,
+    n_iter: int = 4,
+    set_resolve: bool = True,
+    mixed_labels: bool = True,
+    solver: str = "gco_swap",
+    rng=None,
+    log: bool = False,
+):
+    """Co-Mixup of a batch: x (B, C, H, W), y_onehot (B, K), saliency_maps (B, H, W) per-pixel saliency.
+
+    The batch is cut into ceil(B / part) near-equal partitions, each mixed into as many outputs by
+    `comixup_masks`. Returns (x_mixed (B, C, H, W), y_mixed (B, K), masks (B, g, g, B)) where
+    masks[j, :, :, i] is the weight of input i in the cells of output j (zero outside j's
+    partition) and y_mixed[j] = sum_i mean(masks[j, :, :, i]) y_onehot[i]. Outputs are torch
+    tensors on x's device when x is a tensor, numpy arrays otherwise. grid=-1 draws g from
+    {2, 4, 8, 16} (among those dividing H and W) at every call. With log=True a dict of solver
+    statistics (see `comixup_masks`, per partition) is returned fourth.
+    """
+    problem = _prepare(
+        x,
+        y_onehot,
+        saliency_maps,
+        beta=beta,
+        gamma=gamma,
+        eta=eta,
+        tau=tau,
+        thres_type=thres_type,
+        omega=omega,
+        alpha=alpha,
+        grid=grid,
+        part=part,
+        n_iter=n_iter,
+        set_resolve=set_resolve,
+        mixed_labels=mixed_labels,
+        solver=solver,
+        rng=rng,
+    )
+    W, info = _solve_partitions(*problem["arrays"], **problem["options"], log=log)
+    out = _mix(x, y_onehot, W, problem)
+    return (*out, info) if log else out
+
+
+def _prepare(
+    x,
+    y_onehot,
+    saliency_maps,
+    *,
+    beta,
+    gamma,
+    eta,
+    tau,
+    thres_type,
+    omega,
+    alpha,
+    grid,
+    part,
+    n_iter,
+    set_resolve,
+    mixed_labels,
+    solver,
+    rng,
+):
+    """Validate, pool saliency, split the batch into padded partitions and draw lambda and the start."""
+    _check_solver_args(thres_type, solver, mixed_labels, n_iter)
+    for name, value in (("beta", beta), ("gamma", gamma), ("eta", eta), ("tau", tau)):
+        _check_range(name, value, 0.0, math.inf)
+    _check_range("omega", omega, 0.0, 1.0)
+    if not alpha > 0:
+        raise ValueError(f"alpha={alpha}: must be > 0")
+    if not (isinstance(part, int | np.integer) and part >= 2):
+        raise ValueError(f"part={part}: must be an integer >= 2")
+    if x.ndim != 4:
+        raise ValueError(f"x: shape {tuple(x.shape)}, expected (B, C, H, W)")
+    B, _, H, W = x.shape
+    if B < 2:
+        raise ValueError(f"x: batch of {B}; mixing needs at least 2 inputs")
+    y = _as_numpy(y_onehot)
+    if y.ndim != 2 or y.shape[0] != B or not (np.isin(y, (0, 1)).all() and (y.sum(1) == 1).all()):
+        raise ValueError(
+            f"y_onehot: must be one-hot of shape ({B}, K), got shape {tuple(y.shape)} "
+            "with rows that are not one-hot"
+        )
+    s = _as_numpy(saliency_maps).astype(np.float64, copy=False)
+    if s.shape != (B, H, W):
+        raise ValueError(f"saliency_maps: shape {tuple(s.shape)}, expected ({B}, {H}, {W})")
+    if not np.isfinite(s).all():
+        raise ValueError("saliency_maps: contains NaN or inf")
+    rng = np.random.default_rng(rng)
+    if grid == -1:
+        choices = [c for c in RANDOM_GRIDS if H % c == 0 and W % c == 0]
+        if not choices:
+            raise ValueError(f"grid=-1: none of {RANDOM_GRIDS} divides the image size {H}x{W}")
+        grid = int(rng.choice(choices))
+    if not (isinstance(grid, int | np.integer) and grid >= 1 and H % grid == 0 and W % grid == 0):
+        raise ValueError(f"grid={grid}: must be a positive divisor of the image size {H}x{W}, or -1")
+    n = grid * grid
+    chunks = np.array_split(np.arange(B), math.ceil(B / part))
+    sizes = np.array([len(c) for c in chunks])
+    index = np.full((len(chunks), sizes.max()), -1)
+    for p, chunk in enumerate(chunks):
+        index[p, : len(chunk)] = chunk
+    real = index >= 0
+    s_grid = pool_saliency(s, grid).reshape(B, n)[index] * real[:, :, None]
+    A = _compatibility_from_locations(salient_locations(s)[index], real, omega)
+    gammas = rng.gamma(alpha, size=real.shape) * real
+    lam = gammas / gammas.sum(1, keepdims=True)
+    z0 = rng.integers(0, sizes[:, None, None], size=(*real.shape, n))
+    options = dict(
+        beta=beta,
+        gamma=gamma,
+        eta=eta,
+        tau=tau,
+        thres_type=thres_type,
+        n_iter=n_iter,
+        set_resolve=set_resolve,
+        mixed_labels=mixed_labels,
+        solver=solver,
+    )
+    return {"arrays": (s_grid, A, lam, z0, sizes), "options": options, "index": index, "grid": grid}
+
+
+def _mix(x, y_onehot, W, problem):
+    """Cell-wise mixing from the partition weights W (P, m', n, m): x_j = sum_i Z[j,i] * x_i.
+
+    A cell draws on at most two inputs, so the mix is two gathers instead of a B x B product. CPU
+    data is mixed in numpy (single-threaded: torch's small-op threading stalls on a busy machine).
+    Returns (x_mixed, y_mixed, masks (B, g, g, B)) in the type (and device) of x.
+    """
+    index, g = problem["index"], problem["grid"]
+    B, C, H, Wd = x.shape
+    n = g * g
+    out_rows = index.ravel() >= 0
+    top2 = np.argsort(W, axis=-1)[..., -2:]  # (P, m', n, 2) partition slots of the two largest weights
+    weights = np.take_along_axis(W, top2, axis=-1).reshape(-1, n, 2)[out_rows]
+    sources = index[np.arange(len(index))[:, None, None, None], top2].reshape(-1, n, 2)[out_rows]
+    targets = index.ravel()[out_rows]
+    order = np.argsort(targets)  # outputs back in batch order
+    sources, weights = sources[order], weights[order]
+    sources[..., 0] = np.where(weights[..., 0] > 0, sources[..., 0], sources[..., 1])  # no padding index
+    masks = np.zeros((B, n, B), np.float32)
+    for p, row in enumerate(index):
+        m = int((row >= 0).sum())
+        masks[np.ix_(row[:m], np.arange(n), row[:m])] = W[p, :m, :, :m]
+    on_device = isinstance(x, torch.Tensor) and x.device.type != "cpu"
+    xs = x if on_device else _as_numpy(x)
+    cells = _permute(xs.reshape(B, C, g, H // g, g, Wd // g), (0, 2, 4, 1, 3, 5)).reshape(B, n, -1)
+    if on_device:
+        sources, weights = (torch.from_numpy(a).to(x.device) for a in (sources, weights.astype(np.float32)))
+        weights = weights.to(x.dtype)
+    else:
+        weights = weights.astype(xs.dtype)
+    cell_idx = np.arange(n)[None, :]
+    mixed = (
+        weights[..., :1] * cells[sources[..., 0], cell_idx]
+        + weights[..., 1:] * cells[sources[..., 1], cell_idx]
+    )
+    x_mixed = _permute(mixed.reshape(B, g, g, C, H // g, Wd // g), (0, 3, 1, 4, 2, 5)).reshape(B, C, H, Wd)
+    y_mixed = masks.mean(1) @ _as_numpy(y_onehot).astype(np.float32)
+    masks = masks.reshape(B, g, g, B)
+    if not isinstance(x, torch.Tensor):
+        return x_mixed, y_mixed, masks
+    if not on_device:
+        x_mixed = torch.from_numpy(x_mixed)
+    return x_mixed, torch.from_numpy(y_mixed).to(x.device), torch.from_numpy(masks).to(x.device)
+
+
+def _permute(a, axes):
+    return a.permute(*axes) if isinstance(a, torch.Tensor) else a.transpose(axes)
+
+
+class ComixupPool:
+    """Co-Mixup with the partitions solved in worker processes, off the training thread.
+
+    `submit(x, y_onehot, saliency_maps, **comixup_kwargs)` validates and draws the randomness in the
+    caller (so results do not depend on the number of workers), sends each worker a share of the
+    partitions (small grid arrays only) and returns at once; `.result()` on the returned handle waits
+    and mixes, giving what `comixup` gives. The caller can meanwhile run other work, e.g. the weight
+    backward of the clean loss. Use as a context manager or call `close()`.
+    """
+
+    def __init__(self, workers: int = 2):
+        if not (isinstance(workers, int) and workers >= 1):
+            raise ValueError(f"workers={workers}: must be an integer >= 1")
+        self.workers = workers
+        self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+
+    def submit(self, x, y_onehot, saliency_maps, rng=None, **kwargs) -> _PendingMix:
+        defaults = {k: p.default for k, p in inspect.signature(comixup).parameters.items() if k in OPTIONS}
+        unknown = set(kwargs) - set(defaults)
+        if unknown:
+            raise ValueError(f"unknown comixup option(s) {sorted(unknown)}; allowed: {sorted(defaults)}")
+        problem = _prepare(x, y_onehot, saliency_maps, **{**defaults, **kwargs}, rng=rng)
+        arrays = problem["arrays"]
+        shares = np.array_split(np.arange(len(arrays[-1])), min(self.workers, len(arrays[-1])))
+        futures = [
+            self._executor.submit(_solve_partitions, *(a[share] for a in arrays), **problem["options"])
+            for share in shares
+        ]
+        return _PendingMix(x, y_onehot, problem, futures)
+
+    def close(self):
+        self._executor.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _PendingMix:
+    def __init__(self, x, y_onehot, problem, futures: list[Future]):
+        self._args, self._futures = (x, y_onehot, problem), futures
+
+    def result(self):
+        W = np.concatenate([f.result()[0] for f in self._futures])
+        return _mix(*self._args[:2], W, self._args[2])
+
+
+# ----------------------------------------------------------------------------------------------
+# argument checks
+
+
+def _as_numpy(a) -> np.ndarray:
+    return a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+
+
+def _check_range(name, value, lo, hi):
+    if not (isinstance(value, int | float | np.floating | np.integer) and lo <= value <= hi):
+        raise ValueError(f"{name}={value}: must be a number in [{lo}, {hi}]")
+
+
+def _check_choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
+
+
+def _check_solver_args(thres_type, solver, mixed_labels, n_iter):
+    _check_choice("thres_type", thres_type, THRES_TYPES)
+    _check_choice("solver", solver, SOLVERS)
+    if solver == "gco_expansion" and mixed_labels:
+        raise ValueError(
+            "solver='gco_expansion' needs mixed_labels=False: the squared-distance costs of "
+            "blended labels are not a metric, and gco aborts the process on a non-metric expansion"
+        )
+    if not (isinstance(n_iter, int | np.integer) and n_iter >= 1):
+        raise ValueError(f"n_iter={n_iter}: must be an integer >= 1")

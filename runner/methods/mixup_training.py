@@ -1,0 +1,156 @@
+"""The mixup family in training: `MixupHooks` plugs the batch transforms of `runner.methods.mixup`
+and `runner.methods.comixup` into `runner.train.fit` (the hook protocol of `runner.train`).
+
+One step, as in the Co-Mixup / Puzzle Mix code:
+1. clean pass (when `clean_lam` > 0 or the method needs saliency): forward the clean batch, take
+   the gradient of L_clean = c * CE (c = 2 clean_lam / K with the BCE loss, clean_lam with CE) with
+   respect to the input (the saliency) and to the weights, in one backward. The weight gradient is
+   kept and enters the step through the loss hook. With clean_lam = 0 the saliency comes from an
+   eval-mode pass and no weight gradient is kept.
+2. mix the batch under no_grad (Co-Mixup optionally in a `ComixupPool`);
+3. loss on the mixed batch: soft-target CE, or BCE(softmax(logits), y~) averaged over B*K (`bce`,
+   the authors' choice), plus the clean term.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
+from runner.methods.comixup import ComixupPool, comixup
+from runner.methods.mixup import cutmix, default_mixup_layers, input_mixup, manifold_mixup, puzzle_mix
+from runner.train import soft_cross_entropy
+
+SALIENCY_METHODS = ("comixup", "puzzle_mix")
+PUZZLE_KEYS = ("alpha", "beta", "gamma", "eta", "n_labels", "grid", "transport", "t_eps")
+
+
+def mixed_loss(logits: torch.Tensor, target: torch.Tensor, kind: str = "ce") -> torch.Tensor:
+    """`ce`: -sum_k y_k log softmax_k, batch mean. `bce`: BCE(softmax(logits), y) over all B*K entries
+    (log clamped at -100 as torch's BCE; written out because torch's BCE refuses autocast)."""
+    if kind == "ce":
+        return soft_cross_entropy(logits, target)
+    p = logits.float().softmax(1)
+    log_p, log_q = torch.log(p).clamp(min=-100), torch.log1p(-p).clamp(min=-100)
+    return -(target * log_p + (1 - target) * log_q).mean()
+
+
+class MixupHooks:
+    """Hooks for `fit`: `transform` mixes the batch (after the clean pass), `loss` scores it."""
+
+    def __init__(self, cfg, num_classes: int, ctx, seed: int):
+        self.cfg, self.num_classes, self.ctx = cfg, num_classes, ctx
+        self.rng = np.random.default_rng(seed)
+        workers = cfg.get("workers", 0)
+        self.pool = ComixupPool(workers) if cfg.name == "comixup" and workers > 0 else None
+        self._clean = None  # (loss value, [(param, grad)]) of the current step's clean pass
+        self._preview = False
+
+    def on_epoch_start(self, epoch, model, data):
+        # a fresh network's saliency is flat (Co-Mixup then keeps single sources): redraw each epoch
+        self._preview = bool(self.cfg.preview) and self.ctx.is_main and self.cfg.name != "manifold_mixup"
+
+    def transform(self, x, y_soft, idx, model):
+        saliency_maps = self._clean_pass(model, x, y_soft)
+        with torch.no_grad():
+            x_mix, y_mix = self._mix(x, y_soft, saliency_maps)
+        if self._preview:
+            self._preview = False
+            path = save_mixup_preview(x_mix, y_mix, Path(self.ctx.dir) / "mixup_preview.png", self.cfg.name)
+            self.ctx.tracker.image("mixup_preview", path)
+        return x_mix, y_mix
+
+    def loss(self, model, x, y_soft, idx, epoch):
+        if self.cfg.name == "manifold_mixup":
+            layers = default_mixup_layers(getattr(model, "module", model))  # DDP wraps the model
+            logits, y_soft = manifold_mixup(model, x, y_soft, self.cfg.alpha, layers, rng=self.rng)
+        else:
+            logits = model(x)
+        loss = mixed_loss(logits, y_soft, self.cfg.loss)
+        if self._clean is not None:  # add the kept clean-pass gradient: d/dp sum(p * g) = g
+            value, pairs = self._clean
+            self._clean = None
+            surrogate = sum((p * g).sum() for p, g in pairs)
+            loss = loss + (surrogate - surrogate.detach()) + value
+        return loss
+
+    def _clean_pass(self, model, x, y_soft):
+        """Saliency (B, H, W) of the clean batch when the method needs it; keeps the clean gradient."""
+        needs_saliency = self.cfg.name in SALIENCY_METHODS
+        lam = self.cfg.clean_lam
+        if lam == 0 and not needs_saliency:
+            return None
+        was_training = model.training
+        if lam == 0:
+            model.eval()
+        x = x.detach().requires_grad_(needs_saliency)
+        ce = soft_cross_entropy(model(x), y_soft)
+        wrt = [x] if needs_saliency else []
+        if lam > 0:
+            params = [p for p in model.parameters() if p.requires_grad]
+            clean = ce * (2 * lam / self.num_classes if self.cfg.loss == "bce" else lam)
+            grads = torch.autograd.grad(clean, wrt + params, allow_unused=True)
+            self._clean = (
+                clean.detach(),
+                [(p, g) for p, g in zip(params, grads[len(wrt) :]) if g is not None],
+            )
+        else:
+            grads = torch.autograd.grad(ce, wrt)
+        model.train(was_training)
+        return grads[0].pow(2).mean(1).sqrt() if needs_saliency else None
+
+    def _mix(self, x, y_soft, saliency_maps):
+        cfg, name = self.cfg, self.cfg.name
+        if name == "input_mixup":
+            return input_mixup(x, y_soft, cfg.alpha, rng=self.rng)
+        if name == "cutmix":
+            return cutmix(x, y_soft, cfg.alpha, rng=self.rng)
+        if name == "manifold_mixup":  # mixed inside the forward, in `loss`
+            return x, y_soft
+        if name == "puzzle_mix":
+            return puzzle_mix(x, y_soft, saliency_maps, **{k: cfg[k] for k in PUZZLE_KEYS}, rng=self.rng)
+        kwargs = {k: cfg[k] for k in COMIXUP_OPTIONS}
+        if self.pool is not None:
+            x_mix, y_mix, _ = self.pool.submit(x, y_soft, saliency_maps, rng=self.rng, **kwargs).result()
+        else:
+            x_mix, y_mix, _ = comixup(x, y_soft, saliency_maps, rng=self.rng, **kwargs)
+        return x_mix, y_mix.to(y_soft.dtype)
+
+    def state_dict(self):
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state):
+        self.rng.bit_generator.state = state["rng"]
+
+
+def save_mixup_preview(
+    x: torch.Tensor, y: torch.Tensor, path: Path, title: str = "", count: int = 16
+) -> Path:
+    """PNG grid of the first `count` mixed images, each titled with its label weights (class:weight)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    images = x[:count].detach().float().cpu()
+    weights = y[:count].detach().float().cpu()
+    cols = min(8, len(images))
+    rows = -(-len(images) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.8 * rows), squeeze=False)
+    for ax in axes.ravel():
+        ax.axis("off")
+    for ax, image, w in zip(axes.ravel(), images, weights):
+        lo, hi = image.min(), image.max()
+        image = ((image - lo) / (hi - lo + 1e-12)).permute(1, 2, 0).numpy()
+        ax.imshow(image[..., 0] if image.shape[-1] == 1 else image, cmap="gray", vmin=0, vmax=1)
+        top = torch.argsort(w, descending=True)[:3]
+        ax.set_title(" ".join(f"{int(k)}:{w[k]:.2f}" for k in top if w[k] > 0.005), fontsize=7)
+    fig.suptitle(f"{title} mixed batch (class:label weight)", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,553 @@
+"""Co-Mixup solver, saliency, compatibility and transform, against brute force and closed forms."""
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runner.data.canvas import box_iou, box_masks, cam_boxes, canvas_metrics, expected_calibration_error
+from runner.methods import comixup as cm
+from runner.methods.comixup import (
+    ComixupPool,
+    comixup,
+    comixup_masks,
+    compatibility,
+    grid_cut,
+    objective,
+    pool_saliency,
+    saliency,
+)
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def blob_saliency(rng, m, size=16, sigma=2.0):
+    """One Gaussian blob per map at a random position: saliency that really mixes."""
+    yy, xx = np.mgrid[:size, :size]
+    cy, cx = rng.uniform(0, size, (2, m))
+    return np.exp(
+        -((yy[None] - cy[:, None, None]) ** 2 + (xx[None] - cx[:, None, None]) ** 2) / (2 * sigma**2)
+    )
+
+
+def problem(seed, m, grid, size=16):
+    rng = np.random.default_rng(seed)
+    s = blob_saliency(rng, m, size)
+    return pool_saliency(s, grid), compatibility(s), rng.dirichlet(2.0 * np.ones(m))
+
+
+def batch(seed, B, size=12, K=5, channels=3):
+    rng = np.random.default_rng(seed)
+    x = torch.from_numpy(rng.random((B, channels, size, size)).astype(np.float32))
+    y = torch.nn.functional.one_hot(torch.from_numpy(rng.integers(0, K, B)), K).float()
+    return x, y, blob_saliency(rng, B, size)
+
+
+def all_one_hot_masks(m_out, g, m):
+    """Every one-hot labeling of m_out outputs on a g x g grid: (m^(m_out g^2), m_out, g, g, m)."""
+    labels = np.array(list(itertools.product(range(m), repeat=m_out * g * g)))
+    return np.eye(m)[labels].reshape(-1, m_out, g, g, m)
+
+
+def input_counts(masks):
+    return (masks.sum((1, 2)) > 0).sum(1)
+
+
+def overlap(masks):
+    """sum_{j != j'} o~_j^T o~_j' / m with o~ the normalised source histograms (1 - paper's diversity)."""
+    o = masks.sum((1, 2))
+    o = o / o.sum(1, keepdims=True)
+    gram = o @ o.T
+    return (gram.sum() - np.trace(gram)) / len(o)
+
+
+# 1-2: shapes, partition, labels by area -------------------------------------------------------
+
+
+@pytest.mark.parametrize("B", [2, 7, 23])
+def test_masks_partition_each_cell_and_labels_equal_area(B):
+    x, y, s = batch(B, B)
+    grid = 4
+    x_mix, y_mix, masks = comixup(x, y, s, grid=grid, part=10, rng=0)
+    assert x_mix.shape == x.shape and y_mix.shape == y.shape and masks.shape == (B, grid, grid, B)
+    M = masks.numpy()
+    assert M.min() >= 0 and np.allclose(M.sum(-1), 1, atol=1e-6)
+    assert np.isin(M, (0, 0.5, 1)).all()
+    # sources stay inside each output's partition (near-equal chunks of <= 10)
+    chunks = np.array_split(np.arange(B), -(-B // 10))
+    block = np.zeros((B, B), bool)
+    for c in chunks:
+        block[np.ix_(c, c)] = True
+    assert (M.sum((1, 2))[~block] == 0).all()
+    # Z = nearest-neighbour upsampling of the masks: constant on blocks, x~ = sum_i Z_i x_i
+    Z = M.repeat(3, axis=1).repeat(3, axis=2)  # (B, H, W, B)
+    assert np.allclose(x_mix.numpy(), np.einsum("jhwi,ichw->jchw", Z, x.numpy()), atol=1e-6)
+    # label weights = pixel fraction of each source, summing to 1
+    assert np.allclose(y_mix.numpy(), Z.mean((1, 2)) @ y.numpy(), atol=1e-6)
+    assert np.allclose(y_mix.sum(1).numpy(), 1, atol=1e-6)
+
+
+def test_one_hot_masks_without_mixed_labels_and_identical_inputs_are_unchanged():
+    x, y, s = batch(1, 8)
+    _, _, masks = comixup(x, y, s, grid=4, mixed_labels=False, rng=0)
+    assert np.isin(masks.numpy(), (0, 1)).all()
+    x_same = x[:1].repeat(8, 1, 1, 1)
+    x_mix, _, masks = comixup(x_same, y, s, grid=4, rng=0)
+    assert torch.allclose(x_mix, x_same, atol=1e-6)
+    assert (masks.sum((1, 2)) > 0).sum(1).float().mean() > 1  # the masks did mix, the images could not
+
+
+def test_numpy_in_numpy_out_and_same_values_as_torch():
+    x, y, s = batch(2, 10)
+    out_t = comixup(x, y, s, grid=4, rng=3)
+    out_n = comixup(x.numpy(), y.numpy(), s, grid=4, rng=3)
+    for a, b in zip(out_t, out_n):
+        assert isinstance(b, np.ndarray) and np.allclose(a.numpy(), b)
+
+
+# 3: modular identity -------------------------------------------------------------------------
+
+
+def random_labeling(rng, m_out, n, m):
+    """Random valid z: each cell one input or a half/half blend of two."""
+    z = np.zeros((m_out, n, m))
+    for j, k in itertools.product(range(m_out), range(n)):
+        a, b = rng.choice(m, 2, replace=False)
+        if rng.random() < 0.5:
+            z[j, k, a] = 1
+        else:
+            z[j, k, [a, b]] = 0.5
+    return z
+
+
+def output_energy(z_j, unary, beta_n, g):
+    """E_j(z_j) = sum_k U_k^T z_j[k] + beta' sum_{neighbours} 1/2 |z_j[k] - z_j[k']|^2 (independent code)."""
+    cells = z_j.reshape(g, g, -1)
+    smooth = ((cells[1:] - cells[:-1]) ** 2).sum() + ((cells[:, 1:] - cells[:, :-1]) ** 2).sum()
+    return (unary * z_j).sum() + 0.5 * beta_n * smooth
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_exact_modular_identity_unclipped(seed):
+    rng = np.random.default_rng(seed)
+    m, g = 5, 3
+    n = g * g
+    s_grid, A, lam = problem(seed, m, g, size=12)
+    A = A + 0.05 * (np.ones((m, m)) - np.eye(m))  # a visibly non-identity A
+    beta, gamma, eta = 0.5, 1.3, 0.2
+    z = random_labeling(rng, m, n, m)
+    j = int(rng.integers(m))
+    z_new = z.copy()
+    z_new[j] = random_labeling(rng, 1, n, m)[0]
+    others = z.sum(1).sum(0) - z[j].sum(0)
+    unary = -s_grid.reshape(m, n).T - eta / n * np.log(lam + 1e-8) + 2 * gamma / n * A @ others
+    f = [
+        objective(w.reshape(m, g, g, m), s_grid, lam, A, beta, gamma, eta, thres_type="none")
+        for w in (z, z_new)
+    ]
+    e = [output_energy(w[j], unary, beta / n, g) for w in (z, z_new)]
+    assert f[1] - f[0] == pytest.approx(e[1] - e[0], rel=1e-10, abs=1e-12)
+
+
+# 4: monotone descent -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_monotone_descent_with_exact_steps(seed):
+    s_grid, A, lam = problem(seed, 4, 3, size=12)
+    _, info = comixup_masks(
+        s_grid,
+        A,
+        lam,
+        thres_type="none",
+        mixed_labels=False,
+        set_resolve=False,
+        solver="brute",
+        n_iter=4,
+        gamma=2.0,
+        rng=seed,
+        log=True,
+    )
+    path = np.concatenate([info["energy"][:1], info["trace"]])
+    assert len(info["trace"]) >= 8
+    assert (np.diff(path) <= 1e-12).all()
+
+
+# 5: gamma = 0 --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gamma_zero_gives_identical_outputs_at_the_single_output_optimum(seed):
+    m, g = 3, 3
+    s_grid, A, lam = problem(seed, m, g, size=12)
+    masks = comixup_masks(s_grid, A, lam, gamma=0.0, mixed_labels=False, solver="brute", rng=seed)
+    assert (masks == masks[:1]).all()
+    candidates = all_one_hot_masks(1, g, m)
+    energies = objective(candidates, s_grid, lam, A, gamma=0.0)
+    best = candidates[np.argmin(energies), 0]
+    assert np.array_equal(masks[0], best)
+
+
+def test_gamma_zero_special_cases_are_per_cell_argmins():
+    m, g = 20, 4
+    s_grid, A, lam = problem(0, m, g)
+    flat = s_grid.reshape(m, -1)
+    masks = comixup_masks(s_grid, A, lam, beta=0.0, gamma=0.0, eta=0.0, mixed_labels=False, rng=0)
+    assert np.array_equal(masks.reshape(m, -1, m).argmax(-1), np.broadcast_to(flat.argmax(0), (m, g * g)))
+    eta = 3.0
+    masks = comixup_masks(s_grid, A, lam, beta=0.0, gamma=0.0, eta=eta, mixed_labels=False, rng=0)
+    expected = (-flat - eta / g**2 * np.log(lam + 1e-8)[:, None]).argmin(0)
+    assert np.array_equal(masks.reshape(m, -1, m).argmax(-1), np.broadcast_to(expected, (m, g * g)))
+
+
+# 6: the graph cut on one output --------------------------------------------------------------
+
+
+def labeling_energy(labels, unary, pairwise, w):
+    g = unary.shape[0]
+    lab = labels.reshape(g, g)
+    flat = unary.reshape(g * g, -1)[np.arange(g * g), lab.ravel()].sum()
+    return flat + w * (pairwise[lab[1:], lab[:-1]].sum() + pairwise[lab[:, 1:], lab[:, :-1]].sum())
+
+
+@pytest.mark.parametrize("solver", ["gco_swap", "gco_expansion"])
+def test_two_label_cut_is_exact_and_more_labels_never_beat_brute_force(solver):
+    rng = np.random.default_rng(0)
+    exact = 0
+    for trial in range(60):
+        L = 2 if trial < 30 else int(rng.integers(3, 5))
+        unary = rng.normal(size=(3, 3, L))
+        pairwise = 1.0 - np.eye(L)
+        w = rng.uniform(0.1, 1.5)
+        e_cut = labeling_energy(grid_cut(unary, pairwise, w, solver), unary, pairwise, w)
+        e_bf = labeling_energy(grid_cut(unary, pairwise, w, "brute"), unary, pairwise, w)
+        if L == 2:
+            assert e_cut == pytest.approx(e_bf, abs=1e-5)
+        else:
+            assert e_cut >= e_bf - 1e-5
+            exact += abs(e_cut - e_bf) < 1e-5
+    assert exact >= 15  # a local minimum, but mostly the optimum on 3x3 grids
+
+
+def test_label_pruning_keeps_the_exact_optimum():
+    """Dropping dominated inputs from an output's label set keeps the brute-force optimum."""
+    rng = np.random.default_rng(1)
+    g, m = 3, 4
+    for _ in range(10):
+        peaks = rng.random((1, g * g, m)) ** 6  # peaked: most inputs dominated somewhere
+        U = -peaks + rng.random(m) * 0.2
+        pairwise = 1.0 - np.eye(m)
+        stats = {"gc_seconds": 0.0, "gc_calls": 0}
+        z = cm._label_step(U, np.ones((1, m)), g, 0.3, "brute", False, stats)[0]
+        full = grid_cut(U[0].reshape(g, g, m), pairwise, 0.3, "brute").ravel()
+        e_pruned = labeling_energy(z.argmax(1), U[0].reshape(g, g, m), pairwise, 0.3)
+        assert e_pruned == pytest.approx(
+            labeling_energy(full, U[0].reshape(g, g, m), pairwise, 0.3), abs=1e-12
+        )
+
+
+# 7: against joint brute force ----------------------------------------------------------------
+
+
+def clip_rule(A, usage, threshold):
+    """Hard clipping h(P) = A (P * [A P > threshold]) for usages (..., m)."""
+    q = usage @ A
+    return (usage * (q > threshold)) @ A
+
+
+def joint_energies(s_grid, lam, A, m_out, beta, gamma, tau):
+    """f of every one-hot joint labeling (eta = 0, hard clip), built from per-output parts:
+    returns (energies of shape (S,) * m_out, the S single-output masks (S, g, g, m))."""
+    m, g, _ = s_grid.shape
+    n = g * g
+    single = all_one_hot_masks(1, g, m)[:, 0]  # (S, g, g, m)
+    smooth = np.square(np.diff(single, axis=1)).sum((1, 2, 3)) + np.square(np.diff(single, axis=2)).sum(
+        (1, 2, 3)
+    )
+    local = -(single * s_grid.transpose(1, 2, 0)).sum((1, 2, 3)) + 0.5 * beta / n * smooth
+    o = single.sum((1, 2))
+    if m_out == 2:
+        cross = o @ clip_rule(A, o, tau * n).T
+        f = local[:, None] + local[None, :] + gamma / n * (cross + cross.T)
+    else:
+        pair = clip_rule(A, o[:, None, :] + o[None, :, :], tau * n)  # h(o_b + o_c)
+        f = local[:, None, None] + local[None, :, None] + local[None, None, :]
+        f = f + gamma / n * (
+            np.einsum("am,bcm->abc", o, pair)
+            + np.einsum("bm,acm->abc", o, pair)
+            + np.einsum("cm,abm->abc", o, pair)
+        )
+    return f, single
+
+
+@pytest.mark.parametrize("m,g", [(2, 2), (2, 3), (3, 2)])
+def test_against_joint_brute_force(m, g):
+    kwargs = dict(beta=0.32, gamma=1.0, eta=0.0, tau=0.83, thres_type="hard")
+    errors = []
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        s_grid = rng.random((m, g, g)) ** 4  # peaked cell saliency
+        s_grid /= s_grid.sum((1, 2), keepdims=True)
+        A = compatibility(blob_saliency(rng, m, 12), omega=0.05)
+        lam = rng.dirichlet(np.ones(m))
+        f_all, single = joint_energies(s_grid, lam, A, m, 0.32, 1.0, 0.83)
+        # the oracle and `objective` agree on random joint labelings
+        for idx in rng.integers(0, len(single), size=(5, m)):
+            assert objective(single[idx], s_grid, lam, A, **kwargs) == pytest.approx(
+                f_all[tuple(idx)], abs=1e-10
+            )
+        masks = comixup_masks(s_grid, A, lam, mixed_labels=False, rng=seed, **kwargs)
+        f_ours = objective(masks, s_grid, lam, A, **kwargs)
+        assert f_ours >= f_all.min() - 1e-9
+        errors.append((f_ours - f_all.min()) / (f_all.mean() - f_all.min()))  # 0: optimum, 1: random labeling
+    assert np.mean(errors) <= 0.25
+
+
+# 8-9: tau and gamma control mixing -----------------------------------------------------------
+
+
+def test_tau_controls_how_many_inputs_each_output_mixes():
+    m, g = 20, 4
+    counts, overlaps = [], []
+    for tau in (0.0, 0.5, 0.79, 0.83, 0.87, 1.0):
+        runs = [comixup_masks(*problem(seed, m, g), tau=tau, n_iter=6, rng=seed) for seed in range(3)]
+        counts.append(np.mean([input_counts(r).mean() for r in runs]))
+        overlaps.append(np.mean([overlap(r) for r in runs]))
+    # 6 sweeps: 4 do not always untangle the random start when every input is over-penalised (tau <= .5)
+    assert counts[0] <= 1.1 and counts[1] <= 1.1  # over-penalisation: singletons
+    assert all(a <= b + 1e-9 for a, b in zip(counts, counts[1:])), counts
+    assert 2.0 <= counts[3] <= 3.5 and counts[-1] > 5
+    assert overlaps[-1] > overlaps[3] > overlaps[0]  # diversity (1 - overlap) falls as tau rises
+
+
+def test_large_gamma_at_zero_threshold_spreads_inputs_over_outputs():
+    m, g = 20, 4
+    high = [comixup_masks(*problem(s, m, g), gamma=5.0, tau=0.0, rng=s) for s in range(4)]
+    zero = [comixup_masks(*problem(s, m, g), gamma=0.0, tau=0.0, rng=s) for s in range(4)]
+    permutations = sum(((r.sum((1, 2)) > 0).sum(0) == 1).all() for r in high)
+    assert permutations >= 3
+    assert np.mean([overlap(r) for r in high]) < 0.1 * np.mean([overlap(r) for r in zero])
+
+
+# 10: saliency and compatibility --------------------------------------------------------------
+
+
+def test_saliency_of_a_linear_softmax_model_is_exact():
+    torch.manual_seed(0)
+    B, C, H, W, K = 6, 3, 4, 4, 5
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(C * H * W, K)).double()
+    x = torch.rand(B, C, H, W, dtype=torch.float64)
+    y = torch.randint(0, K, (B,))
+    s, s_grid = saliency(model, x, y, grid=2)
+    weight, bias = model[1].weight.detach(), model[1].bias.detach()
+    probs = torch.softmax(x.flatten(1) @ weight.T + bias, 1)
+    grad = ((probs - torch.nn.functional.one_hot(y, K)) @ weight).reshape(B, C, H, W)
+    assert torch.allclose(s, grad.pow(2).mean(1).sqrt(), atol=1e-12)
+    assert torch.allclose(s_grid.sum((1, 2)), torch.ones(B, dtype=torch.float64))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_compatibility_is_symmetric_positive_definite():
+    rng = np.random.default_rng(0)
+    for m in (2, 5, 20):
+        A = compatibility(blob_saliency(rng, m, 32), omega=0.001)
+        assert np.allclose(A, A.T) and np.allclose(np.diag(A), 0.999)
+        assert np.linalg.eigvalsh(A).min() > 0
+        assert A.sum() == pytest.approx(0.999 * m + 0.001 * m)  # A_hat is scaled to sum m
+        for _ in range(50):  # supermodularity (Lemma 1): x'Ax + x''Ax'' >= 2 x'Ax''
+            u, v = rng.random((2, m)) * 16
+            assert u @ A @ u + v @ A @ v >= 2 * u @ A @ v - 1e-9
+    # objects far apart -> larger entry
+    s = np.zeros((3, 32, 32))
+    s[0, 0, 0] = s[1, 0, 12] = s[2, 31, 31] = 1
+    A = compatibility(s, omega=0.01)
+    assert A[0, 2] > A[0, 1] > 0
+
+
+def test_degenerate_saliency_gives_finite_results():
+    x, y, _ = batch(0, 10)
+    for s in (np.zeros((10, 12, 12)), np.ones((10, 12, 12))):  # zero maps; identical salient locations
+        A = compatibility(s)
+        assert np.isfinite(A).all() and np.allclose(A, 0.999 * np.eye(10))
+        assert np.isfinite(pool_saliency(s, 4)).all()
+        x_mix, y_mix, masks = comixup(x, y, s, grid=4, rng=0)
+        assert torch.isfinite(x_mix).all() and torch.isfinite(y_mix).all()
+        assert np.allclose(masks.sum(-1).numpy(), 1)
+
+
+# 11: determinism, pool, bad input ------------------------------------------------------------
+
+
+def test_same_seed_same_masks():
+    x, y, s = batch(4, 40, size=16)
+    a = comixup(x, y, s, rng=7)[2]
+    b = comixup(x, y, s, rng=7)[2]
+    c = comixup(x, y, s, rng=8)[2]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_worker_pool_gives_the_in_process_result():
+    x, y, s = batch(5, 60, size=16)
+    expected = comixup(x, y, s, part=20, rng=11)
+    with ComixupPool(workers=2) as pool:
+        pending = pool.submit(x, y, s, part=20, rng=11)
+        got = pending.result()
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+
+
+def test_defaults_match_the_paper():
+    import inspect
+
+    defaults = {k: p.default for k, p in inspect.signature(comixup).parameters.items()}
+    paper = dict(
+        beta=0.32,
+        gamma=1.0,
+        eta=0.05,
+        tau=0.83,
+        thres_type="hard",
+        omega=0.001,
+        alpha=2.0,
+        grid=4,
+        part=20,
+        n_iter=4,
+        set_resolve=True,
+        solver="gco_swap",
+    )
+    assert {k: defaults[k] for k in paper} == paper
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(grid=5), "grid=5"),
+        (dict(y="soft"), "one-hot"),
+        (dict(B=1), "batch of 1"),
+        (dict(s="nan"), "NaN"),
+        (dict(part=1), "part=1"),
+        (dict(tau=-0.1), "tau=-0.1"),
+        (dict(thres_type="clip"), "thres_type"),
+        (dict(solver="gco_expansion"), "mixed_labels=False"),
+        (dict(solver="bf"), "solver"),
+    ],
+)
+def test_bad_input_raises_a_clear_value_error(change, message):
+    change = dict(change)
+    x, y, s = batch(0, change.pop("B", 6))
+    if change.pop("y", None):
+        y = y * 0.9 + 0.02
+    if change.pop("s", None):
+        s[0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match=message):
+        comixup(x, y, s, **change)
+
+
+def test_expansion_and_brute_solvers_run_one_hot():
+    x, y, s = batch(0, 6, size=6)
+    for solver, grid in (("gco_expansion", 3), ("brute", 2)):
+        _, _, masks = comixup(x, y, s, grid=grid, part=3, mixed_labels=False, solver=solver, rng=0)
+        assert np.isin(masks.numpy(), (0, 1)).all() and np.allclose(masks.sum(-1).numpy(), 1)
+
+
+# digits_canvas, its metrics, the task wiring --------------------------------------------------
+
+
+def canvas_data(**overrides):
+    from omegaconf import OmegaConf
+
+    from runner.data import load_data
+
+    cfg = OmegaConf.merge(OmegaConf.load(CONF / "dataset" / "digits_canvas.yaml"), overrides)
+    return load_data(cfg, 0)
+
+
+def test_digits_canvas_places_each_digit_inside_its_box():
+    data = canvas_data()
+    assert (len(data.train), len(data.val), len(data.test)) == (1000, 0, 1594)
+    assert data.input_shape == (1, 24, 24) and data.num_classes == 10
+    for split in ("train", "test"):
+        x, boxes = getattr(data, split).x[:, 0].numpy(), data.meta["boxes"][split]
+        assert (boxes[:, 2:] - boxes[:, :2] == 8).all() and boxes.min() >= 0 and boxes.max() <= 24
+        inside = box_masks(boxes, 24)[:, 0].numpy().astype(bool)
+        assert x[~inside].max() <= 0.35  # background is U(0, 0.35) noise
+        assert (np.where(inside, x, 0).max((1, 2)) > 0.5).all()  # every box holds digit strokes
+    # the two test copies of a digit share the label, not the position
+    y = data.test.y.numpy()
+    assert (y[0::2] == y[1::2]).all() and (
+        data.meta["boxes"]["test"][0::2] != data.meta["boxes"]["test"][1::2]
+    ).any()
+
+
+def test_calibration_and_localisation_metrics_against_hand_computation():
+    probs = torch.tensor([[0.95, 0.05], [0.6, 0.4], [0.3, 0.7], [0.45, 0.55]])
+    labels = torch.tensor([0, 1, 1, 1])
+    # bins: 0.95 -> [0.9, 1) acc 1; 0.6 -> [0.6, 0.7) acc 0; 0.7 -> [0.7, 0.8) acc 1; 0.55 -> [0.5, 0.6) acc 1
+    expected = (abs(1 - 0.95) + abs(0 - 0.6) + abs(1 - 0.7) + abs(1 - 0.55)) / 4
+    assert expected_calibration_error(probs, labels) == pytest.approx(expected)
+    cam = np.zeros((1, 24, 24))
+    cam[0, 2:10, 5:13] = 1.0
+    cam[0, 20, 20] = 1.0  # a smaller separate blob: not the largest region
+    assert cam_boxes(cam, 0.5).tolist() == [[2, 5, 10, 13]]
+    assert box_iou(np.array([[0, 0, 8, 8]]), np.array([[4, 0, 12, 8]]))[0] == pytest.approx(1 / 3)
+
+
+def test_canvas_metrics_on_a_model_that_looks_at_the_box():
+    """A model whose evidence is the box itself localises perfectly and ignores the background."""
+    data = canvas_data(test_fraction=0.1)  # 360 test images: one batch for predict and the CAM
+    boxes = torch.from_numpy(data.meta["boxes"]["test"])
+
+    class BoxModel(torch.nn.Module):  # cheats: reads labels and boxes of the test split
+        classifier = torch.nn.Linear(1, 10, bias=False)
+
+        def feature_maps(self, x):
+            return box_masks(boxes[: len(x)].numpy(), 24).to(x.dtype)
+
+        def forward(self, x):
+            return 10 * torch.nn.functional.one_hot(data.test.y_clean[: len(x)], 10).float()
+
+    from runner.hardware import RunContext
+
+    model = BoxModel()
+    with torch.no_grad():
+        model.classifier.weight.fill_(1.0)
+    metrics = canvas_metrics(model, data, RunContext(torch.device("cpu"), Path("."), None))
+    assert metrics["test/err"] == 0 and metrics["test/err_bg_replace"] == 0 and metrics["test/loc_acc"] == 1
+    expected_ece = 1 - torch.softmax(torch.tensor([10.0] + [0.0] * 9), 0)[0].item()
+    assert metrics["test/ece"] == pytest.approx(expected_ece, rel=1e-3)
+
+
+def test_method_configs_match_the_paper_defaults():
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(CONF / "method" / "comixup.yaml")
+    paper = dict(beta=0.32, gamma=1.0, eta=0.05, tau=0.83, thres_type="hard", alpha=2.0, omega=0.001)
+    paper |= dict(grid=4, part=20, n_iter=4, set_resolve=True, clean_lam=1.0, solver="gco_swap", loss="bce")
+    assert {k: cfg.method[k] for k in paper} == paper
+    train = dict(epochs=300, batch_size=100, lr=0.2, nesterov=True, weight_decay=1e-4, milestones=[100, 200])
+    assert {k: cfg.train[k] for k in train} == train
+    from tasks.classify import METHODS
+
+    for name in ("comixup", "input_mixup", "manifold_mixup", "cutmix", "puzzle_mix"):
+        method = OmegaConf.load(CONF / "method" / f"{name}.yaml").method
+        METHODS[name](**method)  # every key known to the schema, in range
+    with pytest.raises(ValueError, match="method.tau"):
+        METHODS["comixup"](tau=-1.0)
+
+
+@pytest.mark.slow  # a subprocess importing torch and Hydra: 15 s on a quiet machine, a minute on a busy one
+def test_cli_one_epoch_of_comixup_on_digits_canvas(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    args = ["+method=comixup", "+experiment=comixup_digits_canvas", "train.epochs=1"]
+    args += ["dataset.test_fraction=0.9", f"hydra.run.dir={tmp_path}"]
+    command = [sys.executable, "-m", "runner.cli", *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("test/err", "test/ece", "test/loc_acc", "test/err_bg_replace", "test/err_bg_noise"):
+        assert 0 <= summary[key] <= 1
+    assert (tmp_path / "mixup_preview.png").stat().st_size > 0
