@@ -1,0 +1,57 @@
+"""`synthetic_hier`: a two-level Gaussian mixture, super-classes of sub-classes (the hierarchical-hash
+CPU study).
+
+Super-class means ~ N(0, super_std^2 I), class means = super mean + N(0, class_std^2 I), samples =
+class mean + N(0, noise_std^2 I) in R^dim; class c belongs to super-class c // n_sub. Split sizes are
+per class (`train_per_class`, `val_per_class`, `test_per_class`), so `val_fraction`/`test_fraction`
+do not apply. `meta["superclass"]` maps each class to its super-class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runner.data import Data, register_dataset, split_of
+from runner.schema import DatasetConfig, check_range
+
+
+@dataclass
+class SyntheticHierConfig(DatasetConfig):
+    n_super: int = 8
+    n_sub: int = 8
+    dim: int = 32
+    super_std: float = 2.0
+    class_std: float = 1.0
+    noise_std: float = 1.5
+    train_per_class: int = 100
+    val_per_class: int = 0
+    test_per_class: int = 30
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("dataset.n_super", self.n_super, 1)
+        check_range("dataset.n_sub", self.n_sub, 1)
+        check_range("dataset.dim", self.dim, 1)
+        for key in ("super_std", "class_std", "noise_std"):
+            check_range(f"dataset.{key}", getattr(self, key), 0.0)
+        check_range("dataset.train_per_class", self.train_per_class, 1)
+        check_range("dataset.val_per_class", self.val_per_class, 0)
+        check_range("dataset.test_per_class", self.test_per_class, 1)
+
+
+@register_dataset("synthetic_hier", schema=SyntheticHierConfig)
+def synthetic_hier(cfg, rng) -> Data:
+    num_classes = cfg.n_super * cfg.n_sub
+    super_means = rng.normal(scale=cfg.super_std, size=(cfg.n_super, cfg.dim))
+    superclass = np.arange(num_classes) // cfg.n_sub
+    class_means = super_means[superclass] + rng.normal(scale=cfg.class_std, size=(num_classes, cfg.dim))
+
+    def draw(per_class):
+        y = np.repeat(np.arange(num_classes), per_class)
+        x = class_means[y] + rng.normal(scale=cfg.noise_std, size=(len(y), cfg.dim))
+        return split_of(x.astype(np.float32), y)
+
+    train, val, test = (draw(n) for n in (cfg.train_per_class, cfg.val_per_class, cfg.test_per_class))
+    return Data(train, val, test, num_classes, input_shape=(cfg.dim,), meta={"superclass": superclass})

@@ -1,0 +1,667 @@
+r"""Hierarchically quantized hash codes learned by cascaded min-cost flow.
+
+Jeong, Kim & Song, "End-to-End Efficient Representation Learning via Cascading Combinatorial
+Optimization", CVPR 2019 (single-level special case: Jeong & Song, ICML 2018).
+
+A hash net outputs ``d*k`` activations, ``k`` levels of ``d``. An item's code is a path in a
+``d``-ary tree of depth ``k``: argmax at levels ``1..k-1`` and the top-``ks`` at level ``k``, so it
+lands in ``ks`` of ``d**k`` leaf buckets (Eq. 1). Training alternates per mini-batch between exact
+class-level codes (``assign_codes``, one min-cost flow per level, cascaded by ``cascade_codes``)
+and a metric-learning step measured on the code-active dimensions only (``hash_loss``).
+
+Per level, with class unaries ``c_p`` (``nc x d``), binary codes ``z_p`` with ``|z_p|_1 = s``,
+sibling groups ``r`` (classes whose codes agree at every earlier level), bucket loads
+``y_q = sum_p z_p[q]`` and group loads ``y_{r,q} = sum_{p in r} z_p[q]``, the energy is
+
+    E(z) = - sum_p c_p . z_p + alpha sum_r sum_q y_{r,q}(y_{r,q}-1)/2 + beta sum_q y_q(y_q-1)/2
+
+(alpha per pair of siblings sharing a child, beta per pair of classes sharing a bucket; the paper
+sums ordered pairs, ``alpha_paper = alpha / 2``). Theorem 1: E is minimized exactly by a min-cost
+flow on ``s -> a_p -> [b_{r,q}] -> b_q -> t`` whose convex parallel arcs price the i-th unit of
+load at ``i*alpha`` (group layer) and ``j*beta`` (bucket layer).
+
+Arrays in, arrays out; no Hydra, no files. The numpy parts (flow, buckets, index, metrics) and the
+torch parts (losses) share nothing but shapes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from scipy.sparse import csr_matrix
+
+BACKENDS = ("networkx", "ortools", "highs")
+LOSSES = ("triplet", "npairs")
+
+# Integer backends price arcs in units of 1/cost_scale. OR-tools' cost scaling needs
+# max|cost| * (n_nodes + 1) well inside int64; 2**56 leaves a 64x margin.
+_INT_COST_BUDGET = 2.0**56
+_MAX_COST_SCALE = 1e12
+
+
+# --------------------------------------------------------------------------------------------
+# Min-cost flow code assignment
+# --------------------------------------------------------------------------------------------
+
+
+class FlowNetwork(NamedTuple):
+    """Arc list of the network of Theorem 1.
+
+    Nodes: 0 = s, 1 = t, 2..nc+1 = a_p, then d bucket nodes b_q, then d nodes b_{r,q} per sibling
+    group of size >= 2. Arcs in order: nc source arcs, nc*d unary arcs (row-major over (p, q)),
+    sibling arcs, sink arcs.
+    """
+
+    tail: np.ndarray  # (n_arcs,) int
+    head: np.ndarray  # (n_arcs,) int
+    capacity: np.ndarray  # (n_arcs,) int
+    cost: np.ndarray  # (n_arcs,) float, in energy units
+    supply: np.ndarray  # (n_nodes,) int, +nc*s at s, -nc*s at t
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.supply)
+
+
+def _check_unary(unary) -> np.ndarray:
+    unary = np.asarray(unary, dtype=np.float64)
+    if unary.ndim != 2 or min(unary.shape) < 1:
+        raise ValueError(f"unary has shape {unary.shape}: must be a non-empty 2-D array (nc classes x d)")
+    if not np.isfinite(unary).all():
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(unary))[0])
+        raise ValueError(f"unary[{bad}]={unary[bad]}: unary must be finite (no NaN or inf)")
+    return unary
+
+
+def _check_problem(unary, sparsity, alpha, beta, groups):
+    unary = _check_unary(unary)
+    nc, d = unary.shape
+    if isinstance(sparsity, bool) or int(sparsity) != sparsity or not 1 <= sparsity <= d:
+        raise ValueError(f"sparsity={sparsity}: must be an integer in [1, d={d}]")
+    for name, value in (("alpha", alpha), ("beta", beta)):
+        if not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}={value}: must be finite and >= 0")
+    if groups is not None:
+        groups = np.asarray(groups)
+        if groups.shape != (nc,) or not np.issubdtype(groups.dtype, np.integer):
+            raise ValueError(
+                f"groups has shape {groups.shape} and dtype {groups.dtype}: "
+                f"must be one integer group id per class, shape ({nc},)"
+            )
+    return unary, int(sparsity), float(alpha), float(beta), groups
+
+
+def bundle_cap(n, sparsity, d, load_factor):
+    """Arcs kept in a bundle serving n classes: min(n, f * ceil(n * s / d) + 1); all if f is None."""
+    n = np.asarray(n)
+    if load_factor is None:
+        return n
+    return np.minimum(n, load_factor * -(-n * sparsity // d) + 1)
+
+
+def _convex_arcs(tails, heads, counts, unit_cost):
+    """``counts[i]`` parallel unit-capacity arcs ``tails[i] -> heads[i]`` costing 0, u, 2u, ..."""
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    index = np.arange(counts.sum()) - first
+    return np.repeat(tails, counts), np.repeat(heads, counts), np.ones(len(index), int), unit_cost * index
+
+
+def flow_network(unary, sparsity, alpha, beta, groups=None, load_factor=None) -> FlowNetwork:
+    """The min-cost-flow network whose optimum is the minimizer of ``code_energy``.
+
+    Arcs (capacity, cost): ``s->a_p`` (s, 0); ``a_p->b_{r,q}`` if p has siblings else
+    ``a_p->b_q`` (1, -c_p[q]); ``g_r`` parallel ``b_{r,q}->b_q`` (1, i*alpha), i < g_r;
+    ``nc`` parallel ``b_q->t`` (1, j*beta), j < nc. Size: ``V = nc + d(1 + #groups) + 2``,
+    ``E <= nc + 3*nc*d``. ``load_factor`` f keeps only the first ``bundle_cap(n, s, d, f)`` arcs
+    of each bundle of n parallel arcs (higher loads become infeasible); None keeps all (Theorem 1).
+    """
+    unary, sparsity, alpha, beta, groups = _check_problem(unary, sparsity, alpha, beta, groups)
+    nc, d = unary.shape
+    if groups is None:
+        groups = np.arange(nc)
+    _, group_of, group_size = np.unique(groups, return_inverse=True, return_counts=True)
+    sibling_groups = np.flatnonzero(group_size >= 2)
+    layer = np.full(len(group_size), -1)
+    layer[sibling_groups] = np.arange(len(sibling_groups))
+
+    a = 2 + np.arange(nc)
+    b = 2 + nc + np.arange(d)
+    b_group = 2 + nc + d + layer[:, None] * d + np.arange(d)  # (n_groups, d), valid where layer >= 0
+    unary_head = np.where((group_size[group_of] >= 2)[:, None], b_group[group_of], b[None, :])
+    parts = [
+        (np.zeros(nc, int), a, np.full(nc, sparsity), np.zeros(nc)),
+        (np.repeat(a, d), unary_head.ravel(), np.ones(nc * d, int), -unary.ravel()),
+        _convex_arcs(
+            b_group[sibling_groups].ravel(),
+            np.tile(b, len(sibling_groups)),
+            np.repeat(bundle_cap(group_size[sibling_groups], sparsity, d, load_factor), d),
+            alpha,
+        ),
+        _convex_arcs(b, np.ones(d, int), np.full(d, bundle_cap(nc, sparsity, d, load_factor)), beta),
+    ]
+    tail, head, capacity, cost = (np.concatenate(column) for column in zip(*parts))
+    supply = np.zeros(2 + nc + d * (1 + len(sibling_groups)), dtype=np.int64)
+    supply[0], supply[1] = nc * sparsity, -nc * sparsity
+    return FlowNetwork(tail.astype(np.int64), head.astype(np.int64), capacity.astype(np.int64), cost, supply)
+
+
+def _auto_cost_scale(net: FlowNetwork) -> float:
+    max_cost = max(float(np.abs(net.cost).max()), 1.0)
+    return min(
+        _MAX_COST_SCALE, 2.0 ** math.floor(math.log2(_INT_COST_BUDGET / (max_cost * (net.n_nodes + 1))))
+    )
+
+
+def _flow_networkx(net: FlowNetwork, int_cost: np.ndarray) -> np.ndarray:
+    import networkx as nx
+
+    graph = nx.MultiDiGraph()
+    # networkx's demand is the negated supply
+    graph.add_nodes_from((node, {"demand": -int(s)}) for node, s in enumerate(net.supply))
+    graph.add_edges_from(
+        (int(u), int(v), i, {"capacity": int(c), "weight": int(w)})
+        for i, (u, v, c, w) in enumerate(zip(net.tail, net.head, net.capacity, int_cost))
+    )
+    _, flow_dict = nx.network_simplex(graph)
+    return np.array(
+        [flow_dict[u][v][i] for i, (u, v) in enumerate(zip(net.tail.tolist(), net.head.tolist()))]
+    )
+
+
+def _flow_ortools(net: FlowNetwork, int_cost: np.ndarray) -> np.ndarray:
+    from ortools.graph.python import min_cost_flow
+
+    solver = min_cost_flow.SimpleMinCostFlow()
+    arcs = solver.add_arcs_with_capacity_and_unit_cost(net.tail, net.head, net.capacity, int_cost)
+    solver.set_nodes_supplies(np.arange(net.n_nodes), net.supply)
+    status = solver.solve()
+    if status != solver.OPTIMAL:
+        raise RuntimeError(f"OR-tools min-cost flow returned {status}")
+    return np.asarray(solver.flows(arcs))
+
+
+def _flow_highs(net: FlowNetwork) -> np.ndarray:
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
+    n_arcs = len(net.tail)
+    arc = np.arange(n_arcs)
+    # node-arc incidence: out-flow minus in-flow equals supply
+    incidence = coo_matrix(
+        (np.r_[np.ones(n_arcs), -np.ones(n_arcs)], (np.r_[net.tail, net.head], np.r_[arc, arc])),
+        shape=(net.n_nodes, n_arcs),
+    ).tocsr()
+    bounds = np.stack([np.zeros(n_arcs), net.capacity], axis=1)
+    res = linprog(net.cost, A_eq=incidence, b_eq=net.supply, bounds=bounds, method="highs-ds")
+    if res.status != 0:
+        raise RuntimeError(f"HiGHS failed on the flow LP: {res.message}")
+    flow = np.rint(res.x)
+    # totally unimodular constraints: a simplex vertex is integral
+    if np.abs(res.x - flow).max() > 1e-6:
+        raise RuntimeError(
+            f"HiGHS returned a fractional flow (max deviation {np.abs(res.x - flow).max():.2g})"
+        )
+    return flow.astype(np.int64)
+
+
+def _solve_flow(net: FlowNetwork, backend, cost_scale):
+    """Per-arc optimal flow, its cost in energy units, and the integer cost scale used."""
+    if backend == "highs":
+        flow = _flow_highs(net)
+        return flow, float(flow @ net.cost), None
+    scale = float(cost_scale) if cost_scale is not None else _auto_cost_scale(net)
+    int_cost = np.rint(net.cost * scale).astype(np.int64)
+    flow = _flow_ortools(net, int_cost) if backend == "ortools" else _flow_networkx(net, int_cost)
+    return flow, float(flow @ int_cost) / scale, scale
+
+
+def assign_codes(
+    unary, sparsity, alpha, beta, groups=None, backend="networkx", cost_scale=None, log=False
+) -> np.ndarray | tuple[np.ndarray, dict]:
+    r"""Exact minimizer of the per-level code energy (see ``code_energy``) by min-cost flow.
+
+    .. math::
+        z^* = \arg\min_{z \in \{0,1\}^{nc \times d},\ |z_p|_1 = s} E(z)
+
+    Parameters
+    ----------
+    unary : (nc, d) array
+        Class unaries ``c_p`` (class means of one level of hash activations).
+    sparsity : int
+        Active bits per class ``s`` (1 below the last level, ``ks`` at the last), ``1 <= s <= d``.
+    alpha, beta : float >= 0
+        Sibling penalty per pair of classes in one group sharing a bucket; orthogonality penalty
+        per pair of any classes sharing a bucket.
+    groups : (nc,) int array, optional
+        Sibling group id per class (equal ids = equal codes at all earlier levels); ``None`` means
+        no siblings (level 1).
+    backend : {"networkx", "ortools", "highs"}
+        ``networkx``: network simplex on a MultiDiGraph (the reference). ``ortools``: OR-tools'
+        C++ cost-scaling min-cost flow (fast). ``highs``: dual simplex on the arc LP with float
+        costs (integral vertex by total unimodularity, asserted).
+    cost_scale : float, optional
+        Integer backends solve with costs ``round(cost * cost_scale)``; the result is exactly
+        optimal for those costs, i.e. within ``n_flow_arcs / cost_scale`` of the float optimum.
+        Default: the largest power of two that keeps OR-tools' arithmetic in int64 (<= 1e12).
+    log : bool
+        Also return a dict: ``energy``, ``flow_cost`` (in energy units), ``flow`` (per arc),
+        ``network`` (the ``FlowNetwork`` last solved), ``load_factor`` (its bundle caps),
+        ``cost_scale``.
+
+    Returns
+    -------
+    z : (nc, d) int64 array of 0/1, each row summing to ``sparsity``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: must be one of {BACKENDS}")
+    if cost_scale is not None and not (np.isfinite(cost_scale) and cost_scale > 0):
+        raise ValueError(f"cost_scale={cost_scale}: must be a positive finite number or None")
+    unary, sparsity, alpha, beta, groups = _check_problem(unary, sparsity, alpha, beta, groups)
+    nc, d = unary.shape
+    # Solve with few parallel arcs per bundle first: if no bundle is filled, the flow is also
+    # optimal for the full network (a negative residual cycle enters b_q, or t, by one arc only,
+    # and an unused kept arc of the same bundle costs no more). Else double the bundles.
+    group_of = np.arange(nc) if groups is None else np.unique(groups, return_inverse=True)[1].reshape(nc)
+    group_size = np.bincount(group_of)
+    load_factor = 4
+    while True:
+        net = flow_network(unary, sparsity, alpha, beta, groups, load_factor)
+        flow, flow_cost, scale = _solve_flow(net, backend, cost_scale)
+        z = flow[nc : nc + nc * d].reshape(nc, d).astype(np.int64)
+        group_load = np.zeros((len(group_size), d), dtype=np.int64)
+        np.add.at(group_load, group_of, z)
+        group_cap = bundle_cap(group_size, sparsity, d, load_factor)[:, None]
+        bucket_cap = bundle_cap(nc, sparsity, d, load_factor)
+        filled = ((group_load >= group_cap) & (group_cap < group_size[:, None])).any()
+        if not filled and not (bucket_cap < nc and z.sum(0).max() >= bucket_cap):
+            break
+        load_factor *= 2
+    if not log:
+        return z
+    energy = code_energy(z, unary, alpha, beta, groups)
+    diagnostics = {"flow": flow, "network": net, "load_factor": load_factor, "cost_scale": scale}
+    return z, {"energy": energy, "flow_cost": flow_cost, **diagnostics}
+
+
+def code_energy(z, unary, alpha, beta, groups=None) -> float:
+    r"""Per-level code energy.
+
+    .. math::
+        E(z) = -\sum_p c_p^\top z_p + \alpha \sum_r \sum_q \binom{y_{r,q}}{2}
+               + \beta \sum_q \binom{y_q}{2},
+        \quad y_q = \sum_p z_p[q],\ y_{r,q} = \sum_{p \in r} z_p[q]
+
+    ``z`` and ``unary`` are (nc, d); ``groups`` (nc,) sibling ids or None (no sibling term).
+    """
+    unary = _check_unary(unary)
+    z = np.asarray(z, dtype=np.float64)
+    if z.shape != unary.shape:
+        raise ValueError(f"z has shape {z.shape}: must match unary {unary.shape}")
+    load = z.sum(0)
+    energy = -float((unary * z).sum()) + beta * float((load * (load - 1)).sum()) / 2
+    if groups is not None:
+        _, group_of = np.unique(np.asarray(groups), return_inverse=True)
+        group_load = np.zeros((group_of.max() + 1, z.shape[1]))
+        np.add.at(group_load, group_of, z)
+        energy += alpha * float((group_load * (group_load - 1)).sum()) / 2
+    return energy
+
+
+def cascade_codes(unary, ks, alpha, beta, backend="networkx", cost_scale=None) -> np.ndarray:
+    """Class codes for all levels, solved level by level (Alg. 1).
+
+    ``unary`` is (k, nc, d). Level v < k takes one bit, level k takes ``ks``; the sibling groups
+    at level v are the classes whose codes agree at levels 1..v-1 (none at level 1).
+    Returns (k, nc, d) int64 0/1 codes.
+    """
+    unary = np.asarray(unary, dtype=np.float64)
+    if unary.ndim != 3:
+        raise ValueError(f"unary has shape {unary.shape}: must be (k levels, nc classes, d)")
+    k, nc, d = unary.shape
+    codes, groups = [], None
+    for level in range(k):
+        sparsity = ks if level == k - 1 else 1
+        z = assign_codes(unary[level], sparsity, alpha, beta, groups, backend, cost_scale)
+        codes.append(z)
+        if level < k - 1:
+            path = z.argmax(1) if groups is None else groups * d + z.argmax(1)  # (group, child) id
+            groups = np.unique(path, return_inverse=True)[1].reshape(nc)
+    return np.stack(codes)
+
+
+def remap_labels(codes) -> np.ndarray:
+    """Label per row of a binary code matrix (N, d): equal codes <=> equal labels.
+
+    A code is an unordered set of active bits, so labels depend only on which bits are on.
+    """
+    codes = np.asarray(codes)
+    if codes.ndim != 2:
+        raise ValueError(f"codes has shape {codes.shape}: must be (N, d)")
+    rows = np.ascontiguousarray(np.packbits(codes != 0, axis=1))
+    keys = rows.view(np.dtype((np.void, rows.shape[1]))).ravel()  # one opaque key per row
+    return np.unique(keys, return_inverse=True)[1].reshape(len(codes))
+
+
+# --------------------------------------------------------------------------------------------
+# Buckets
+# --------------------------------------------------------------------------------------------
+
+
+def _levels(activations, d, k) -> np.ndarray:
+    activations = np.asarray(activations)
+    if activations.ndim != 2 or activations.shape[1] != d * k:
+        raise ValueError(f"activations have shape {activations.shape}: must be (N, d*k) = (N, {d * k})")
+    return activations.reshape(len(activations), k, d)
+
+
+def encode_buckets(digits, d) -> np.ndarray:
+    """Bucket id of a tree path: Horner in base d, level 1 most significant. digits (..., k)."""
+    digits = np.asarray(digits, dtype=np.int64)
+    ids = np.zeros(digits.shape[:-1], dtype=np.int64)
+    for level in range(digits.shape[-1]):
+        ids = ids * d + digits[..., level]
+    return ids
+
+
+def decode_buckets(ids, d, k) -> np.ndarray:
+    """Inverse of ``encode_buckets``: ids (...) -> digits (..., k)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return np.stack([(ids // d ** (k - 1 - level)) % d for level in range(k)], axis=-1)
+
+
+def probe_buckets(activations, d, k, start, stop) -> np.ndarray:
+    """Buckets ``start..stop-1`` of each item in code order, (N, stop - start).
+
+    Probe t, written in base d with k digits (level 1 most significant), picks at level v the
+    activation ranked ``digit_v`` there (0 = largest; ties to the lower index). Probes 0..ks-1
+    are the item's own ks buckets (Eq. 1); later probes are the expansion order of a query.
+    """
+    ranks = np.argsort(-_levels(activations, d, k), axis=2, kind="stable")  # (N, k, d)
+    digits = decode_buckets(np.arange(start, stop), d, k)  # (P, k)
+    path = np.stack([ranks[:, level, digits[:, level]] for level in range(k)], axis=-1)  # (N, P, k)
+    return encode_buckets(path, d)
+
+
+def bucket_ids(activations, d, k, ks) -> np.ndarray:
+    """The ks buckets of each item (Eq. 1): argmax path at levels < k, top-ks at level k. (N, ks)."""
+    if not 1 <= ks <= d:
+        raise ValueError(f"ks={ks}: must be in [1, d={d}]")
+    return probe_buckets(activations, d, k, 0, ks)
+
+
+# --------------------------------------------------------------------------------------------
+# Hash index and retrieval metrics
+# --------------------------------------------------------------------------------------------
+
+
+class HashIndex:
+    """Hash table of a database: bucket id -> item ids, each item in its ks buckets.
+
+    ``activations`` (N, d*k) are hash-net outputs; ``embedding`` (N, e) is the base embedding
+    used to rerank candidates by Euclidean distance.
+    """
+
+    def __init__(self, activations, embedding, d, k, ks):
+        self.d, self.k, self.ks = d, k, ks
+        self.embedding = np.asarray(embedding, dtype=np.float64)
+        if len(self.embedding) == 0:
+            raise ValueError("HashIndex needs a database of at least one item; got 0")
+        if len(self.embedding) != len(activations):
+            raise ValueError(
+                f"embedding has {len(self.embedding)} rows: must match activations ({len(activations)})"
+            )
+        self.buckets = bucket_ids(activations, d, k, ks)
+        flat = self.buckets.ravel()
+        order = np.argsort(flat, kind="stable")
+        self.items = order // ks  # item ids grouped by bucket, ascending within a bucket
+        self.keys, self.starts = np.unique(flat[order], return_index=True)
+        self.ends = np.r_[self.starts[1:], len(flat)]
+        # (used bucket, item) incidence: a query's candidates are one sparse product away
+        rows = np.repeat(np.arange(len(self.keys)), self.ends - self.starts)
+        shape = (len(self.keys), len(self.embedding))
+        self.incidence = csr_matrix((np.ones(len(rows), dtype=np.int32), (rows, self.items)), shape=shape)
+
+    @property
+    def n_buckets(self) -> int:
+        return self.d**self.k
+
+    def _lookup(self, ids) -> list[np.ndarray]:
+        """Item arrays (ascending ids) of the non-empty buckets among ``ids`` (1-D), in order."""
+        pos = np.minimum(np.searchsorted(self.keys, ids), len(self.keys) - 1)
+        return [self.items[self.starts[p] : self.ends[p]] for p in pos[self.keys[pos] == ids]]
+
+    def candidates(self, query_activations, K=1, self_ids=None) -> list[np.ndarray]:
+        """Candidate ids per query (ascending): the union of its ks buckets, minus the query itself.
+
+        ``self_ids`` (Q,) is each query's own row in the database (-1 or None: not stored). If
+        fewer than K candidates come back, probes ks, ks+1, ... (see ``probe_buckets``) are
+        added one bucket at a time until there are K or every bucket was probed.
+        """
+        query_activations = np.asarray(query_activations)
+        n_query = len(query_activations)
+        self_ids = np.full(n_query, -1) if self_ids is None else np.asarray(self_ids)
+        own = probe_buckets(query_activations, self.d, self.k, 0, self.ks)  # (Q, ks)
+        pos = np.minimum(np.searchsorted(self.keys, own), len(self.keys) - 1)
+        hit = (self.keys[pos] == own).ravel()
+        rows = np.repeat(np.arange(n_query), self.ks)[hit]
+        probes = csr_matrix(
+            (np.ones(len(rows), dtype=np.int32), (rows, pos.ravel()[hit])), (n_query, len(self.keys))
+        )
+        union = probes @ self.incidence  # (Q, N_db), nonzero where some own bucket holds the item
+        union.sort_indices()
+        query = np.repeat(np.arange(n_query), np.diff(union.indptr))
+        keep = union.indices != self_ids[query]
+        bounds = np.searchsorted(query[keep], np.arange(n_query + 1))
+        found = np.split(union.indices[keep].astype(np.int64), bounds[1:-1])
+        for q in np.flatnonzero(np.diff(bounds) < K):
+            found[q] = self._expand(query_activations[q : q + 1], found[q], K, self_ids[q])
+        return found
+
+    def _expand(self, activation, found, K, self_id) -> np.ndarray:
+        seen = set(found.tolist())
+        start, chunk = self.ks, 64
+        while len(seen) < K and start < self.n_buckets:
+            stop = min(start + chunk, self.n_buckets)
+            for items in self._lookup(probe_buckets(activation, self.d, self.k, start, stop)[0]):
+                seen.update(items.tolist())
+                seen.discard(int(self_id))
+                if len(seen) >= K:
+                    break
+            start, chunk = stop, 2 * chunk
+        return np.array(sorted(seen), dtype=np.int64)
+
+    def search(self, query_activations, query_embedding, K, self_ids=None, max_pairs=2**16):
+        """Top-K by Euclidean distance among the candidates (ties to the lower id).
+
+        Returns ``neighbors`` (Q, K) database ids (-1 where fewer than K exist) and
+        ``n_candidates`` (Q,), the distances computed per query (for SUF). Reranks blocks of
+        queries padded to about ``max_pairs`` (query, candidate) pairs.
+        """
+        query_embedding = np.asarray(query_embedding, dtype=np.float64)
+        found = self.candidates(query_activations, K, self_ids)
+        n_candidates = np.array([len(f) for f in found], dtype=np.int64)
+        neighbors = np.full((len(found), K), -1, dtype=np.int64)
+        sq_norm = (self.embedding**2).sum(1)
+        block = max(1, max_pairs // max(1, int(n_candidates.max(initial=0))))
+        for lo in range(0, len(found), block):
+            size = n_candidates[lo : lo + block]
+            width = int(size.max())
+            if width == 0:
+                continue
+            pad = np.arange(width) >= size[:, None]  # (b, width)
+            item = np.zeros((len(size), width), dtype=np.int64)
+            item[~pad] = np.concatenate(found[lo : lo + block])
+            # ||q - x||^2 up to the per-query constant ||q||^2; padding sorts last
+            dist = sq_norm[item] - 2 * np.einsum(
+                "bwe,be->bw", self.embedding[item], query_embedding[lo : lo + block]
+            )
+            dist[pad] = np.inf
+            top = np.argsort(dist, axis=1, kind="stable")[:, :K]  # candidates ascend: ties -> lower id
+            chosen = np.take_along_axis(item, top, 1)
+            chosen[np.take_along_axis(pad, top, 1)] = -1
+            neighbors[lo : lo + block, : chosen.shape[1]] = chosen
+        return neighbors, n_candidates
+
+
+def exhaustive_search(query_embedding, db_embedding, K, self_ids=None, chunk=256) -> np.ndarray:
+    """Exact top-K by Euclidean distance over the whole database (the ``Metric`` baseline)."""
+    query_embedding = np.asarray(query_embedding, dtype=np.float64)
+    db_embedding = np.asarray(db_embedding, dtype=np.float64)
+    n_query = len(query_embedding)
+    self_ids = np.full(n_query, -1) if self_ids is None else np.asarray(self_ids)
+    db_sq = (db_embedding**2).sum(1)
+    K_eff = min(K, len(db_embedding) - int((self_ids >= 0).any()))
+    neighbors = np.full((n_query, K), -1, dtype=np.int64)
+    for lo in range(0, n_query if K_eff > 0 else 0, chunk):
+        q = query_embedding[lo : lo + chunk]
+        dist = db_sq[None] - 2 * q @ db_embedding.T  # ||q - x||^2 up to the per-query constant
+        rows = np.flatnonzero(self_ids[lo : lo + chunk] >= 0)
+        dist[rows, self_ids[lo : lo + chunk][rows]] = np.inf
+        top = np.argpartition(dist, K_eff - 1, axis=1)[:, :K_eff]
+        order = np.lexsort((top, np.take_along_axis(dist, top, 1)), axis=1)
+        neighbors[lo : lo + chunk, :K_eff] = np.take_along_axis(top, order, 1)
+    return neighbors
+
+
+def precision_at_k(neighbors, query_labels, db_labels) -> float:
+    """Pr@K: mean over queries of (#neighbors of the query's class) / K. neighbors (Q, K), -1 = miss."""
+    neighbors = np.asarray(neighbors)
+    db_labels = np.asarray(db_labels)
+    hits = (neighbors >= 0) & (db_labels[neighbors] == np.asarray(query_labels)[:, None])
+    return float(hits.mean())
+
+
+def speedup_factor(n_candidates, n_db) -> float:
+    """SUF = database size / mean number of candidates reranked per query (exhaustive = 1)."""
+    return float(n_db / np.mean(n_candidates))
+
+
+def nmi(clusters, labels) -> float:
+    """Normalized mutual information, I(C; Y) / ((H(C) + H(Y)) / 2); 1 if both are constant."""
+    _, c = np.unique(np.asarray(clusters), return_inverse=True)
+    _, y = np.unique(np.asarray(labels), return_inverse=True)
+    joint = np.zeros((c.max() + 1, y.max() + 1))
+    np.add.at(joint, (c, y), 1.0)
+    joint /= joint.sum()
+    pc, py = joint.sum(1), joint.sum(0)
+    nz = joint > 0
+    mutual = float((joint[nz] * np.log(joint[nz] / np.outer(pc, py)[nz])).sum())
+    h_c, h_y = -float((pc * np.log(pc)).sum()), -float((py * np.log(py)).sum())
+    if h_c + h_y == 0:
+        return 1.0
+    return max(mutual, 0.0) / ((h_c + h_y) / 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Losses given codes (torch)
+# --------------------------------------------------------------------------------------------
+
+
+def masked_distance(f_a, f_b, h_a, h_b) -> torch.Tensor:
+    r"""L1 distance on the dimensions active in either code.
+
+    .. math:: D_{ij} = \sum_q (h_{a,i} \lor h_{b,j})[q]\, |f_{a,i}[q] - f_{b,j}[q]|
+
+    f_a, h_a (Na, d); f_b, h_b (Nb, d); returns (Na, Nb).
+    """
+    mask = ((h_a[:, None, :] + h_b[None, :, :]) > 0).to(f_a.dtype)
+    return (mask * (f_a[:, None, :] - f_b[None, :, :]).abs()).sum(-1)
+
+
+def triplet_semihard_loss(dist, labels, margin) -> torch.Tensor:
+    """FaceNet semi-hard triplet loss on a precomputed (N, N) distance matrix.
+
+    For each positive pair (i, j), the negative is the nearest one farther than D_ij, else the
+    farthest one; loss = mean over pairs of max(D_ij - D_in + margin, 0).
+    """
+    same = labels[:, None] == labels[None, :]
+    eye = torch.eye(len(labels), dtype=torch.bool, device=dist.device)
+    anchor, positive = torch.nonzero(same & ~eye, as_tuple=True)
+    negative = ~same[anchor]  # (P, N)
+    keep = negative.any(1)
+    anchor, positive, negative = anchor[keep], positive[keep], negative[keep]
+    if len(anchor) == 0:
+        return dist.sum() * 0
+    d_ap = dist[anchor, positive]
+    d_an = dist[anchor]
+    semihard = negative & (d_an > d_ap[:, None])
+    nearest_far = torch.where(semihard, d_an, torch.full_like(d_an, math.inf)).min(1).values
+    farthest = torch.where(negative, d_an, torch.full_like(d_an, -math.inf)).max(1).values
+    d_neg = torch.where(semihard.any(1), nearest_far, farthest)
+    return F.relu(d_ap - d_neg + margin).mean()
+
+
+def npairs_loss(anchor, positive, labels, l2_reg, code_anchor=None, code_positive=None) -> torch.Tensor:
+    r"""N-pairs loss, optionally on code-active dimensions.
+
+    .. math::
+        S_{ij} = \sum_q (z_i \lor z_j)[q]\, a_i[q]\, p_j[q], \quad
+        L = \mathrm{CE}(\mathrm{softmax}_j S_{ij}, 1[y_i = y_j] / \#pos_i)
+            + \frac{\lambda}{4}(\overline{|a|^2} + \overline{|p|^2})
+
+    anchor, positive (n, d); labels (n,); codes (n, d) or None (plain dot products).
+    """
+    if code_anchor is None:
+        logits = anchor @ positive.T
+    else:
+        mask = ((code_anchor[:, None, :] + code_positive[None, :, :]) > 0).to(anchor.dtype)
+        logits = (mask * anchor[:, None, :] * positive[None, :, :]).sum(-1)
+    target = (labels[:, None] == labels[None, :]).to(anchor.dtype)
+    target = target / target.sum(1, keepdim=True)
+    cross_entropy = -(target * F.log_softmax(logits, dim=1)).sum(1).mean()
+    return cross_entropy + l2_reg / 4 * ((anchor**2).sum(1).mean() + (positive**2).sum(1).mean())
+
+
+def class_unaries(outputs, loss) -> np.ndarray:
+    """Class-level unaries per level from a class-balanced batch.
+
+    outputs (nc, m, k, d): level activations; triplet uses per-level L2-normalized vectors,
+    N-pairs the raw ones. Returns (k, nc, d) float64 means over the m examples.
+    """
+    if loss not in LOSSES:
+        raise ValueError(f"loss={loss!r}: must be one of {LOSSES}")
+    x = outputs.detach()
+    if loss == "triplet":
+        x = F.normalize(x, dim=-1)
+    return x.mean(1).transpose(0, 1).double().cpu().numpy()
+
+
+def level_labels(codes, remap) -> np.ndarray:
+    """Labels per level (k, nc): the id of each class's level-v code (remap), else the class index."""
+    k, nc, _ = codes.shape
+    if not remap:
+        return np.tile(np.arange(nc), (k, 1))
+    return np.stack([remap_labels(level_codes) for level_codes in codes])
+
+
+def hash_loss(outputs, codes, labels, loss, margin=0.5, l2_reg=0.003) -> torch.Tensor:
+    """Metric loss summed over levels, measured on code-active dimensions (Eq. 7).
+
+    outputs (nc, m, k, d) activations; codes (k, nc, d) 0/1 class codes; labels (k, nc) per-level
+    class labels. Triplet: semi-hard on masked L1 of L2-normalized level vectors over all nc*m
+    items. N-pairs (m = 2): example 0 of each class is the anchor, example 1 the positive.
+    """
+    nc, m, k, d = outputs.shape
+    codes = torch.as_tensor(codes, device=outputs.device, dtype=outputs.dtype)
+    labels = torch.as_tensor(labels, device=outputs.device)
+    total = outputs.new_zeros(())
+    for level in range(k):
+        f = outputs[:, :, level]
+        if loss == "triplet":
+            f = F.normalize(f, dim=-1).reshape(nc * m, d)
+            h = codes[level].repeat_interleave(m, dim=0)
+            total = total + triplet_semihard_loss(
+                masked_distance(f, f, h, h), labels[level].repeat_interleave(m), margin
+            )
+        elif loss == "npairs":
+            if m != 2:
+                raise ValueError(f"per_class={m}: the N-pairs loss needs exactly 2 examples per class")
+            z = codes[level]
+            total = total + npairs_loss(f[:, 0], f[:, 1], labels[level], l2_reg, z, z)
+        else:
+            raise ValueError(f"loss={loss!r}: must be one of {LOSSES}")
+    return total

@@ -1,0 +1,490 @@
+"""Retrieval with learned hash tables: hierarchically quantized codes by cascaded min-cost flow.
+
+`runner +method=hier_hash` (Jeong, Kim & Song, CVPR 2019; library: `runner.methods.hier_hash`):
+
+1. Base metric embedding: `base=pretrain` trains backbone + Linear(feature_dim -> base_dim) with the
+   N-pairs or triplet loss on class-balanced batches (or loads `base_checkpoint`); `base=raw` uses
+   the flattened inputs. Its frozen copy reranks the candidates.
+2. Hash net: a copy of the backbone + Linear(feature_dim -> d*k) (std 0.01). Per iteration
+   (nc classes x m examples): class-mean unaries per level -> exact codes by min-cost flow, level
+   by level -> labels remapped to code ids -> one Adam step on the loss measured on active dims.
+   One net is trained per ks (the paper's protocol; margin, N-pairs lambda and beta may differ
+   per ks).
+3. Retrieval for each ks and K: a hash table of `tables` (test: test items, query excluded;
+   train: train items), queried with the test set, candidates reranked by Euclidean distance in
+   the base embedding. Rows: exhaustive search (Metric), and each of `baselines`: Th (top-ks dims
+   of the base embedding), VQ-m (ks nearest of m k-means centroids, m in `vq_centroids`), k=1
+   codes (the 2018 method, d in `level1_d`).
+
+Summary: `test/p@K`, `test/suf@K`, `test/nmi` for the hierarchical codes at the first ks on the
+first table, `test/metric_p@K` for exhaustive search, every cell under `hash/<table>/<row>/ks<ks>/`,
+and `time/mcf_share` (the min-cost flow's share of a training iteration). The tables also go to
+`retrieval.md` in the run dir.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+import zlib
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.data import load_data
+from runner.methods import hier_hash as hh
+from runner.models import build_model
+from runner.schema import ConfigError
+from runner.train import augment_crop_flip
+
+log = logging.getLogger(__name__)
+
+METRIC = ("test/p@1", "max")
+TABLES = ("test", "train")
+BASELINES = ("th", "vq", "level1")
+
+
+@dataclass
+class HierHashConfig:
+    """Defaults: the paper's Cifar-100 N-pairs setting (200 epochs of 64 x 2 = ~70k iterations)."""
+
+    name: str = "hier_hash"
+    task: str = "hashing"
+    # codes: k levels of d, ks active buckets at the last level; energy weights (code units)
+    d: int = 32
+    k: int = 2
+    ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    alpha: float = 100.0
+    beta: list[float] = field(default_factory=lambda: [0.07, 0.1, 0.1, 0.1])  # one value or one per ks
+    solver: str = "ortools"
+    cost_scale: float | None = None
+    remap: bool = True
+    # metric loss given codes
+    loss: str = "npairs"
+    margin: list[float] = field(default_factory=lambda: [0.5])  # triplet; one value or one per ks
+    npairs_l2: list[float] = field(default_factory=lambda: [0.03, 0.01, 0.003, 0.001])  # one or per ks
+    # class-balanced batches and schedule (an epoch = len(train) examples seen)
+    classes_per_batch: int = 64
+    per_class: int = 2
+    epochs: float = 200.0
+    lr_head: float = 1e-3
+    lr_backbone: float = 1e-4
+    decay_epochs: float = 57.0  # multiply the learning rates by `decay` every this many epochs; 0: never
+    decay: float = 0.3
+    # base embedding (reranking, Th and VQ)
+    base: str = "pretrain"
+    base_dim: int = 64
+    base_loss: str = "npairs"
+    base_margin: float = 0.3
+    base_l2: float = 0.003
+    base_epochs: float = 200.0
+    base_lr: float = 1e-3
+    base_checkpoint: str | None = None
+    # evaluation
+    eval_k: list[int] = field(default_factory=lambda: [1, 4, 16])
+    tables: list[str] = field(default_factory=lambda: ["test", "train"])
+    baselines: list[str] = field(default_factory=lambda: ["th", "vq"])
+    vq_centroids: list[int] = field(default_factory=list)  # empty: [d, d^k]
+    level1_d: list[int] = field(default_factory=list)  # empty: [d*k], equal output count
+    eval_every: float = 0.0  # epochs between val P@1 checks (best val state is kept); 0: never
+    log_every: int = 100
+    checkpoint_every: int = 2000
+
+    def __post_init__(self):
+        def bad(key, value, allowed):
+            raise ValueError(f"method.{key}={value!r}: must be {allowed}")
+
+        if self.d < 2:
+            bad("d", self.d, ">= 2")
+        if self.k < 1:
+            bad("k", self.k, ">= 1")
+        if not self.ks or not all(1 <= s <= self.d for s in self.ks):
+            bad("ks", self.ks, f"a non-empty list of ints in [1, d={self.d}]")
+        if self.alpha < 0:
+            bad("alpha", self.alpha, ">= 0")
+        for key in ("beta", "margin", "npairs_l2"):
+            values = getattr(self, key)
+            if len(values) not in (1, len(self.ks)) or min(values) < 0:
+                bad(key, values, f"one value >= 0, or one per ks ({len(self.ks)})")
+        if self.solver not in hh.BACKENDS:
+            bad("solver", self.solver, f"one of {hh.BACKENDS}")
+        if self.cost_scale is not None and self.cost_scale <= 0:
+            bad("cost_scale", self.cost_scale, "> 0 or null (automatic)")
+        for key in ("loss", "base_loss"):
+            if getattr(self, key) not in hh.LOSSES:
+                bad(key, getattr(self, key), f"one of {hh.LOSSES}")
+        if self.classes_per_batch < 2:
+            bad("classes_per_batch", self.classes_per_batch, ">= 2")
+        if self.per_class < 2 or ("npairs" in (self.loss, self.base_loss) and self.per_class != 2):
+            bad("per_class", self.per_class, ">= 2, and exactly 2 with the N-pairs loss")
+        for key in ("epochs", "lr_head"):
+            if getattr(self, key) <= 0:
+                bad(key, getattr(self, key), "> 0")
+        for key in ("lr_backbone", "decay_epochs", "eval_every", "base_margin", "base_l2"):
+            if getattr(self, key) < 0:
+                bad(key, getattr(self, key), ">= 0")
+        if not 0 < self.decay <= 1:
+            bad("decay", self.decay, "in (0, 1]")
+        if self.base not in ("pretrain", "raw"):
+            bad("base", self.base, "'pretrain' or 'raw'")
+        if self.base == "pretrain" and (self.base_dim < 1 or self.base_epochs <= 0 or self.base_lr <= 0):
+            bad("base_dim/base_epochs/base_lr", (self.base_dim, self.base_epochs, self.base_lr), "> 0")
+        if not self.eval_k or min(self.eval_k) < 1:
+            bad("eval_k", self.eval_k, "a non-empty list of ints >= 1")
+        if not self.tables or not set(self.tables) <= set(TABLES):
+            bad("tables", self.tables, f"a non-empty subset of {list(TABLES)}")
+        if not set(self.baselines) <= set(BASELINES):
+            bad("baselines", self.baselines, f"a subset of {list(BASELINES)}")
+        if self.vq_centroids and min(self.vq_centroids) < max(self.ks):
+            bad("vq_centroids", self.vq_centroids, f"ints >= max(ks)={max(self.ks)}")
+        if self.level1_d and min(self.level1_d) < max(self.ks):
+            bad("level1_d", self.level1_d, f"ints >= max(ks)={max(self.ks)}")
+        if self.log_every < 1 or self.checkpoint_every < 1:
+            bad("log_every/checkpoint_every", (self.log_every, self.checkpoint_every), ">= 1")
+
+
+METHODS = {"hier_hash": HierHashConfig}
+
+
+def per_ks(values, i):
+    """The value for the i-th ks: one shared value, or one per ks."""
+    return values[0] if len(values) == 1 else values[i]
+
+
+# --------------------------------------------------------------------------------------------
+# Networks, batches, training steps
+# --------------------------------------------------------------------------------------------
+
+
+class EmbeddingNet(nn.Module):
+    """backbone.forward_features followed by a new linear layer (std `init_std` when given)."""
+
+    def __init__(self, backbone, out_dim, init_std=None):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(backbone.feature_dim, out_dim)
+        if init_std is not None:
+            nn.init.normal_(self.head.weight, std=init_std)
+            nn.init.zeros_(self.head.bias)
+
+    def forward(self, x):
+        return self.head(self.backbone.forward_features(x))
+
+
+class ClassBalancedSampler:
+    """Batches of `nc` distinct classes x `m` distinct examples each, as an (nc, m) index array."""
+
+    def __init__(self, labels, nc, m, seed):
+        labels = np.asarray(labels)
+        self.by_class = [idx for c in np.unique(labels) if len(idx := np.flatnonzero(labels == c)) >= m]
+        if len(self.by_class) < nc:
+            raise ConfigError(
+                f"method.classes_per_batch={nc}: only {len(self.by_class)} classes have >= {m} "
+                "training examples (method.per_class)"
+            )
+        self.nc, self.m = nc, m
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self) -> np.ndarray:
+        classes = self.rng.choice(len(self.by_class), self.nc, replace=False)
+        return np.stack([self.rng.choice(self.by_class[c], self.m, replace=False) for c in classes])
+
+
+def hash_step(net, optimizer, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg):
+    """One iteration of Alg. 1 on a batch x of nc classes x m examples (class-major).
+
+    Returns (loss, seconds spent on codes: the k min-cost flows and the label remap).
+    """
+    out = net(x).view(nc, m, k, d)
+    unary = hh.class_unaries(out, method.loss)  # waits for the forward pass
+    start = time.perf_counter()
+    codes = hh.cascade_codes(unary, ks, method.alpha, beta, method.solver, method.cost_scale)
+    labels = hh.level_labels(codes, method.remap)
+    code_seconds = time.perf_counter() - start
+    loss = hh.hash_loss(out, codes, labels, method.loss, margin, l2_reg)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item(), code_seconds
+
+
+def base_step(net, optimizer, x, *, nc, m, method):
+    """One metric-learning step of the base embedding (N-pairs, or semi-hard triplet on the sphere)."""
+    emb = net(x).view(nc, m, -1)
+    labels = torch.arange(nc, device=emb.device)
+    if method.base_loss == "npairs":
+        loss = hh.npairs_loss(emb[:, 0], emb[:, 1], labels, method.base_l2)
+    else:
+        unit = F.normalize(emb.reshape(nc * m, -1), dim=1)
+        dist = torch.cdist(unit, unit) ** 2
+        loss = hh.triplet_semihard_loss(dist, labels.repeat_interleave(m), method.base_margin)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item(), 0.0
+
+
+@torch.no_grad()
+def outputs(net, x, ctx, batch_size, normalize=False) -> np.ndarray:
+    """Net outputs for all of x in eval mode, as a float64 array on the CPU."""
+    was_training = net.training
+    net.eval()
+    out = torch.cat(
+        [net(x[i : i + batch_size].to(ctx.device)).float().cpu() for i in range(0, len(x), batch_size)]
+    )
+    net.train(was_training)
+    return (F.normalize(out, dim=1) if normalize else out).double().numpy()
+
+
+class Trainer:
+    """Runs one net's iterations: Adam + step decay, checkpoint/resume, logging, best-val selection."""
+
+    def __init__(self, cfg, ctx, data):
+        self.cfg, self.method, self.ctx, self.data = cfg, cfg.method, ctx, data
+        self.x_train = data.train.x.to(ctx.device)
+        self.batch = self.method.classes_per_batch * self.method.per_class
+        self.augment = cfg.dataset.augment == "crop_flip"
+
+    def iterations(self, epochs) -> int:
+        return max(1, math.ceil(epochs * len(self.data.train) / self.batch))
+
+    def run(self, tag, net, param_groups, step, epochs, val_score=None) -> dict:
+        """Train with `step(optimizer, x) -> (loss, code_seconds)`; return iterations and timings."""
+        method, ctx = self.method, self.ctx
+        iters = self.iterations(epochs)
+        optimizer = torch.optim.Adam(param_groups)
+        decay_every = self.iterations(method.decay_epochs) if method.decay_epochs > 0 else iters + 1
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, decay_every, gamma=method.decay)
+        eval_every = self.iterations(method.eval_every) if method.eval_every > 0 and val_score else 0
+        labels = self.data.train.y.numpy()
+        sampler = ClassBalancedSampler(labels, method.classes_per_batch, method.per_class,
+                                       seed=[self.cfg.seed, zlib.crc32(tag.encode())])  # fmt: skip
+        path = ctx.dir / "checkpoints" / f"hier_hash_{tag}.pt"
+        state = {"iter": 0, "best": (-math.inf, None)}
+        if self.cfg.train.checkpoint and path.exists():
+            state = torch.load(path, map_location=ctx.device, weights_only=False)
+            net.load_state_dict(state["net"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            sampler.rng.bit_generator.state = state["sampler"]
+            torch.set_rng_state(state["torch_rng"])
+            log.info("%s: resumed at iteration %d/%d", tag, state["iter"], iters)
+        best_score, best_net = state["best"]
+        net.train()
+        total_s = code_s = 0.0
+        for done in range(state["iter"] + 1, iters + 1):
+            start = time.perf_counter()
+            x = self.x_train[torch.as_tensor(sampler().ravel(), device=ctx.device)]
+            loss, seconds = step(optimizer, augment_crop_flip(x) if self.augment else x)
+            scheduler.step()
+            total_s += time.perf_counter() - start
+            code_s += seconds
+            if done % method.log_every == 0 or done == iters:
+                ctx.tracker.log({"iter": done, f"{tag}/loss": loss, f"{tag}/lr": scheduler.get_last_lr()[0]})
+            if eval_every and (done % eval_every == 0 or done == iters):
+                score = val_score()
+                ctx.tracker.log({"iter": done, f"{tag}/val_p@1": score})
+                if score > best_score:
+                    best_score, best_net = score, copy.deepcopy(net.state_dict())
+            if self.cfg.train.checkpoint and (done % method.checkpoint_every == 0 or done == iters):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save({"iter": done, "net": net.state_dict(), "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(), "sampler": sampler.rng.bit_generator.state,
+                            "torch_rng": torch.get_rng_state(), "best": (best_score, best_net)},
+                           path)  # fmt: skip
+        if best_net is not None:
+            net.load_state_dict(best_net)
+        ran = iters - state["iter"]
+        if ran:
+            log.info("%s: %d iterations, %.1f ms each, codes %.0f%% of it", tag, ran, 1e3 * total_s / ran,
+                     100 * code_s / max(total_s, 1e-12))  # fmt: skip
+        return {
+            "iters": iters,
+            "seconds": total_s,
+            "code_share": code_s / total_s if total_s else float("nan"),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Retrieval evaluation
+# --------------------------------------------------------------------------------------------
+
+
+def evaluate_code(table, queries, d, k, ks, table_act, query_act, eval_k) -> dict:
+    """Pr@K and SUF@K per K, and NMI of the ks = 1 buckets vs the classes, for one code and table.
+
+    table: `emb` (N, e), `y` (N,), `n_db`; queries: `emb`, `y`, `self_ids` (row in the table or None).
+    """
+    index = hh.HashIndex(table_act, table["emb"], d, k, ks)
+    cell = {"nmi": hh.nmi(hh.bucket_ids(table_act, d, k, 1)[:, 0], table["y"])}
+    for K in eval_k:
+        neighbors, n_cand = index.search(query_act, queries["emb"], K, queries["self_ids"])
+        cell[f"p@{K}"] = hh.precision_at_k(neighbors, queries["y"], table["y"])
+        cell[f"suf@{K}"] = hh.speedup_factor(n_cand, table["n_db"])
+    return cell
+
+
+def markdown_table(results, metric, rows, ks_list, eval_k) -> str:
+    """Rows = ks, columns = methods; cells 'SUF@K1; P@K1/P@K2/...' (percent) as in the paper."""
+    ks_header = "/".join(f"P@{K}" for K in eval_k)
+    lines = [
+        f"Metric (exhaustive, SUF 1): {ks_header} = " + "/".join(f"{100 * metric[K]:.1f}" for K in eval_k),
+        "",
+        f"| ks | {' | '.join(rows)} |",
+        "|---" * (len(rows) + 1) + "|",
+    ]
+    for ks in ks_list:
+        cells = [
+            f"{r[f'suf@{eval_k[0]}']:.1f}; " + "/".join(f"{100 * r[f'p@{K}']:.1f}" for K in eval_k)
+            if (r := results.get((row, ks))) is not None
+            else "-"
+            for row in rows
+        ]
+        lines.append(f"| {ks} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# The task
+# --------------------------------------------------------------------------------------------
+
+
+def base_embedding(cfg, ctx, data, trainer):
+    """(embed(split) -> (N, e) array, backbone the hash nets start from)."""
+    method = cfg.method
+    backbone = build_model(cfg.model, data.input_shape, data.num_classes).to(ctx.device)
+    if method.base == "raw":
+        return (lambda split: split.x.flatten(1).double().numpy()), backbone
+    base = EmbeddingNet(backbone, method.base_dim).to(ctx.device)
+    if method.base_checkpoint:
+        base.load_state_dict(torch.load(method.base_checkpoint, map_location=ctx.device, weights_only=True))
+    else:
+        step = partial(base_step, base, nc=method.classes_per_batch, m=method.per_class, method=method)
+        trainer.run(
+            "base", base, [{"params": base.parameters(), "lr": method.base_lr}], step, method.base_epochs
+        )
+        path = ctx.dir / "checkpoints" / "hier_hash_base_final.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(base.state_dict(), path)
+    base.requires_grad_(False)
+    normalize = method.base_loss == "triplet"
+    batch_size = cfg.train.eval_batch_size
+    return (lambda split: outputs(base, split.x, ctx, batch_size, normalize)), base.backbone
+
+
+def train_hash_nets(cfg, ctx, data, trainer, embed, backbone, splits):
+    """Codes {(row, ks): (d, k, {split name: activations})} of every trained hash net, and timings."""
+    method = cfg.method
+    batch_size = cfg.train.eval_batch_size
+    nets = [("ours", method.d, method.k)]
+    if "level1" in method.baselines:
+        nets += [(f"k1-d{d1}", d1, 1) for d1 in (method.level1_d or [method.d * method.k])]
+    val_emb = embed(data.val) if len(data.val) >= 2 else None
+    codes, timing = {}, {}
+    for row, d, k in nets:
+        for i, ks in enumerate(method.ks):
+            net = EmbeddingNet(copy.deepcopy(backbone), d * k, init_std=0.01).to(ctx.device)
+            net.backbone.requires_grad_(method.lr_backbone > 0)
+            groups = [{"params": net.head.parameters(), "lr": method.lr_head}]
+            if method.lr_backbone > 0:
+                groups.append({"params": net.backbone.parameters(), "lr": method.lr_backbone})
+            beta, margin, l2_reg = (
+                per_ks(getattr(method, key), i) for key in ("beta", "margin", "npairs_l2")
+            )
+            step = partial(hash_step, net, nc=method.classes_per_batch, m=method.per_class, k=k, d=d, ks=ks,
+                           method=method, beta=beta, margin=margin, l2_reg=l2_reg)  # fmt: skip
+
+            def val_score(net=net, d=d, k=k, ks=ks):
+                act, y = outputs(net, data.val.x, ctx, batch_size), data.val.y_clean.numpy()
+                neighbors, _ = hh.HashIndex(act, val_emb, d, k, ks).search(act, val_emb, 1, np.arange(len(y)))
+                return hh.precision_at_k(neighbors, y, y)
+
+            tag = f"{row}_ks{ks}"
+            timing[tag] = trainer.run(
+                tag, net, groups, step, method.epochs, val_score if val_emb is not None else None
+            )
+            codes[(row, ks)] = (
+                d,
+                k,
+                {name: outputs(net, split.x, ctx, batch_size) for name, split in splits.items()},
+            )
+    return codes, timing
+
+
+def baseline_codes(cfg, emb, embed_train):
+    """Th and VQ codes from the base embedding, {(row, ks): (d, 1, {split name: activations})}.
+
+    VQ's k-means runs on the training set's base embedding, `embed_train()`.
+    """
+    from sklearn.cluster import KMeans
+
+    method = cfg.method
+    codes = {}
+    if "th" in method.baselines:
+        codes.update({("Th", ks): (emb["test"].shape[1], 1, emb) for ks in method.ks})
+    if "vq" in method.baselines:
+        train_emb = embed_train()
+        for n in method.vq_centroids or [method.d, method.d**method.k]:
+            kmeans = KMeans(n, n_init=1, random_state=cfg.seed).fit(train_emb)
+            act = {name: -(kmeans.transform(e) ** 2) for name, e in emb.items()}
+            codes.update({(f"VQ-{n}", ks): (n, 1, act) for ks in method.ks})
+    return codes
+
+
+def run(cfg, ctx) -> dict:
+    method = cfg.method
+    if ctx.distributed:
+        raise ConfigError("method=hier_hash trains on one device; use hardware=cpu or hardware=gpu")
+    data = load_data(cfg.dataset, cfg.seed)
+    if len(data.test) < 2:
+        raise ConfigError("method=hier_hash needs a test split of at least 2 items")
+    trainer = Trainer(cfg, ctx, data)
+    embed, backbone = base_embedding(cfg, ctx, data, trainer)
+    splits = {name: getattr(data, name) for name in ("test", *method.tables)}
+    emb = {name: embed(split) for name, split in splits.items()}
+    codes, timing = train_hash_nets(cfg, ctx, data, trainer, embed, backbone, splits)
+    codes.update(baseline_codes(cfg, emb, lambda: emb["train"] if "train" in emb else embed(data.train)))
+
+    summary, report = {}, []
+    queries = {"emb": emb["test"], "y": data.test.y_clean.numpy()}
+    for table_name in method.tables:
+        is_test = table_name == "test"
+        table = {"emb": emb[table_name], "y": splits[table_name].y_clean.numpy()}
+        table["n_db"] = len(table["y"]) - is_test
+        queries["self_ids"] = np.arange(len(queries["y"])) if is_test else None
+        metric = {}
+        for K in method.eval_k:
+            neighbors = hh.exhaustive_search(queries["emb"], table["emb"], K, queries["self_ids"])
+            metric[K] = hh.precision_at_k(neighbors, queries["y"], table["y"])
+            summary[f"hash/{table_name}/metric/p@{K}"] = metric[K]
+        results = {}
+        for (row, ks), (d, k, act) in codes.items():
+            results[(row, ks)] = evaluate_code(
+                table, queries, d, k, ks, act[table_name], act["test"], method.eval_k
+            )
+            summary.update(
+                {f"hash/{table_name}/{row}/ks{ks}/{key}": v for key, v in results[(row, ks)].items()}
+            )
+        rows = list(dict.fromkeys(row for row, _ in codes))
+        report.append(f"### queries: test, table: {table_name}\n\n"
+                      + markdown_table(results, metric, rows, method.ks, method.eval_k))  # fmt: skip
+
+    first, ks0 = method.tables[0], method.ks[0]
+    for key, value in list(summary.items()):
+        if key.startswith(f"hash/{first}/ours/ks{ks0}/"):
+            summary["test/" + key.rsplit("/", 1)[1]] = value
+        elif key.startswith(f"hash/{first}/metric/"):
+            summary["test/metric_" + key.rsplit("/", 1)[1]] = value
+    summary["time/mcf_share"] = timing[f"ours_ks{ks0}"]["code_share"]
+    summary["time/train_s"] = sum(t["seconds"] for t in timing.values())
+    text = "\n\n".join(report) + "\n"
+    if ctx.is_main:
+        (ctx.dir / "retrieval.md").write_text(text)
+    log.info("retrieval (cells: SUF@%d; P@K in %%):\n%s", method.eval_k[0], text)
+    return summary

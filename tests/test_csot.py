@@ -1,0 +1,406 @@
+"""CSOT solver checks against oracles: POT (entropic partial OT, Sinkhorn, exact partial LP),
+the paper's vanilla Dykstra iteration, a dense evaluation of the objective, finite differences."""
+
+import numpy as np
+import ot
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from runner.data import inject_label_noise, load_data
+from runner.data.builtin import CIFAR10_ASYM
+from runner.methods.csot import (
+    allocate,
+    coherence_energy,
+    csot_plan,
+    curriculum_budget,
+    curriculum_ot,
+    select,
+)
+
+
+def chunk(rng, n=40, c=5, d=8, conc=0.5):
+    """Dirichlet probabilities, clustered features, labels."""
+    labels = rng.integers(c, size=n)
+    probs = rng.dirichlet(np.full(c, conc), size=n)
+    centers = rng.standard_normal((c, d))
+    features = centers[labels] + 0.7 * rng.standard_normal((n, d))
+    return probs, features, labels
+
+
+def marginals(n, c, m):
+    return np.full(n, 1.0 / n), np.full(c, m / c)
+
+
+def dense_objective(plan, probs, features, labels, eps, kappa_p, kappa_l):
+    """F(Q) straight from the definition, with the B x B similarity built explicitly."""
+    unit = features / np.linalg.norm(features, axis=1, keepdims=True)
+    sim = unit @ unit.T
+    np.fill_diagonal(sim, 0.0)
+    onehot = np.eye(probs.shape[1])[labels]
+    omega = 0.0
+    for kappa, w in ((kappa_p, probs), (kappa_l, onehot)):
+        x = w * plan
+        omega -= kappa * np.einsum("ij,ik,jk->", sim, x, x)
+    return np.sum(-np.log(probs) * plan) + omega + eps * np.sum(plan * np.log(plan))
+
+
+def dykstra(cost, a, b, eps, n_iter):
+    """Paper Alg. S6: vanilla Dykstra with two correction matrices (the oracle of Lemma 1)."""
+    q = np.exp(-cost / eps)
+    corr_rows, corr_cols = np.ones_like(q), np.ones_like(q)
+    for _ in range(n_iter):
+        m = q * corr_rows
+        q_rows = np.minimum(a / m.sum(1), 1)[:, None] * m
+        corr_rows = corr_rows * q / q_rows
+        m = q_rows * corr_cols
+        q = m * (b / m.sum(0))[None, :]
+        corr_cols = corr_cols * q_rows / q
+    return q
+
+
+# ----------------------------------------------------------------------------- curriculum OT
+
+
+@pytest.mark.parametrize("m", [0.3, 0.5, 1.0])
+def test_curriculum_ot_constraints(m):
+    probs, _, _ = chunk(np.random.default_rng(0))
+    a, b = marginals(*probs.shape, m)
+    for anderson, n_iter in ((0, 2000), (5, 100)):
+        plan, info = curriculum_ot(-np.log(probs), a, b, 0.1, n_iter=n_iter, anderson=anderson, log=True)
+        assert plan.min() >= 0
+        np.testing.assert_allclose(plan.sum(0), b, rtol=0, atol=1e-12)
+        assert abs(plan.sum() - m) < 1e-12
+        assert plan.sum(1).max() <= a[0] * (1 + 1e-6)
+        assert info["row_violation"] <= 1e-6 and info["col_error"] <= 1e-12
+
+
+@pytest.mark.parametrize("m", [0.3, 0.6])
+def test_scaling_iteration_equals_vanilla_dykstra(m):
+    """Lemma 1: the scaling iteration and Dykstra's algorithm produce the same iterates."""
+    probs, _, _ = chunk(np.random.default_rng(1))
+    cost = -np.log(probs)
+    a, b = marginals(*probs.shape, m)
+    for n_iter in (1, 7, 60):
+        plan = curriculum_ot(cost, a, b, 0.2, n_iter=n_iter, tol=0, anderson=0)
+        np.testing.assert_allclose(plan, dykstra(cost, a, b, 0.2, n_iter), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("m", [0.3, 0.5, 0.8])
+def test_curriculum_ot_matches_pot_partial(m):
+    """Same problem as POT's entropic partial OT (Dykstra), multiplicative and log-domain."""
+    probs, _, _ = chunk(np.random.default_rng(2))
+    cost = -np.log(probs)
+    a, b = marginals(*probs.shape, m)
+    # POT's multiplicative and log versions differ by ~5e-12 from each other; ours sits on the log one
+    for method, rtol in (("sinkhorn", 1e-11), ("sinkhorn_log", 1e-13)):
+        ref = ot.partial.entropic_partial_wasserstein(
+            a, b, cost, 0.1, m=m, method=method, numItermax=5000, stopThr=1e-14
+        )
+        for anderson in (0, 5):
+            ours = curriculum_ot(cost, a, b, 0.1, n_iter=5000, tol=1e-14, anderson=anderson)
+            assert np.abs(ours - ref).max() / ref.max() < rtol
+
+
+def test_curriculum_ot_full_mass_is_sinkhorn():
+    probs, _, _ = chunk(np.random.default_rng(3))
+    cost = -np.log(probs)
+    a, b = marginals(*probs.shape, 1.0)
+    ref = ot.sinkhorn(a, b, cost, 0.1, numItermax=100000, stopThr=1e-15)
+    for anderson in (0, 5):
+        ours = curriculum_ot(cost, a, b, 0.1, n_iter=5000, tol=1e-14, anderson=anderson)
+        assert np.abs(ours - ref).max() / ref.max() < 1e-10
+
+
+def test_small_eps_limit_matches_exact_partial_lp():
+    """eps -> 0: the entropic plan's cost approaches the exact partial-OT LP (POT's solver)."""
+    rng = np.random.default_rng(4)
+    probs, _, _ = chunk(rng, n=30, c=4)
+    cost = -np.log(probs)
+    a, b = marginals(*probs.shape, 0.3)
+    lp_plan = ot.partial.partial_wasserstein(a, b, cost, m=0.3)
+    lp_cost = np.sum(cost * lp_plan)
+    plan = curriculum_ot(cost, a, b, 0.002, n_iter=5000, tol=1e-13)
+    assert np.all(np.isfinite(plan))
+    np.testing.assert_allclose(plan.sum(0), b, atol=1e-12)
+    assert plan.sum(1).max() <= a[0] * (1 + 1e-6)
+    assert abs(np.sum(cost * plan) - lp_cost) < 1e-6
+    # the whole budget goes to the cheapest feasible entries: same support as the LP
+    assert np.abs(plan - lp_plan).sum() < 1e-4
+
+
+def test_small_eps_balanced_matches_emd_and_stays_finite_at_1e_3():
+    probs, _, _ = chunk(np.random.default_rng(5), n=30, c=4)
+    cost = -np.log(probs)
+    a, b = marginals(*probs.shape, 1.0)
+    emd_cost = np.sum(cost * ot.emd(a, b, cost))
+    plan = curriculum_ot(cost, a, b, 0.01, n_iter=5000, tol=1e-12)
+    np.testing.assert_allclose(plan.sum(1), a, rtol=1e-8)
+    assert abs(np.sum(cost * plan) - emd_cost) < 1e-3
+    # eps = 1e-3: e^{-cost/eps} underflows to 0 everywhere, the centred kernel does not
+    a, b = marginals(*probs.shape, 0.5)
+    plan = curriculum_ot(cost, a, b, 1e-3, n_iter=3000)
+    assert np.all(np.isfinite(plan))
+    np.testing.assert_allclose(plan.sum(0), b, rtol=1e-9)
+    assert plan.sum(1).max() <= a[0] * (1 + 1e-6)
+
+
+def test_warm_start_reaches_the_same_plan_faster():
+    probs, _, _ = chunk(np.random.default_rng(6))
+    cost = -np.log(probs)
+    a, b = marginals(*probs.shape, 0.5)
+    cold, info = curriculum_ot(cost, a, b, 0.1, n_iter=2000, log=True)
+    warm, info_warm = curriculum_ot(cost + 1e-3, a, b, 0.1, n_iter=2000, g_init=info["g"], log=True)
+    np.testing.assert_allclose(warm, cold, atol=1e-12)  # a constant shift of the cost changes nothing
+    assert info_warm["n_iter"] < info["n_iter"]
+
+
+# ----------------------------------------------------------------------------- structure terms
+
+
+def test_coherence_energy_matches_definition_and_finite_differences():
+    rng = np.random.default_rng(7)
+    probs, features, labels = chunk(rng, n=12, c=3)
+    plan = rng.random(probs.shape) / 36
+    for kp, kl in ((1.0, 0.0), (0.0, 1.0), (0.7, 1.3)):
+        value, grad = coherence_energy(plan, features, probs, labels, kp, kl)
+        ref = dense_objective(plan, probs, features, labels, 0.0, kp, kl) - np.sum(-np.log(probs) * plan)
+        assert abs(value - ref) < 1e-12 * max(1.0, abs(ref))
+        h = 1e-6
+        fd = np.zeros_like(plan)
+        for i in range(plan.shape[0]):
+            for k in range(plan.shape[1]):
+                e = np.zeros_like(plan)
+                e[i, k] = h
+                hi = coherence_energy(plan + e, features, probs, labels, kp, kl)[0]
+                lo = coherence_energy(plan - e, features, probs, labels, kp, kl)[0]
+                fd[i, k] = (hi - lo) / (2 * h)
+        assert np.abs(fd - grad).max() / np.abs(grad).max() < 1e-7
+
+
+def test_coherence_energy_nonpositive_for_nonnegative_similarity():
+    rng = np.random.default_rng(8)
+    probs, _, labels = chunk(rng, n=20, c=4)
+    features = rng.random((20, 6))  # non-negative -> S >= 0
+    for _ in range(5):
+        plan = rng.random(probs.shape)
+        assert coherence_energy(plan, features, probs, labels)[0] <= 0
+
+
+# ----------------------------------------------------------------------------- CSOT plan
+
+
+@pytest.mark.parametrize("m", [0.3, 1.0])
+def test_csot_without_structure_is_curriculum_ot(m):
+    probs, features, labels = chunk(np.random.default_rng(9))
+    a, b = marginals(*probs.shape, m)
+    ours = csot_plan(probs, features, labels, m, kappa_p=0, kappa_l=0, inner_iters=3000)
+    ref = curriculum_ot(-np.log(probs), a, b, 0.1, n_iter=3000)
+    assert np.abs(ours - ref).max() / ref.max() < 1e-6
+    if m == 1.0:
+        sink = ot.sinkhorn(a, b, -np.log(probs), 0.1, numItermax=100000, stopThr=1e-14)
+        assert np.abs(ours - sink).max() / sink.max() < 1e-6
+
+
+@pytest.mark.parametrize("kappa", [1.0, 5.0])
+@pytest.mark.parametrize("m", [0.3, 0.6, 1.0])
+def test_gcg_objective_is_monotone_and_exact(kappa, m):
+    probs, features, labels = chunk(np.random.default_rng(10))
+    plan, info = csot_plan(
+        probs, features, labels, m, kappa_p=kappa, kappa_l=kappa, outer_iters=6, tol=0, log=True
+    )
+    hist = np.array(info["objective"])
+    assert len(hist) >= 4
+    assert np.all(np.diff(hist) <= 1e-12)
+    # the value tracked through the sketches is the objective of the returned plan
+    ref = dense_objective(plan, probs, features, labels, 0.1, kappa, kappa)
+    assert abs(hist[-1] - ref) < 1e-10
+    np.testing.assert_allclose(plan.sum(0), m / probs.shape[1], atol=1e-12)
+    assert plan.min() >= 0 and plan.sum(1).max() * len(plan) <= 1 + 1e-6  # inner_tol
+
+
+def test_gcg_reaches_a_stationary_point():
+    """At a solution Q = CurriculumOT(C + kappa grad Omega(Q)) (first-order optimality)."""
+    probs, features, labels = chunk(np.random.default_rng(11))
+    m = 0.5
+    plan = csot_plan(probs, features, labels, m, outer_iters=200, tol=1e-15)
+    _, grad = coherence_energy(plan, features, probs, labels)
+    a, b = marginals(*probs.shape, m)
+    fixed = curriculum_ot(-np.log(probs) + grad, a, b, 0.1, n_iter=5000, tol=1e-13)
+    assert np.abs(fixed - plan).max() / plan.max() < 1e-3
+
+
+@pytest.mark.parametrize("kappa", [0.0, 1.0, 2.0])
+def test_two_cluster_coherence_toy(kappa):
+    """Structure terms pull the two outliers (4 and 9) to their cluster's class (digest 5.10)."""
+    rng = np.random.default_rng(12)
+    labels = np.repeat([0, 1], 5)
+    features = np.eye(2)[labels] + 0.01 * rng.standard_normal((10, 2))
+    probs = np.where(np.eye(2)[labels] > 0, 0.8, 0.2)
+    probs[4], probs[9] = (0.3, 0.7), (0.7, 0.3)
+    plan = csot_plan(probs, features, labels, 1.0, kappa_p=kappa, kappa_l=kappa, outer_iters=50, tol=1e-12)
+    pseudo, _, _ = select(plan, 1.0)
+    share = plan[4, 0] / plan[4].sum()
+    if kappa == 0:
+        assert pseudo[4] == 1 and pseudo[9] == 0
+    else:
+        assert pseudo[4] == 0 and pseudo[9] == 1
+        assert 0.7 < share < 0.9 if kappa == 1 else share > 0.99  # digest: 0.82 and 1.0
+
+
+def test_csot_plan_rows_within_cap_at_default_iterations():
+    """Realistic chunk (256 x 20, peaked predictions): the default solve keeps rows under the cap."""
+    rng = np.random.default_rng(13)
+    n, c = 256, 20
+    truth = rng.integers(c, size=n)
+    labels = np.where(rng.random(n) < 0.5, rng.integers(c, size=n), truth)
+    logits = 3 * np.eye(c)[truth] + 1.5 * np.eye(c)[labels] + rng.standard_normal((n, c))
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    features = rng.standard_normal((c, 32))[truth] + rng.standard_normal((n, 32))
+    for m in (0.3, 0.7, 1.0):
+        plan, info = csot_plan(probs, features, labels, m, log=True)
+        assert info["row_violation"] < 1e-3 and info["col_error"] < 1e-12
+
+
+def test_omega_p_input_switch():
+    probs, features, labels = chunk(np.random.default_rng(14))
+    soft = csot_plan(probs, features, labels, 0.5, kappa_l=0)
+    logp = csot_plan(probs, features, labels, 0.5, kappa_l=0, omega_p_input="log_softmax")
+    assert np.abs(soft - logp).max() > 1e-8  # the switch changes W of Omega^P
+    with pytest.raises(ValueError, match="omega_p_input"):
+        csot_plan(probs, features, labels, 0.5, omega_p_input="logits")
+
+
+def test_torch_path_matches_numpy():
+    probs, features, labels = chunk(np.random.default_rng(15))
+    ref = csot_plan(probs, features, labels, 0.5)
+    out = csot_plan(
+        torch.from_numpy(probs).float(), torch.from_numpy(features), torch.from_numpy(labels), 0.5
+    )
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.float64
+    # float32 input probabilities: same plan up to the input rounding
+    assert np.abs(out.numpy() - ref).max() / ref.max() < 1e-5
+    out64 = csot_plan(torch.from_numpy(probs), torch.from_numpy(features), torch.from_numpy(labels), 0.5)
+    assert np.abs(out64.numpy() - ref).max() / ref.max() < 1e-10
+    pseudo, conf, sel = select(out64, 0.5)
+    ref_sel = select(ref, 0.5)
+    assert np.array_equal(pseudo.numpy(), ref_sel[0]) and np.array_equal(sel.numpy(), ref_sel[2])
+
+
+# ----------------------------------------------------------------------------- selection, budget
+
+
+@pytest.mark.parametrize("m", [0.3, 0.55, 1.0])
+def test_selection_counts_and_partition(m):
+    probs, features, labels = chunk(np.random.default_rng(16), n=50)
+    plan = csot_plan(probs, features, labels, m)
+    pseudo, confidence, selected = select(plan, m)
+    assert selected.sum() == int(np.floor(m * 50))
+    np.testing.assert_array_equal(pseudo, plan.argmax(1))
+    np.testing.assert_allclose(confidence, np.clip(50 * plan.max(1), 0, 1))
+    assert confidence[selected].min() >= confidence[~selected].max(initial=0)
+    clean = selected & (pseudo == labels)
+    corrected = selected & (pseudo != labels)
+    assert np.array_equal(clean | corrected | ~selected, np.ones(50, bool))
+    assert not np.any(clean & corrected)
+    if m == 1.0:
+        assert selected.all()
+
+
+def test_allocate_matches_per_chunk_solves():
+    rng = np.random.default_rng(17)
+    probs, features, labels = chunk(rng, n=70)
+    pseudo, confidence, selected = allocate(probs, features, labels, 0.4, solve_batch=32, seed=3)
+    perm = np.random.default_rng(3).permutation(70)
+    for start in range(0, 70, 32):
+        idx = perm[start : start + 32]
+        p, c, s = select(csot_plan(probs[idx], features[idx], labels[idx], 0.4), 0.4)
+        np.testing.assert_array_equal(pseudo[idx], p)
+        np.testing.assert_allclose(confidence[idx], c)
+        np.testing.assert_array_equal(selected[idx], s)
+    assert selected.sum() == 12 + 12 + 2  # floor(0.4 * 32) twice, floor(0.4 * 6)
+
+
+def test_curriculum_budget():
+    ms = [curriculum_budget(e, warmup=10, end=250) for e in range(0, 400)]
+    assert ms[10] == pytest.approx(0.3) and ms[0] == pytest.approx(0.3)
+    assert all(m == 1.0 for m in ms[250:])
+    assert np.all(np.diff(ms) >= 0)
+    assert curriculum_budget(130, 10, 250) == pytest.approx(0.65)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input_raises_value_error():
+    probs, features, labels = chunk(np.random.default_rng(18))
+    with pytest.raises(ValueError, match="summing to one"):
+        csot_plan(probs * 1.1, features, labels, 0.5)
+    for m in (0.0, -0.2, 1.5):
+        with pytest.raises(ValueError, match=r"\(0, 1\]"):
+            csot_plan(probs, features, labels, m)
+        with pytest.raises(ValueError, match=r"\(0, 1\]"):
+            select(probs / 40, m)
+    with pytest.raises(ValueError, match="features"):
+        csot_plan(probs, features[:-1], labels, 0.5)
+    with pytest.raises(ValueError, match="labels"):
+        csot_plan(probs, features, labels[:-1], 0.5)
+    with pytest.raises(ValueError, match="labels"):
+        csot_plan(probs, features, labels + 5, 0.5)
+    bad = probs.copy()
+    bad[0, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        csot_plan(bad, features, labels, 0.5)
+    bad = features.copy()
+    bad[3, 1] = np.inf
+    with pytest.raises(ValueError, match="NaN"):
+        csot_plan(probs, bad, labels, 0.5)
+    a, b = marginals(*probs.shape, 0.5)
+    with pytest.raises(ValueError, match="infeasible"):
+        curriculum_ot(-np.log(probs), a, b * 3, 0.1)
+    with pytest.raises(ValueError, match="eps"):
+        curriculum_ot(-np.log(probs), a, b, 0.0)
+    with pytest.raises(ValueError, match="row_cap"):
+        curriculum_ot(-np.log(probs), a[:-1], b, 0.1)
+    with pytest.raises(ValueError, match="kappa_p"):
+        csot_plan(probs, features, labels, 0.5, kappa_p=-1)
+    with pytest.raises(ValueError, match="end"):
+        curriculum_budget(5, warmup=10, end=10)
+
+
+# ----------------------------------------------------------------------------- label noise
+
+
+@pytest.mark.parametrize("kind", ["symmetric", "asymmetric"])
+@pytest.mark.parametrize("rate", [0.2, 0.5, 0.8])
+def test_noise_injection_is_exact(kind, rate):
+    """DivideMix convention: floor(rate N) indices without replacement; symmetric redraws them
+    uniformly over all classes (the true label may come back), asymmetric maps them (CIFAR-10:
+    9->1, 2->0, 4->7, 3<->5); nothing else changes, and the same seed gives the same labels."""
+    y = np.random.default_rng(0).integers(10, size=1000)
+    noisy = inject_label_noise(y, 10, kind, rate, np.random.default_rng(7), mapping=CIFAR10_ASYM)
+    replay = np.random.default_rng(7)
+    idx = replay.choice(1000, size=int(np.floor(rate * 1000)), replace=False)
+    expected = y.copy()
+    expected[idx] = replay.integers(0, 10, size=len(idx)) if kind == "symmetric" else CIFAR10_ASYM[y[idx]]
+    np.testing.assert_array_equal(noisy, expected)
+    untouched = np.setdiff1d(np.arange(1000), idx)
+    np.testing.assert_array_equal(noisy[untouched], y[untouched])
+    if kind == "asymmetric":
+        assert dict(zip(*np.unique(np.c_[y, noisy][noisy != y], axis=0).T)) == {2: 0, 3: 5, 4: 7, 5: 3, 9: 1}
+    else:  # redrawn labels are uniform: about 1/10 of them keep their class
+        assert abs((noisy[idx] == y[idx]).mean() - 0.1) < 0.05
+
+
+def test_load_data_keeps_clean_labels():
+    cfg = OmegaConf.create(
+        {"name": "digits", "val_fraction": 0.1, "test_fraction": 0.2, "imbalance": 1.0,
+         "label_noise": {"kind": "symmetric", "rate": 0.5}}
+    )  # fmt: skip
+    a, b = load_data(cfg, seed=3), load_data(cfg, seed=3)
+    assert torch.equal(a.train.y, b.train.y)
+    clean = load_data(OmegaConf.merge(cfg, {"label_noise": {"kind": "none"}}), seed=3)
+    assert torch.equal(a.train.y_clean, clean.train.y)
+    changed = (a.train.y != a.train.y_clean).float().mean().item()
+    assert 0.35 < changed < 0.55  # 0.5 * (1 - 1/10) expected
+    assert torch.equal(a.test.y, a.test.y_clean)

@@ -1,0 +1,536 @@
+"""Oracle tests for runner.methods.hier_hash (digest section 4)."""
+
+import itertools
+from math import comb
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import normalized_mutual_info_score
+
+from runner.methods import hier_hash as hh
+
+# --------------------------------------------------------------------------------------------
+# Brute-force oracle: energy in pairwise form, sum over class pairs of the shared bits
+# --------------------------------------------------------------------------------------------
+
+
+def all_codes(d, s):
+    rows = []
+    for bits in itertools.combinations(range(d), s):
+        row = np.zeros(d, int)
+        row[list(bits)] = 1
+        rows.append(row)
+    return np.array(rows)
+
+
+def brute_force_min(unary, s, alpha, beta, groups):
+    nc, d = unary.shape
+    options = all_codes(d, s)
+    choice = np.array(list(itertools.product(range(len(options)), repeat=nc)))
+    z = options[choice]  # (A, nc, d)
+    groups = np.arange(nc) if groups is None else np.asarray(groups)
+    energy = -(z * unary).sum((1, 2)).astype(float)
+    for p, p2 in itertools.combinations(range(nc), 2):
+        shared = (z[:, p] * z[:, p2]).sum(1)
+        energy += (beta + alpha * (groups[p] == groups[p2])) * shared
+    return energy.min()
+
+
+def random_instance(rng):
+    nc, d = rng.integers(2, 5), rng.integers(2, 5)
+    s = int(rng.integers(1, min(2, d) + 1))
+    groups = None if rng.random() < 0.5 else rng.integers(0, 2, nc)
+    alpha, beta = rng.uniform(0, 2, size=2)
+    return rng.normal(size=(nc, d)), s, alpha, beta, groups
+
+
+@pytest.mark.parametrize("backend", hh.BACKENDS)
+def test_min_cost_flow_matches_brute_force(backend):
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        unary, s, alpha, beta, groups = random_instance(rng)
+        z, log = hh.assign_codes(unary, s, alpha, beta, groups, backend=backend, log=True)
+        energy = hh.code_energy(z, unary, alpha, beta, groups)
+        assert energy == pytest.approx(brute_force_min(unary, s, alpha, beta, groups), abs=1e-6)
+        assert log["flow_cost"] == pytest.approx(energy, abs=1e-6)
+
+
+def test_code_energy_matches_pairwise_form():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        unary, s, alpha, beta, groups = random_instance(rng)
+        z = all_codes(unary.shape[1], s)[rng.integers(0, comb(unary.shape[1], s), len(unary))]
+        g = np.arange(len(unary)) if groups is None else groups
+        pairwise = -(z * unary).sum() + sum(
+            (beta + alpha * (g[p] == g[q])) * z[p] @ z[q] for p, q in itertools.combinations(range(len(z)), 2)
+        )
+        assert hh.code_energy(z, unary, alpha, beta, groups) == pytest.approx(pairwise)
+
+
+@pytest.mark.parametrize("backend", hh.BACKENDS)
+def test_hand_case(backend):
+    unary = np.array([[1.0, 0.9], [1.0, 0.2]])
+    z = hh.assign_codes(unary, 1, 0.0, 0.0, backend=backend)
+    np.testing.assert_array_equal(z, [[1, 0], [1, 0]])
+    assert hh.code_energy(z, unary, 0, 0) == pytest.approx(-2.0)
+    z = hh.assign_codes(unary, 1, 0.0, 0.5, backend=backend)
+    np.testing.assert_array_equal(z, [[0, 1], [1, 0]])
+    assert hh.code_energy(z, unary, 0, 0.5) == pytest.approx(-1.9)
+    assert hh.code_energy([[1, 0], [1, 0]], unary, 0, 0.5) == pytest.approx(-1.5)
+    assert hh.code_energy([[1, 0], [0, 1]], unary, 0, 0.5) == pytest.approx(-1.2)
+
+
+@pytest.mark.parametrize("backend", hh.BACKENDS)
+def test_flow_is_feasible_and_codes_binary(backend):
+    rng = np.random.default_rng(2)
+    nc, d, s = 12, 9, 3
+    groups = rng.integers(0, 4, nc)
+    z, log = hh.assign_codes(rng.normal(size=(nc, d)), s, 1.0, 0.3, groups, backend=backend, log=True)
+    assert set(np.unique(z)) <= {0, 1}
+    np.testing.assert_array_equal(z.sum(1), np.full(nc, s))
+    net, flow = log["network"], log["flow"]
+    assert (flow >= 0).all() and (flow <= net.capacity).all()
+    balance = np.zeros(net.n_nodes)
+    np.add.at(balance, net.tail, flow)
+    np.add.at(balance, net.head, -flow)
+    np.testing.assert_array_equal(balance, net.supply)
+    assert flow[net.tail == 0].sum() == nc * s
+    assert flow[net.head == 1].sum() == nc * s
+
+
+def test_network_size():
+    nc, d = 10, 7
+    groups = np.array([0, 0, 0, 1, 1, 2, 3, 4, 5, 6])  # two sibling groups, five singletons
+    net = hh.flow_network(np.zeros((nc, d)), 2, 1.0, 1.0, groups)
+    assert net.n_nodes == nc + d * (1 + 2) + 2
+    assert len(net.tail) == nc + nc * d + (3 + 2) * d + nc * d
+    # bundles keep min(n, f * ceil(n * s / d) + 1) arcs: groups 3 -> 2, 2 -> 2; buckets 10 -> 4
+    capped = hh.flow_network(np.zeros((nc, d)), 2, 1.0, 1.0, groups, load_factor=1)
+    assert capped.n_nodes == net.n_nodes
+    assert len(capped.tail) == nc + nc * d + (2 + 2) * d + 4 * d
+
+
+def full_network_optimum(unary, s, alpha, beta, groups):
+    from scipy.optimize import linprog
+    from scipy.sparse import coo_matrix
+
+    net = hh.flow_network(unary, s, alpha, beta, groups)
+    n = len(net.tail)
+    arcs = np.arange(n)
+    incidence = coo_matrix(
+        (np.r_[np.ones(n), -np.ones(n)], (np.r_[net.tail, net.head], np.r_[arcs, arcs])), (net.n_nodes, n)
+    )
+    res = linprog(net.cost, A_eq=incidence, b_eq=net.supply, bounds=np.c_[np.zeros(n), net.capacity])
+    assert res.status == 0
+    return res.fun
+
+
+@pytest.mark.parametrize("backend", hh.BACKENDS)
+def test_load_cap_growth_keeps_full_network_optimum(backend):
+    rng = np.random.default_rng(20)
+    grew = 0
+    for bonus in (0.0, 1.0, 3.0):
+        nc, d, s = 20, 5, 1
+        unary = rng.normal(size=(nc, d)) + bonus * np.eye(d)[np.zeros(nc, int)]  # crowd bucket 0
+        groups = rng.integers(0, 3, nc)
+        z, log = hh.assign_codes(unary, s, 0.05, 0.05, groups, backend=backend, log=True)
+        grew += log["load_factor"] > 4
+        assert hh.code_energy(z, unary, 0.05, 0.05, groups) == pytest.approx(
+            full_network_optimum(unary, s, 0.05, 0.05, groups), abs=1e-6
+        )
+    assert grew >= 1  # the crowded instances needed larger bundles
+
+
+@pytest.mark.parametrize("backend", hh.BACKENDS)
+def test_no_penalty_gives_top_s(backend):
+    rng = np.random.default_rng(3)
+    unary = rng.normal(size=(6, 8))
+    z = hh.assign_codes(unary, 3, 0.0, 0.0, rng.integers(0, 2, 6), backend=backend)
+    top = np.zeros_like(z)
+    np.put_along_axis(top, np.argsort(-unary, axis=1)[:, :3], 1, axis=1)
+    np.testing.assert_array_equal(z, top)
+
+
+@pytest.mark.parametrize("backend", hh.BACKENDS)
+def test_huge_alpha_separates_siblings(backend):
+    rng = np.random.default_rng(4)
+    groups = np.array([0, 0, 0, 0, 1, 1, 2])  # g_r * s = 4 * 2 <= d = 8
+    unary = rng.normal(size=(7, 8)) + 3 * np.eye(8)[np.zeros(7, int)]  # everybody prefers bucket 0
+    z = hh.assign_codes(unary, 2, 1e3, 0.0, groups, backend=backend)
+    for g in np.unique(groups):
+        assert z[groups == g].sum(0).max() <= 1
+
+
+@pytest.mark.parametrize("backend", hh.BACKENDS)
+def test_huge_beta_balances_loads(backend):
+    rng = np.random.default_rng(5)
+    unary = rng.normal(size=(11, 4)) + 3 * np.eye(4)[np.zeros(11, int)]
+    load = hh.assign_codes(unary, 2, 0.0, 1e3, backend=backend).sum(0)
+    assert load.max() - load.min() <= 1
+
+
+@pytest.mark.parametrize("backend", hh.BACKENDS)
+def test_row_shift_leaves_optimum(backend):
+    rng = np.random.default_rng(6)
+    unary, s, groups = rng.normal(size=(5, 6)), 2, np.array([0, 0, 1, 1, 2])
+    z = hh.assign_codes(unary, s, 0.7, 0.4, groups, backend=backend)
+    shifted = unary.copy()
+    shifted[2] += 5.0
+    z_shift = hh.assign_codes(shifted, s, 0.7, 0.4, groups, backend=backend)
+    e = hh.code_energy(z, unary, 0.7, 0.4, groups)
+    assert hh.code_energy(z_shift, shifted, 0.7, 0.4, groups) == pytest.approx(e - 5.0 * s)
+    assert hh.code_energy(z_shift, unary, 0.7, 0.4, groups) == pytest.approx(e)  # same optimum up to ties
+
+
+def test_backends_agree_on_larger_instance():
+    rng = np.random.default_rng(7)
+    unary, groups = rng.normal(size=(24, 16)), rng.integers(0, 6, 24)
+    energies = [
+        hh.code_energy(hh.assign_codes(unary, 2, 1.0, 0.2, groups, backend=b), unary, 1.0, 0.2, groups)
+        for b in hh.BACKENDS
+    ]
+    assert np.ptp(energies) < 1e-9
+
+
+def test_coarse_cost_scale_is_within_rounding_bound():
+    rng = np.random.default_rng(8)
+    unary = rng.normal(size=(8, 6))
+    exact = hh.code_energy(hh.assign_codes(unary, 2, 0.5, 0.3, backend="highs"), unary, 0.5, 0.3)
+    z = hh.assign_codes(unary, 2, 0.5, 0.3, backend="ortools", cost_scale=1e2)
+    # at most 3 flow-carrying arcs per unit of flow, each rounded by <= 0.5 / scale, on both sides
+    assert exact <= hh.code_energy(z, unary, 0.5, 0.3) <= exact + 2 * 3 * 16 * 0.5e-2
+
+
+def test_cascade_groups_and_levels():
+    rng = np.random.default_rng(9)
+    k, nc, d, ks = 3, 4, 3, 2
+    unary = rng.normal(size=(k, nc, d))
+    codes = hh.cascade_codes(unary, ks, alpha=0.8, beta=0.3, backend="ortools")
+    assert codes.shape == (k, nc, d)
+    np.testing.assert_array_equal(codes.sum(2), [[1] * nc, [1] * nc, [ks] * nc])
+    assert hh.code_energy(codes[0], unary[0], 0.8, 0.3) == pytest.approx(
+        brute_force_min(unary[0], 1, 0.8, 0.3, None)
+    )
+    groups = None
+    for level in range(1, k):
+        path = codes[:level].argmax(2).T  # (nc, level)
+        groups = np.unique(path, axis=0, return_inverse=True)[1].reshape(nc)
+        s = ks if level == k - 1 else 1
+        assert hh.code_energy(codes[level], unary[level], 0.8, 0.3, groups) == pytest.approx(
+            brute_force_min(unary[level], s, 0.8, 0.3, groups)
+        )
+    assert groups is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"sparsity": 5}, "sparsity=5"),
+        ({"sparsity": 0}, "sparsity=0"),
+        ({"unary": np.array([[0.1, np.nan, 0, 0]])}, "finite"),
+        ({"unary": np.zeros(4)}, "2-D"),
+        ({"groups": [0, 1, 2]}, r"groups has shape \(3,\)"),
+        ({"groups": [0.5, 1.0]}, "integer group id"),
+        ({"alpha": -1.0}, "alpha=-1.0"),
+        ({"beta": np.inf}, "beta=inf"),
+        ({"backend": "lemon"}, "backend='lemon'"),
+        ({"cost_scale": 0.0}, "cost_scale=0.0"),
+    ],
+)
+def test_bad_input_raises_value_error(kwargs, match):
+    args = {"unary": np.zeros((2, 4)), "sparsity": 1, "alpha": 1.0, "beta": 1.0, "groups": None}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        hh.assign_codes(**args)
+
+
+def test_bad_bucket_input_raises_value_error():
+    with pytest.raises(ValueError, match="ks=5"):
+        hh.bucket_ids(np.zeros((3, 8)), 4, 2, 5)
+    with pytest.raises(ValueError, match=r"must be \(N, d\*k\)"):
+        hh.bucket_ids(np.zeros((3, 7)), 4, 2, 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Buckets and retrieval
+# --------------------------------------------------------------------------------------------
+
+
+def test_bucket_round_trip_and_structure():
+    rng = np.random.default_rng(10)
+    d, k, ks = 5, 3, 3
+    digits = rng.integers(0, d, size=(50, k))
+    np.testing.assert_array_equal(hh.decode_buckets(hh.encode_buckets(digits, d), d, k), digits)
+    act = rng.normal(size=(40, d * k))
+    ids = hh.bucket_ids(act, d, k, ks)
+    assert ids.shape == (40, ks) and ids.min() >= 0 and ids.max() < d**k
+    path = hh.decode_buckets(ids, d, k)
+    levels = act.reshape(40, k, d)
+    for i in range(40):
+        assert len(set(ids[i])) == ks
+        assert (path[i, :, : k - 1] == levels[i, : k - 1].argmax(1)).all()  # one prefix: argmax path
+        assert set(path[i, :, -1]) == set(np.argsort(-levels[i, -1])[:ks])
+
+
+def test_single_level_codes_are_top_ks():
+    act = np.random.default_rng(11).normal(size=(30, 9))
+    np.testing.assert_array_equal(hh.bucket_ids(act, 9, 1, 4), np.argsort(-act, axis=1, kind="stable")[:, :4])
+
+
+def brute_candidates(db_buckets, query_buckets, self_ids):
+    return [
+        sorted(
+            i
+            for i in range(len(db_buckets))
+            if i != self_ids[q] and set(db_buckets[i]) & set(query_buckets[q])
+        )
+        for q in range(len(query_buckets))
+    ]
+
+
+def test_retrieval_matches_brute_force():
+    rng = np.random.default_rng(12)
+    d, k, ks, n = 3, 2, 2, 60
+    act = rng.normal(size=(n, d * k))
+    index = hh.HashIndex(act, rng.normal(size=(n, 4)), d, k, ks)
+    self_ids = np.arange(n)
+    found = index.candidates(act, K=0, self_ids=self_ids)
+    expected = brute_candidates(index.buckets, index.buckets, self_ids)
+    assert [f.tolist() for f in found] == expected
+    queries = rng.normal(size=(20, d * k))
+    found = index.candidates(queries, K=0)
+    assert [f.tolist() for f in found] == brute_candidates(
+        index.buckets, hh.bucket_ids(queries, d, k, ks), [-1] * 20
+    )
+
+
+def test_search_reranks_candidates_by_distance():
+    rng = np.random.default_rng(21)
+    d, k, ks, n, K = 3, 2, 2, 80, 5
+    act, emb = rng.normal(size=(n, d * k)), rng.normal(size=(n, 3))
+    index = hh.HashIndex(act, emb, d, k, ks)
+    found = index.candidates(act, K=K, self_ids=np.arange(n))
+    for max_pairs in (7, 2**21):  # several query blocks, or one
+        neighbors, n_cand = index.search(act, emb, K, self_ids=np.arange(n), max_pairs=max_pairs)
+        assert n_cand.tolist() == [len(f) for f in found]
+        for q in range(n):
+            dist = ((emb[found[q]] - emb[q]) ** 2).sum(1)
+            np.testing.assert_array_equal(neighbors[q], found[q][np.argsort(dist)[:K]])
+
+
+def test_expansion_follows_probe_order():
+    rng = np.random.default_rng(13)
+    d, k, ks, n, K = 4, 2, 1, 30, 12
+    act = rng.normal(size=(n, d * k))
+    index = hh.HashIndex(act, rng.normal(size=(n, 3)), d, k, ks)
+    found = index.candidates(act, K=K, self_ids=np.arange(n))
+    again = index.candidates(act, K=K, self_ids=np.arange(n))
+    assert [f.tolist() for f in found] == [f.tolist() for f in again]  # deterministic
+    all_probes = hh.probe_buckets(act, d, k, 0, d**k)
+    for q in range(n):
+        assert len(found[q]) >= K and q not in found[q]
+        union = set()
+        for t in range(d**k):  # smallest probe prefix holding K items besides the query
+            union |= {i for i in range(n) if index.buckets[i, 0] == all_probes[q, t]} - {q}
+            if t >= ks - 1 and len(union) >= K:
+                break
+        assert found[q].tolist() == sorted(union)
+
+
+def test_query_in_empty_bucket_expands():
+    db = np.eye(4)[np.zeros(10, int)]  # every item in bucket 0
+    index = hh.HashIndex(db, np.arange(10.0)[:, None], 4, 1, 1)
+    query = np.array([[0.0, 1.0, 0.5, 0.2]])  # probes buckets 1, 2, 3, then 0
+    assert index.candidates(query, K=0)[0].tolist() == []
+    neighbors, n_cand = index.search(query, np.array([[2.2]]), 3)
+    assert n_cand.tolist() == [10] and neighbors.tolist() == [[2, 3, 1]]
+
+
+def test_search_with_everything_in_one_bucket_is_exhaustive():
+    rng = np.random.default_rng(14)
+    n, d = 80, 6
+    act = rng.normal(size=(n, d))
+    act[:, 2] = 100.0  # all items and queries hash to bucket 2
+    emb = rng.normal(size=(n, 5))
+    labels = rng.integers(0, 4, n)
+    index = hh.HashIndex(act, emb, d, 1, 1)
+    for K in (1, 4, 16):
+        neighbors, n_cand = index.search(act, emb, K, self_ids=np.arange(n))
+        exact = hh.exhaustive_search(emb, emb, K, self_ids=np.arange(n))
+        np.testing.assert_array_equal(neighbors, exact)
+        assert hh.precision_at_k(neighbors, labels, labels) == hh.precision_at_k(exact, labels, labels)
+        assert hh.speedup_factor(n_cand, n - 1) == 1.0
+
+
+def test_exhaustive_search_matches_sorting():
+    rng = np.random.default_rng(15)
+    q, db = rng.normal(size=(7, 3)), rng.normal(size=(20, 3))
+    dist = ((q[:, None] - db[None]) ** 2).sum(-1)
+    np.testing.assert_array_equal(hh.exhaustive_search(q, db, 5), np.argsort(dist, axis=1)[:, :5])
+
+
+def test_precision_at_k_counts_misses():
+    neighbors = np.array([[0, 1, -1, -1], [2, 3, 1, 0]])
+    labels = np.array([0, 0, 1, 1])
+    assert hh.precision_at_k(neighbors, np.array([0, 1]), labels) == pytest.approx((2 / 4 + 2 / 4) / 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Speedup factor
+# --------------------------------------------------------------------------------------------
+
+
+def one_hot_activations(bucket, d):
+    return np.eye(d)[bucket]
+
+
+def test_suf_even_spread_is_number_of_buckets():
+    B, per = 8, 25
+    db = one_hot_activations(np.repeat(np.arange(B), per), B)
+    index = hh.HashIndex(db, np.zeros((len(db), 1)), B, 1, 1)
+    _, n_cand = index.search(one_hot_activations(np.arange(B), B), np.zeros((B, 1)), 1)
+    assert hh.speedup_factor(n_cand, len(db)) == pytest.approx(B)
+
+
+def test_suf_occupancy_form():
+    rng = np.random.default_rng(16)
+    d = 10
+    bucket = rng.integers(0, d, 500)
+    index = hh.HashIndex(one_hot_activations(bucket, d), np.zeros((500, 1)), d, 1, 1)
+    _, n_cand = index.search(one_hot_activations(bucket, d), np.zeros((500, 1)), 1)
+    sizes = np.bincount(bucket)
+    assert hh.speedup_factor(n_cand, 500) == pytest.approx(500**2 / (sizes**2).sum())
+
+
+@pytest.mark.parametrize("d, k, ks", [(16, 1, 1), (16, 1, 2), (64, 1, 2), (16, 2, 1), (16, 2, 2)])
+def test_suf_of_random_codes(d, k, ks):
+    rng = np.random.default_rng(17)
+    index = hh.HashIndex(rng.normal(size=(4000, d * k)), np.zeros((4000, 1)), d, k, ks)
+    _, n_cand = index.search(rng.normal(size=(400, d * k)), np.zeros((400, 1)), 1)
+    expected = d ** (k - 1) / (1 - comb(d - ks, ks) / comb(d, ks))
+    assert hh.speedup_factor(n_cand, 4000) == pytest.approx(expected, rel=0.05)
+
+
+def test_suf_formula_values():
+    def suf(d, ks):
+        return 1 / (1 - comb(d - ks, ks) / comb(d, ks))
+
+    assert suf(16, 1) == pytest.approx(16)
+    assert suf(16, 2) == pytest.approx(4.138, abs=1e-3)
+    assert suf(64, 2) == pytest.approx(16.13, abs=1e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# NMI
+# --------------------------------------------------------------------------------------------
+
+
+def test_nmi_extremes_and_sklearn():
+    rng = np.random.default_rng(18)
+    labels = rng.integers(0, 10, 5000)
+    assert hh.nmi((labels * 7 + 3) % 10, labels) == pytest.approx(1.0)
+    assert hh.nmi(rng.integers(0, 10, 5000), labels) < 0.01
+    clusters = np.where(rng.random(5000) < 0.6, labels, rng.integers(0, 13, 5000))
+    assert hh.nmi(clusters, labels) == pytest.approx(normalized_mutual_info_score(labels, clusters))
+
+
+# --------------------------------------------------------------------------------------------
+# Losses and label remapping
+# --------------------------------------------------------------------------------------------
+
+
+def test_masked_distance_properties():
+    g = torch.Generator().manual_seed(0)
+    fa, fb = torch.randn(5, 6, generator=g), torch.randn(4, 6, generator=g)
+    ha, hb = (torch.rand(5, 6, generator=g) < 0.3).float(), (torch.rand(4, 6, generator=g) < 0.3).float()
+    d_ab = hh.masked_distance(fa, fb, ha, hb)
+    torch.testing.assert_close(d_ab, hh.masked_distance(fb, fa, hb, ha).T)
+    assert torch.allclose(hh.masked_distance(fa, fa, ha, ha).diagonal(), torch.zeros(5))
+    ones_a, ones_b = torch.ones(5, 6), torch.ones(4, 6)
+    torch.testing.assert_close(hh.masked_distance(fa, fb, ones_a, ones_b), torch.cdist(fa, fb, p=1))
+    ha[:, :3], hb[:, :3] = 0, 0  # dims 0..2 inactive in every code
+    hb[:, 3:] = 1
+    f = fa.clone().requires_grad_(True)
+    hh.masked_distance(f, fb, ha, hb).sum().backward()
+    assert (f.grad[:, :3] == 0).all()
+    torch.testing.assert_close(f.grad[:, 3:], torch.sign(fa[:, None, 3:] - fb[None, :, 3:]).sum(1))
+
+
+def test_triplet_semihard_matches_loop():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 3, generator=g)
+    labels = torch.randint(0, 3, (12,), generator=g)
+    dist = torch.cdist(x, x)
+    losses = []
+    for i in range(12):
+        for j in range(12):
+            if i == j or labels[i] != labels[j]:
+                continue
+            neg = [dist[i, n] for n in range(12) if labels[n] != labels[i]]
+            far = [v for v in neg if v > dist[i, j]]
+            d_neg = min(far) if far else max(neg)
+            losses.append(max(float(dist[i, j] - d_neg + 0.4), 0.0))
+    assert float(hh.triplet_semihard_loss(dist, labels, 0.4)) == pytest.approx(np.mean(losses), rel=1e-6)
+
+
+def test_npairs_matches_loop_and_all_ones_codes():
+    g = torch.Generator().manual_seed(2)
+    a, p = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    labels = torch.tensor([0, 1, 1, 2, 3, 3])
+    z_a, z_p = (torch.rand(6, 4, generator=g) < 0.5).float(), (torch.rand(6, 4, generator=g) < 0.5).float()
+    expected = 0.0
+    for i in range(6):
+        logits = torch.stack([((z_a[i] + z_p[j]) > 0).float() @ (a[i] * p[j]) for j in range(6)])
+        pos = labels == labels[i]
+        expected += -(torch.log_softmax(logits, 0)[pos]).mean() / 6
+    expected += 0.01 / 4 * ((a**2).sum(1).mean() + (p**2).sum(1).mean())
+    got = hh.npairs_loss(a, p, labels, 0.01, z_a, z_p)
+    assert float(got) == pytest.approx(float(expected), rel=1e-6)
+    ones = torch.ones(6, 4)
+    torch.testing.assert_close(
+        hh.npairs_loss(a, p, labels, 0.01, ones, ones), hh.npairs_loss(a, p, labels, 0.01)
+    )
+
+
+@pytest.mark.parametrize("loss", hh.LOSSES)
+def test_hash_loss_gradient_matches_finite_differences(loss):
+    g = torch.Generator().manual_seed(3)
+    nc, m, k, d = 5, 2, 2, 4
+    out = torch.randn(nc, m, k, d, generator=g, dtype=torch.float64, requires_grad=True)
+    codes = hh.cascade_codes(hh.class_unaries(out, loss), 2, 1.0, 0.5, backend="ortools")
+    labels = hh.level_labels(codes, remap=True)
+    assert torch.autograd.gradcheck(
+        lambda o: hh.hash_loss(o, codes, labels, loss, 0.3, 0.01), (out,), fast_mode=True
+    )
+
+
+def test_class_unaries():
+    out = torch.randn(3, 2, 2, 4)
+    np.testing.assert_allclose(
+        hh.class_unaries(out, "npairs"), out.mean(1).transpose(0, 1).numpy(), rtol=1e-6
+    )
+    normed = out / out.norm(dim=-1, keepdim=True)
+    np.testing.assert_allclose(
+        hh.class_unaries(out, "triplet"), normed.mean(1).transpose(0, 1).numpy(), rtol=1e-6
+    )
+
+
+def test_remap_labels():
+    rng = np.random.default_rng(19)
+    codes = rng.integers(0, 2, size=(40, 5))
+    labels = hh.remap_labels(codes)
+    same_code = (codes[:, None] == codes[None]).all(-1)
+    np.testing.assert_array_equal(labels[:, None] == labels[None], same_code)
+    permuted = hh.remap_labels(codes[:, rng.permutation(5)])
+    np.testing.assert_array_equal(permuted[:, None] == permuted[None], same_code)
+    codes3 = np.zeros((2, 3, 4), int)
+    codes3[:, [0, 1, 2], [1, 1, 3]] = 1
+    for row in hh.level_labels(codes3, remap=True):  # classes 0 and 1 share a code, class 2 differs
+        assert row[0] == row[1] != row[2]
+    np.testing.assert_array_equal(hh.level_labels(codes3, remap=False), [[0, 1, 2], [0, 1, 2]])
