@@ -41,7 +41,7 @@ from runner.data import load_data
 from runner.methods import hier_hash as hh
 from runner.models import build_model
 from runner.schema import ConfigError
-from runner.train import augment_crop_flip
+from runner.train import _save, augment_crop_flip, predict
 
 log = logging.getLogger(__name__)
 
@@ -230,15 +230,9 @@ def base_step(net, optimizer, x, *, nc, m, method):
     return loss.item(), 0.0
 
 
-@torch.no_grad()
 def outputs(net, x, ctx, batch_size, normalize=False) -> np.ndarray:
-    """Net outputs for all of x in eval mode, as a float64 array on the CPU."""
-    was_training = net.training
-    net.eval()
-    out = torch.cat(
-        [net(x[i : i + batch_size].to(ctx.device)).float().cpu() for i in range(0, len(x), batch_size)]
-    )
-    net.train(was_training)
+    """Net outputs for all of x in eval mode (optionally L2-normalized), as a float64 array."""
+    out = predict(net, x, ctx, batch_size)
     return (F.normalize(out, dim=1) if normalize else out).double().numpy()
 
 
@@ -293,11 +287,9 @@ class Trainer:
                 if score > best_score:
                     best_score, best_net = score, copy.deepcopy(net.state_dict())
             if self.cfg.train.checkpoint and (done % method.checkpoint_every == 0 or done == iters):
-                path.parent.mkdir(parents=True, exist_ok=True)
-                torch.save({"iter": done, "net": net.state_dict(), "optimizer": optimizer.state_dict(),
-                            "scheduler": scheduler.state_dict(), "sampler": sampler.rng.bit_generator.state,
-                            "torch_rng": torch.get_rng_state(), "best": (best_score, best_net)},
-                           path)  # fmt: skip
+                _save(path, {"iter": done, "net": net.state_dict(), "optimizer": optimizer.state_dict(),
+                             "scheduler": scheduler.state_dict(), "sampler": sampler.rng.bit_generator.state,
+                             "torch_rng": torch.get_rng_state(), "best": (best_score, best_net)})  # fmt: skip
         if best_net is not None:
             net.load_state_dict(best_net)
         ran = iters - state["iter"]
@@ -369,9 +361,7 @@ def base_embedding(cfg, ctx, data, trainer):
         trainer.run(
             "base", base, [{"params": base.parameters(), "lr": method.base_lr}], step, method.base_epochs
         )
-        path = ctx.dir / "checkpoints" / "hier_hash_base_final.pt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(base.state_dict(), path)
+        _save(ctx.dir / "checkpoints" / "hier_hash_base_final.pt", base.state_dict())
     base.requires_grad_(False)
     normalize = method.base_loss == "triplet"
     batch_size = cfg.train.eval_batch_size
