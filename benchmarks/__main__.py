@@ -12,7 +12,9 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
-    names = sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.name.startswith("bench_"))
+    names = sorted(
+        m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.name.startswith("bench_")
+    )
     if argv:
         unknown = sorted(set(argv) - set(names) - {n.removeprefix("bench_") for n in names})
         if unknown:

@@ -23,8 +23,19 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 log = logging.getLogger("runner")
 
 # Hydra flags that consume the next argument.
-_FLAGS_WITH_VALUE = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name",
-                     "-cd", "--config-dir", "--experimental-rerun"}  # fmt: skip
+_FLAGS_WITH_VALUE = {
+    "-c",
+    "--cfg",
+    "-p",
+    "--package",
+    "-cp",
+    "--config-path",
+    "-cn",
+    "--config-name",
+    "-cd",
+    "--config-dir",
+    "--experimental-rerun",
+}
 _INFO_VALUES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 
 
@@ -76,7 +87,12 @@ def _variants(overrides: list[str]) -> list[list[str]]:
                 _check_group_choice(key, v if v is not None else o.get_value_element_as_str())
         if key == "method" and not o.is_add() and not o.is_force_add():
             raise ConfigError("method is appended, not replaced: write +method=NAME")
-        choices.append((o.input_line, [f"{o.get_key_element()}={v}" for v in values] if values[0] is not None else [o.input_line]))
+        choices.append(
+            (
+                o.input_line,
+                [f"{o.get_key_element()}={v}" for v in values] if values[0] is not None else [o.input_line],
+            )
+        )
     first = [vals[0] for _, vals in choices]
     variants = [first]
     for i, (_, vals) in enumerate(choices):
@@ -101,7 +117,9 @@ def _compose(overrides: list[str]) -> DictConfig:
             base = compose("config", overrides=[o for o in overrides if not o.startswith(key + "=")])
             node = OmegaConf.select(base, parent) if parent else base
             valid = ", ".join(node.keys()) if isinstance(node, DictConfig) else "none"
-            raise ConfigError(f"unknown key {key}; valid keys{' under ' + parent if parent else ''}: {valid}") from None
+            raise ConfigError(
+                f"unknown key {key}; valid keys{' under ' + parent if parent else ''}: {valid}"
+            ) from None
 
 
 def preflight(argv: list[str]) -> None:
@@ -151,8 +169,16 @@ def _run(cfg: DictConfig) -> float | None:
     ctx = RunContext(device, run_dir, tracker, amp=cfg.hardware.amp, rank=rank, world_size=world_size)
     module = task_module(cfg)
     method = cfg.method.name if "method" in cfg else "erm"
-    log.info("%s: method=%s dataset=%s model=%s device=%s seed=%d -> %s", module.__name__, method,
-             cfg.dataset.name, cfg.model.name, device, cfg.seed, run_dir)  # fmt: skip
+    log.info(
+        "%s: method=%s dataset=%s model=%s device=%s seed=%d -> %s",
+        module.__name__,
+        method,
+        cfg.dataset.name,
+        cfg.model.name,
+        device,
+        cfg.seed,
+        run_dir,
+    )
     summary = dict(module.run(cfg, ctx))
     summary["time/total_s"] = time.perf_counter() - t0
     tracker.finish(summary)
@@ -160,9 +186,11 @@ def _run(cfg: DictConfig) -> float | None:
     metric = module.METRIC[0]
     if rank == 0:
         shown = [k for k in summary if k == metric or k.startswith("test/")][:6]
-        print(f"{module.__name__} {method} on {cfg.dataset.name}: "
-              + "  ".join(f"{k}={summary[k]:.4f}" for k in shown if isinstance(summary[k], float))
-              + f"  ({summary['time/total_s']:.1f} s) -> {run_dir / 'summary.json'}")  # fmt: skip
+        print(
+            f"{module.__name__} {method} on {cfg.dataset.name}: "
+            + "  ".join(f"{k}={summary[k]:.4f}" for k in shown if isinstance(summary[k], float))
+            + f"  ({summary['time/total_s']:.1f} s) -> {run_dir / 'summary.json'}"
+        )
     value = summary.get(metric)
     return float(value) if value is not None else None
 

@@ -67,7 +67,9 @@ def setup(hw) -> tuple[torch.device, int, int]:
     rank, world_size, local_rank = 0, 1, 0
     if hw.distributed:
         if "WORLD_SIZE" not in os.environ:
-            raise ConfigError("hardware=ddp must be launched by torchrun (torchrun --nproc_per_node=N -m runner.cli ...)")
+            raise ConfigError(
+                "hardware=ddp must be launched by torchrun (torchrun --nproc_per_node=N -m runner.cli ...)"
+            )
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if not dist.is_initialized():

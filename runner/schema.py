@@ -23,7 +23,9 @@ class ConfigError(ValueError):
 
 def check_choice(key: str, value: Any, choices) -> None:
     if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not a valid choice; choose one of: {', '.join(map(str, choices))}")
+        raise ConfigError(
+            f"{key}={value!r} is not a valid choice; choose one of: {', '.join(map(str, choices))}"
+        )
 
 
 def check_range(key: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:

@@ -30,7 +30,12 @@ class Tracker:
         self.wandb = None
         if enabled:
             self.dir.mkdir(parents=True, exist_ok=True)
-        if enabled and logger_cfg is not None and logger_cfg.name == "wandb" and logger_cfg.mode != "disabled":
+        if (
+            enabled
+            and logger_cfg is not None
+            and logger_cfg.name == "wandb"
+            and logger_cfg.mode != "disabled"
+        ):
             self.wandb = self._start_wandb(logger_cfg, config)
 
     def _start_wandb(self, cfg, config):

@@ -109,7 +109,9 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
     model.to(ctx.device)
     net = model
     if ctx.distributed:
-        net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.index is not None else None)
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[ctx.device.index] if ctx.device.index is not None else None
+        )
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg)
     scaler = torch.amp.GradScaler(enabled=ctx.amp and ctx.device.type == "cuda")
@@ -141,8 +143,12 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
         g = torch.Generator().manual_seed(torch.initial_seed() * 1_000_003 + epoch)
         order = torch.randperm(n, generator=g)[: steps_per_epoch * cfg.batch_size][ctx.rank :: ctx.world_size]
         loss_sum = torch.zeros((), device=ctx.device)
-        bar = tqdm(order.split(cfg.batch_size // ctx.world_size), desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                   leave=False, disable=None if cfg.progress and ctx.is_main else True)  # fmt: skip
+        bar = tqdm(
+            order.split(cfg.batch_size // ctx.world_size),
+            desc=f"epoch {epoch + 1}/{cfg.epochs}",
+            leave=False,
+            disable=None if cfg.progress and ctx.is_main else True,
+        )
         for idx in bar:
             idx = idx.to(ctx.device)
             x, y_soft = x_train[idx], F.one_hot(y_train[idx], k).float()
@@ -166,20 +172,38 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
         for name in ("val", "test"):
             split = getattr(data, name)
             if len(split):
-                metrics.update({f"{name}/{key}": v for key, v in evaluate(model, split, ctx, cfg.eval_batch_size).items()})
+                metrics.update(
+                    {
+                        f"{name}/{key}": v
+                        for key, v in evaluate(model, split, ctx, cfg.eval_batch_size).items()
+                    }
+                )
         metrics["time/epoch_s"] = time.perf_counter() - t0
         ctx.tracker.log(metrics, step=epoch)
         if ctx.is_main:
             log.info("epoch %d/%d  %s", epoch + 1, cfg.epochs, _brief(metrics))
             if cfg.checkpoint:
-                _save(ckpt_path, {
-                    "epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "rng": torch.get_rng_state(),
-                    "hooks": hooks.state_dict() if hooks is not None and hasattr(hooks, "state_dict") else None,
-                })  # fmt: skip
+                _save(
+                    ckpt_path,
+                    {
+                        "epoch": epoch,
+                        "model": model.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "scaler": scaler.state_dict(),
+                        "rng": torch.get_rng_state(),
+                        "hooks": hooks.state_dict()
+                        if hooks is not None and hasattr(hooks, "state_dict")
+                        else None,
+                    },
+                )
     if not metrics:  # resumed a finished run, or epochs=0: report the model as it is
-        metrics = {f"{s}/{k}": v for s in ("val", "test") if len(getattr(data, s))
-                   for k, v in evaluate(model, getattr(data, s), ctx, cfg.eval_batch_size).items()}  # fmt: skip
+        metrics = {
+            f"{s}/{k}": v
+            for s in ("val", "test")
+            if len(getattr(data, s))
+            for k, v in evaluate(model, getattr(data, s), ctx, cfg.eval_batch_size).items()
+        }
     return metrics
 
 

@@ -12,8 +12,14 @@ import pytest
 def run_cli(args, cwd, check=True, timeout=300):
     """Run `python -m runner.cli ARGS` in `cwd`; return the CompletedProcess (stdout+stderr text)."""
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0"}
-    proc = subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=timeout)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner.cli", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"runner {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc

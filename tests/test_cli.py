@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import summaries
 from wandb.proto import wandb_internal_pb2
 
@@ -37,8 +38,11 @@ def test_default_run_trains_digits_and_logs_to_wandb_offline(cli, tmp_path):
     assert len(lines) == 30 and json.loads(lines[-1])["test/acc"] == summary["test/acc"]
     # The offline W&B run holds the same per-epoch metrics.
     (log_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
-               for r in wandb_records(log_file) if r.WhichOneof("record_type") == "history"]  # fmt: skip
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in wandb_records(log_file)
+        if r.WhichOneof("record_type") == "history"
+    ]
     accs = [h["test/acc"] for h in history if "test/acc" in h]
     assert len(accs) == 30 and accs[-1] == pytest.approx(summary["test/acc"])
 
@@ -47,8 +51,7 @@ def test_two_job_multirun_writes_one_result_per_job(cli, tmp_path):
     cli("-m", "seed=0,1", "train.epochs=2", "logger=none", "train.progress=false")
     found = summaries(tmp_path / "outputs" / "multirun")
     assert sorted(p.name for p in found) == ["0", "1"]
-    seeds = sorted(json.loads(json.dumps(__import__("yaml").safe_load((p / "config.yaml").read_text())))["seed"]
-                   for p in found)  # fmt: skip
+    seeds = sorted(yaml.safe_load((p / "config.yaml").read_text())["seed"] for p in found)
     assert seeds == [0, 1]
 
 

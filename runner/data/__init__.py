@@ -134,13 +134,18 @@ def load_data(cfg, seed: int) -> Data:
     noise = cfg.label_noise
     if noise.kind != "none":
         noisy = inject_label_noise(
-            data.train.y_clean.numpy(), data.num_classes, noise.kind, noise.rate, rng, data.meta.get("asym_map")
+            data.train.y_clean.numpy(),
+            data.num_classes,
+            noise.kind,
+            noise.rate,
+            rng,
+            data.meta.get("asym_map"),
         )
         data.train.y = torch.as_tensor(noisy, dtype=torch.long)
     return data
 
 
 import runner.data.blobs  # noqa: E402,F401  (registers `blobs`, DB-OT clustering)
-from runner.data import builtin  # noqa: E402,F401  (registers the datasets)
-import runner.data.synthetic_hier  # noqa: E402,F401  (registers `synthetic_hier`, hierarchical hashing)
 import runner.data.canvas  # noqa: E402,F401  (registers `digits_canvas`, Co-Mixup)
+import runner.data.synthetic_hier  # noqa: E402,F401  (registers `synthetic_hier`, hierarchical hashing)
+from runner.data import builtin  # noqa: E402,F401  (registers the datasets)

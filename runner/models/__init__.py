@@ -33,7 +33,9 @@ class ConvNet(Classifier):
     def __init__(self, input_shape, num_classes, channels=(32, 64, 128)):
         super().__init__()
         if len(input_shape) != 3:
-            raise ConfigError(f"model=cnn needs image inputs (C, H, W); this dataset gives {tuple(input_shape)}")
+            raise ConfigError(
+                f"model=cnn needs image inputs (C, H, W); this dataset gives {tuple(input_shape)}"
+            )
         layers, c_in = [], input_shape[0]
         for i, c in enumerate(channels):
             layers += [nn.Conv2d(c_in, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True)]
@@ -67,5 +69,7 @@ def build_model(cfg, input_shape, num_classes: int) -> nn.Module:
     if cfg.name not in CIFAR_MODELS:
         raise ConfigError(f"model.name={cfg.name!r} is unknown; choices: {', '.join(MODELS)}")
     if len(input_shape) != 3:
-        raise ConfigError(f"model={cfg.name} needs image inputs (C, H, W); this dataset gives {tuple(input_shape)}")
+        raise ConfigError(
+            f"model={cfg.name} needs image inputs (C, H, W); this dataset gives {tuple(input_shape)}"
+        )
     return CIFAR_MODELS[cfg.name](input_shape[0], num_classes)

@@ -84,13 +84,18 @@ class ResNeXtBlock(nn.Module):
         inner = cardinality * group_width
         c_out = 4 * inner
         self.body = nn.Sequential(
-            nn.Conv2d(c_in, inner, 1, bias=False), _bn_relu(inner),
-            nn.Conv2d(inner, inner, 3, stride, 1, groups=cardinality, bias=False), _bn_relu(inner),
-            nn.Conv2d(inner, c_out, 1, bias=False), nn.BatchNorm2d(c_out),
-        )  # fmt: skip
+            nn.Conv2d(c_in, inner, 1, bias=False),
+            _bn_relu(inner),
+            nn.Conv2d(inner, inner, 3, stride, 1, groups=cardinality, bias=False),
+            _bn_relu(inner),
+            nn.Conv2d(inner, c_out, 1, bias=False),
+            nn.BatchNorm2d(c_out),
+        )
         self.shortcut = nn.Identity()
         if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
+            )
         self.c_out = c_out
 
     def forward(self, x):
@@ -123,12 +128,16 @@ class BasicBlock(nn.Module):
     def __init__(self, c_in, c_out, stride=1):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False), _bn_relu(c_out),
-            nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False), nn.BatchNorm2d(c_out),
-        )  # fmt: skip
+            nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False),
+            _bn_relu(c_out),
+            nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(c_out),
+        )
         self.shortcut = nn.Identity()
         if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
+            )
 
     def forward(self, x):
         return F.relu(self.body(x) + self.shortcut(x))
@@ -162,16 +171,22 @@ class NIN(Classifier):
         def mlpconv(c_in, k, widths):
             layers = []
             for i, w in enumerate(widths):
-                layers += [nn.Conv2d(c_in, w, k if i == 0 else 1, padding=k // 2 if i == 0 else 0),
-                           nn.LeakyReLU(1 / 5.5, inplace=True)]  # fmt: skip
+                layers += [
+                    nn.Conv2d(c_in, w, k if i == 0 else 1, padding=k // 2 if i == 0 else 0),
+                    nn.LeakyReLU(1 / 5.5, inplace=True),
+                ]
                 c_in = w
             return layers
 
         self.body = nn.Sequential(
-            *mlpconv(in_channels, 5, (192, 160, 96)), nn.MaxPool2d(3, 2, 1), nn.Dropout(0.5),
-            *mlpconv(96, 5, (192, 192, 192)), nn.AvgPool2d(3, 2, 1), nn.Dropout(0.5),
+            *mlpconv(in_channels, 5, (192, 160, 96)),
+            nn.MaxPool2d(3, 2, 1),
+            nn.Dropout(0.5),
+            *mlpconv(96, 5, (192, 192, 192)),
+            nn.AvgPool2d(3, 2, 1),
+            nn.Dropout(0.5),
             *mlpconv(192, 3, (192, 192)),
-        )  # fmt: skip
+        )
         self.feature_dim = 192
         self.classifier = nn.Linear(192, num_classes)
 
