@@ -196,7 +196,7 @@ def _run(cfg: DictConfig) -> float | None:
 
 
 def _launch_overrides(argv: list[str]) -> list[str]:
-    """Hydra overrides a launch adds (docs/sweeps.md): the Optuna direction of the task's METRIC
+    """Hydra overrides a launch adds (README, "Sweeps"): the Optuna direction of the task's METRIC
     (unless given), and no Hydra files from torchrun ranks other than 0."""
     overrides = _override_args(argv)
     if overrides is None:
