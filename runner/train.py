@@ -93,7 +93,8 @@ def evaluate(model, split: Split, ctx: RunContext, batch_size: int = 1024) -> di
     return {"acc": correct / max(n, 1), "loss": loss / max(n, 1)}
 
 
-def _save(path, state) -> None:
+def save_checkpoint(path, state) -> None:
+    """torch.save `state` to `path` atomically (write a temporary file, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -183,7 +184,7 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
         if ctx.is_main:
             log.info("epoch %d/%d  %s", epoch + 1, cfg.epochs, _brief(metrics))
             if cfg.checkpoint:
-                _save(
+                save_checkpoint(
                     ckpt_path,
                     {
                         "epoch": epoch,

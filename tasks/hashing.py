@@ -41,7 +41,7 @@ from runner.data import load_data
 from runner.methods import hier_hash as hh
 from runner.models import build_model
 from runner.schema import ConfigError
-from runner.train import _save, augment_crop_flip, predict
+from runner.train import augment_crop_flip, predict, save_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -287,9 +287,10 @@ class Trainer:
                 if score > best_score:
                     best_score, best_net = score, copy.deepcopy(net.state_dict())
             if self.cfg.train.checkpoint and (done % method.checkpoint_every == 0 or done == iters):
-                _save(path, {"iter": done, "net": net.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scheduler": scheduler.state_dict(), "sampler": sampler.rng.bit_generator.state,
-                             "torch_rng": torch.get_rng_state(), "best": (best_score, best_net)})  # fmt: skip
+                state = {"iter": done, "net": net.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scheduler": scheduler.state_dict(), "sampler": sampler.rng.bit_generator.state,
+                         "torch_rng": torch.get_rng_state(), "best": (best_score, best_net)}  # fmt: skip
+                save_checkpoint(path, state)
         if best_net is not None:
             net.load_state_dict(best_net)
         ran = iters - state["iter"]
@@ -361,7 +362,7 @@ def base_embedding(cfg, ctx, data, trainer):
         trainer.run(
             "base", base, [{"params": base.parameters(), "lr": method.base_lr}], step, method.base_epochs
         )
-        _save(ctx.dir / "checkpoints" / "hier_hash_base_final.pt", base.state_dict())
+        save_checkpoint(ctx.dir / "checkpoints" / "hier_hash_base_final.pt", base.state_dict())
     base.requires_grad_(False)
     normalize = method.base_loss == "triplet"
     batch_size = cfg.train.eval_batch_size
