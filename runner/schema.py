@@ -115,13 +115,11 @@ class HardwareConfig:
     device: str = "cpu"
     amp: bool = False
     distributed: bool = False
-    num_workers: int = 0
     deterministic: bool = False
     threads: int = 0
 
     def __post_init__(self):
         check_choice("hardware.device", self.device, ("cpu", "cuda"))
-        check_range("hardware.num_workers", self.num_workers, 0)
         check_range("hardware.threads", self.threads, 0)
 
 

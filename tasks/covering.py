@@ -14,9 +14,9 @@ Sets (`method.scenario`):
              `missing_class` (0: absent), the other classes in equal shares. The pool is every split of
              the dataset for `features=raw`, and val + test (held out from training) for `features=net`.
   mixture2d  2-D Gaussians (sigma 0.5) at A (0, 0), B (4, 0), C (2, 3.5). App: C has `app_share`
-             (default 0.3), A:B = 4:3 share the rest, plus a share `outliers` drawn uniformly from
-             [-6, 10]^2. Dev: C has `dev_share`, A:B = 12:7 share the rest, no outliers. The missing
-             pattern is mode C. The dataset config is not used.
+             (default 0.2; the digest's E1 has 0.3), A:B = 4:3 share the rest, plus a share `outliers`
+             drawn uniformly from [-6, 10]^2. Dev: C has `dev_share`, A:B = 12:7 share the rest, no
+             outliers. The missing pattern is mode C. The dataset config is not used.
 
 Features (`method.features`): `raw` flattened inputs; `net` the embeddings (`forward_features`) of
 `model`, trained here (`train` settings) on the train split with the missing class cut to `dev_share`
@@ -61,7 +61,7 @@ class CoverConfig:
     n_dev: int = 300
     missing_class: int = 0  # dataset: the class made rare in dev
     dev_share: float = 0.005  # share of the missing pattern in dev (0: absent)
-    app_share: float = 0.3  # mixture2d: share of mode C in app (before outliers)
+    app_share: float = 0.2  # mixture2d: share of mode C in app (before outliers; digest E1: 0.3)
     outliers: float = 0.02  # mixture2d: share of app drawn uniformly from the box
     features: str = "raw"  # raw | net
     checkpoint: str = ""  # features=net: embed with this runner checkpoint instead of training

@@ -46,7 +46,7 @@ def test_dataset_sets_are_disjoint_with_the_asked_class_counts():
 
 
 def test_mixture2d_sets():
-    m = CoverConfig(scenario="mixture2d", n_app=400, n_dev=200, dev_share=0.05, outliers=0.02)
+    m = CoverConfig(scenario="mixture2d", n_app=400, n_dev=200, app_share=0.3, dev_share=0.05, outliers=0.02)
     x_app, y_app, x_dev, y_dev = mixture2d_sets(m, np.random.default_rng(0))
     assert x_app.shape == (400, 2) and x_dev.shape == (200, 2)
     np.testing.assert_array_equal(np.bincount(y_app, minlength=4), [157, 118, 117, 8])
@@ -118,21 +118,21 @@ def test_cli_sweep_over_selectors(cli, tmp_path):
         assert 0 <= s["cover/missing_share"] <= 1 and (run_dir / "covering.png").exists()
 
 
-@pytest.mark.slow
 def test_issue_claims_on_cpu(tmp_path):
-    """Mixture (5 seeds): sensitivity and ctrans pick mode C more often than k-center, and >= 3x random
-    where mode C is 20% of app; digits with zeros at 0.5% of dev: >= 4x random."""
+    """Mixture preset (5 seeds, mode C 20% of app): sensitivity and ctrans pick mode C more often than
+    k-center and >= 3x random; the digest's E1 (C 30% of app) caps the ratio below 3.4 (random already
+    picks 29% from C), so it asserts 2x there. Digits with zeros at 0.5% of dev: >= 4x random."""
 
     def share(*overrides):
         runs = [run_here(tmp_path, *overrides, f"seed={s}", "method.plot=false") for s in range(5)]
         return np.mean([r["cover/missing_share"] for r in runs])
 
-    for app_share in (0.3, 0.2):
+    for app_share, factor in ((0.2, 3), (0.3, 2)):
         mix = ("+experiment=pwc_mixture2d", f"method.app_share={app_share}")
         rand, kcenter = share(*mix, "method.selector=random"), share(*mix, "method.selector=kcenter")
         for selector in ("sensitivity", "ctrans"):
             ours = share(*mix, f"method.selector={selector}")
-            assert ours > kcenter and ours >= (3 if app_share == 0.2 else 2) * rand
+            assert ours > kcenter and ours >= factor * rand
     rand = share("+experiment=pwc_digits", "method.selector=random")
     for selector in ("sensitivity", "ctrans"):
         assert share("+experiment=pwc_digits", f"method.selector={selector}") >= 4 * rand
