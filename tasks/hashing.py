@@ -185,8 +185,8 @@ class ClassBalancedSampler:
         self.by_class = [idx for c in np.unique(labels) if len(idx := np.flatnonzero(labels == c)) >= m]
         if len(self.by_class) < nc:
             raise ConfigError(
-                f"method.classes_per_batch={nc}: only {len(self.by_class)} classes have >= {m} "
-                "training examples (method.per_class)"
+                f"method.classes_per_batch={nc}: only {len(self.by_class)} classes have >= {m} training "
+                f"examples (method.per_class); set method.classes_per_batch<={len(self.by_class)}"
             )
         self.nc, self.m = nc, m
         self.rng = np.random.default_rng(seed)
