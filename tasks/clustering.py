@@ -21,7 +21,7 @@ import torch
 
 from runner.data import load_data
 from runner.methods.dbot import SOLVERS, dbot_cluster
-from runner.schema import check_choice, check_range
+from runner.schema import ConfigError, check_choice, check_range
 
 METRIC = ("cluster/nmi", "max")
 
@@ -173,6 +173,8 @@ def run(cfg, ctx) -> dict:
     data = load_data(cfg.dataset, cfg.seed)
     x, y = _samples(cfg, ctx, data)
     k = m.k or data.meta.get("n_clusters", data.num_classes)
+    if k > len(x):
+        raise ConfigError(f"method.k={k}: more clusters than the {len(x)} samples to cluster")
     summary: dict = {"cluster/n": len(x), "cluster/k": k}
     if m.name == "kmeans":
         from sklearn.cluster import KMeans

@@ -40,7 +40,7 @@ from torch import nn
 from runner.data import load_data
 from runner.methods import hier_hash as hh
 from runner.models import build_model
-from runner.schema import ConfigError
+from runner.schema import ConfigError, check_choice, check_range
 from runner.train import augment_crop_flip, predict, save_checkpoint
 
 log = logging.getLogger(__name__)
@@ -97,44 +97,36 @@ class HierHashConfig:
     checkpoint_every: int = 2000
 
     def __post_init__(self):
-        def bad(key, value, allowed):
-            raise ValueError(f"method.{key}={value!r}: must be {allowed}")
+        def bad(key, value, allowed):  # list-valued keys; scalars go through check_range/check_choice
+            raise ConfigError(f"method.{key}={value!r}: must be {allowed}")
 
-        if self.d < 2:
-            bad("d", self.d, ">= 2")
-        if self.k < 1:
-            bad("k", self.k, ">= 1")
+        check_range("method.d", self.d, 2)
+        check_range("method.k", self.k, 1)
         if not self.ks or not all(1 <= s <= self.d for s in self.ks):
             bad("ks", self.ks, f"a non-empty list of ints in [1, d={self.d}]")
-        if self.alpha < 0:
-            bad("alpha", self.alpha, ">= 0")
+        check_range("method.alpha", self.alpha, 0.0)
         for key in ("beta", "margin", "npairs_l2"):
             values = getattr(self, key)
             if len(values) not in (1, len(self.ks)) or min(values) < 0:
                 bad(key, values, f"one value >= 0, or one per ks ({len(self.ks)})")
-        if self.solver not in hh.BACKENDS:
-            bad("solver", self.solver, f"one of {hh.BACKENDS}")
-        if self.cost_scale is not None and self.cost_scale <= 0:
-            bad("cost_scale", self.cost_scale, "> 0 or null (automatic)")
-        for key in ("loss", "base_loss"):
-            if getattr(self, key) not in hh.LOSSES:
-                bad(key, getattr(self, key), f"one of {hh.LOSSES}")
-        if self.classes_per_batch < 2:
-            bad("classes_per_batch", self.classes_per_batch, ">= 2")
+        check_choice("method.solver", self.solver, hh.BACKENDS)
+        if self.cost_scale is not None:  # null: automatic
+            check_range("method.cost_scale", self.cost_scale, 0.0, lo_open=True)
+        check_choice("method.loss", self.loss, hh.LOSSES)
+        check_choice("method.base_loss", self.base_loss, hh.LOSSES)
+        check_range("method.classes_per_batch", self.classes_per_batch, 2)
         if self.per_class < 2 or ("npairs" in (self.loss, self.base_loss) and self.per_class != 2):
             bad("per_class", self.per_class, ">= 2, and exactly 2 with the N-pairs loss")
         for key in ("epochs", "lr_head"):
-            if getattr(self, key) <= 0:
-                bad(key, getattr(self, key), "> 0")
+            check_range(f"method.{key}", getattr(self, key), 0.0, lo_open=True)
         for key in ("lr_backbone", "decay_epochs", "eval_every", "base_margin", "base_l2"):
-            if getattr(self, key) < 0:
-                bad(key, getattr(self, key), ">= 0")
-        if not 0 < self.decay <= 1:
-            bad("decay", self.decay, "in (0, 1]")
-        if self.base not in ("pretrain", "raw"):
-            bad("base", self.base, "'pretrain' or 'raw'")
-        if self.base == "pretrain" and (self.base_dim < 1 or self.base_epochs <= 0 or self.base_lr <= 0):
-            bad("base_dim/base_epochs/base_lr", (self.base_dim, self.base_epochs, self.base_lr), "> 0")
+            check_range(f"method.{key}", getattr(self, key), 0.0)
+        check_range("method.decay", self.decay, 0.0, 1.0, lo_open=True)
+        check_choice("method.base", self.base, ("pretrain", "raw"))
+        if self.base == "pretrain":
+            check_range("method.base_dim", self.base_dim, 1)
+            check_range("method.base_epochs", self.base_epochs, 0.0, lo_open=True)
+            check_range("method.base_lr", self.base_lr, 0.0, lo_open=True)
         if not self.eval_k or min(self.eval_k) < 1:
             bad("eval_k", self.eval_k, "a non-empty list of ints >= 1")
         if not self.tables or not set(self.tables) <= set(TABLES):
@@ -145,8 +137,8 @@ class HierHashConfig:
             bad("vq_centroids", self.vq_centroids, f"ints >= max(ks)={max(self.ks)}")
         if self.level1_d and min(self.level1_d) < max(self.ks):
             bad("level1_d", self.level1_d, f"ints >= max(ks)={max(self.ks)}")
-        if self.log_every < 1 or self.checkpoint_every < 1:
-            bad("log_every/checkpoint_every", (self.log_every, self.checkpoint_every), ">= 1")
+        check_range("method.log_every", self.log_every, 1)
+        check_range("method.checkpoint_every", self.checkpoint_every, 1)
 
 
 METHODS = {"hier_hash": HierHashConfig}
@@ -270,9 +262,10 @@ class Trainer:
             torch.set_rng_state(state["torch_rng"])
             log.info("%s: resumed at iteration %d/%d", tag, state["iter"], iters)
         best_score, best_net = state["best"]
+        first = state["iter"]  # `state` is replaced by every checkpoint below
         net.train()
         total_s = code_s = 0.0
-        for done in range(state["iter"] + 1, iters + 1):
+        for done in range(first + 1, iters + 1):
             start = time.perf_counter()
             x = self.x_train[torch.as_tensor(sampler().ravel(), device=ctx.device)]
             loss, seconds = step(optimizer, augment_crop_flip(x) if self.augment else x)
@@ -293,7 +286,7 @@ class Trainer:
                 save_checkpoint(path, state)
         if best_net is not None:
             net.load_state_dict(best_net)
-        ran = iters - state["iter"]
+        ran = iters - first
         if ran:
             log.info("%s: %d iterations, %.1f ms each, codes %.0f%% of it", tag, ran, 1e3 * total_s / ran,
                      100 * code_s / max(total_s, 1e-12))  # fmt: skip

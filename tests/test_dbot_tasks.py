@@ -178,6 +178,12 @@ def test_clustering_cli_writes_scores_and_plot(cli, tmp_path):
     assert dbot_run["cluster/mass_min"] >= dbot_run["cluster/bound_low"] - 1e-6
 
 
+def test_clustering_cli_more_clusters_than_samples_is_one_line(cli):
+    proc = cli("+method=dbot_cluster", "dataset=blobs", "method.per_class=2", "method.k=20", "logger=none",
+               check=False)  # fmt: skip
+    assert proc.returncode == 2 and "method.k=20" in proc.stderr and "Traceback" not in proc.stderr
+
+
 @pytest.mark.slow
 def test_issue_claims_on_cpu(cli, tmp_path):
     """DB-OT inference lifts few-shot accuracy >= 20 points over argmax on long-tailed digits; on blobs

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.cli import _compose
-from runner.data import load_data
+from runner.data import Split, load_data
 from runner.methods import hier_hash as hh
 from runner.schema import ConfigError, validate
 from tasks import hashing
@@ -93,6 +93,31 @@ def test_hash_step_learns_and_reports_code_time(loss):
     losses = [hashing.hash_step(net, optimizer, x, **step) for _ in range(60)]
     assert all(seconds > 0 for _, seconds in losses)
     assert np.mean([v for v, _ in losses[-10:]]) < np.mean([v for v, _ in losses[:10]])
+
+
+def test_trainer_logs_its_iteration_timing_with_checkpoints_on(tmp_path, caplog):
+    x, y = torch.randn(8, 3), torch.arange(4).repeat(2)
+    split = Split(x, y, y)
+    data = SimpleNamespace(train=split)
+    method = SimpleNamespace(classes_per_batch=2, per_class=2, decay_epochs=0.0, decay=1.0, eval_every=0.0,
+                             log_every=1, checkpoint_every=1)  # fmt: skip
+    cfg = SimpleNamespace(method=method, dataset=SimpleNamespace(augment="none"), seed=0,
+                          train=SimpleNamespace(checkpoint=True))  # fmt: skip
+    ctx = SimpleNamespace(
+        device=torch.device("cpu"), dir=tmp_path, tracker=SimpleNamespace(log=lambda m: None)
+    )
+    net = torch.nn.Linear(3, 2)
+
+    def step(optimizer, x):
+        optimizer.step()
+        return 0.0, 0.0
+
+    with caplog.at_level("INFO", logger="tasks.hashing"):
+        timing = hashing.Trainer(cfg, ctx, data).run(
+            "t", net, [{"params": net.parameters(), "lr": 1e-3}], step, epochs=1.0
+        )
+    assert timing["iters"] == 2 and (tmp_path / "checkpoints" / "hier_hash_t.pt").exists()
+    assert "t: 2 iterations" in caplog.text
 
 
 def test_cli_synthetic_reports_every_row(cli, tmp_path):
