@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from runner.methods.comixup import comixup
 from runner.methods.mixup_training import MixupHooks
 from runner.models import build_model
+from tasks.classify import CoMixupConfig
 
 TARGET_S = 0.15  # the bound for one batch on the 2-core CPU
 B, C, H, W, K = 100, 3, 32, 32, 100
@@ -50,11 +51,7 @@ def step_times(model_cfg: dict, shape: tuple, repeats: int) -> tuple[float, floa
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.rand(B, *shape)
     y = torch.nn.functional.one_hot(torch.arange(B) % 10, 10).float()
-    cfg = OmegaConf.create(dict(name="comixup", alpha=2.0, clean_lam=1.0, loss="bce", beta=0.32, gamma=1.0,
-                                eta=0.05, tau=0.83, thres_type="hard", omega=0.001, grid=4, part=20, n_iter=4,
-                                set_resolve=True, mixed_labels=True, solver="gco_swap", workers=0,
-                                preview=False))  # fmt: skip
-    hooks = MixupHooks(cfg, 10, ctx=None, seed=0)
+    hooks = MixupHooks(OmegaConf.structured(CoMixupConfig(preview=False)), 10, ctx=None, seed=0)
 
     def vanilla():
         loss = torch.nn.functional.cross_entropy(model(x), y.argmax(1))

@@ -16,7 +16,7 @@ from runner.data.canvas import canvas_metrics
 from runner.methods.comixup import SOLVERS, THRES_TYPES
 from runner.methods.mixup_training import MixupHooks
 from runner.models import build_model
-from runner.schema import check_choice, check_range
+from runner.schema import ConfigError, check_choice, check_range
 from runner.train import fit
 
 METRIC = ("test/acc", "max")
@@ -75,6 +75,8 @@ class PuzzleMixConfig(InputMixupConfig):
         for key in ("beta", "gamma", "eta", "t_eps"):
             check_range(f"method.{key}", getattr(self, key), 0.0)
         check_range("method.n_labels", self.n_labels, 2)
+        if self.grid != -1:
+            check_range("method.grid", self.grid, 1)
 
 
 @dataclass
@@ -107,6 +109,11 @@ class CoMixupConfig(InputMixupConfig):
         check_range("method.workers", self.workers, 0)
         check_choice("method.thres_type", self.thres_type, THRES_TYPES)
         check_choice("method.solver", self.solver, SOLVERS)
+        if self.solver == "gco_expansion" and self.mixed_labels:  # else it fails at the first batch
+            raise ConfigError(
+                "method.solver='gco_expansion' needs method.mixed_labels=false: "
+                "the costs of blended labels are not a metric"
+            )
         if self.grid != -1:
             check_range("method.grid", self.grid, 1)
 

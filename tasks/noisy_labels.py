@@ -423,14 +423,16 @@ def run(cfg, ctx) -> dict:
             nn.ReLU(inplace=True),
             nn.Linear(hidden, dim),
         )
-    from runner.data.builtin import CIFAR_STATS
+    hooks, augment = None, cfg.dataset.augment  # `ce`: plain training on the noisy labels
+    if method.selection != "none":
+        from runner.data.builtin import CIFAR_STATS
 
-    mean, std = CIFAR_STATS.get(cfg.dataset.name, (None, None))
-    views = Views(data.input_shape, method.strong_groups, mean, std)
-    asymmetric = cfg.dataset.label_noise.kind == "asymmetric"
-    hooks = NoisyLabelHooks(method, model, data, ctx, views, asymmetric, cfg.seed)
-    augment = cfg.dataset.augment if method.selection == "none" else "none"  # the paper loss makes its views
-    summary = fit(model, data, cfg.train, ctx, hooks if method.selection != "none" else None, augment=augment)
+        mean, std = CIFAR_STATS.get(cfg.dataset.name, (None, None))
+        views = Views(data.input_shape, method.strong_groups, mean, std)
+        asymmetric = cfg.dataset.label_noise.kind == "asymmetric"
+        hooks = NoisyLabelHooks(method, model, data, ctx, views, asymmetric, cfg.seed)
+        augment = "none"  # the paper loss makes its own views
+    summary = fit(model, data, cfg.train, ctx, hooks, augment=augment)
     summary["train/label_noise"] = float((data.train.y != data.train.y_clean).float().mean())
     summary |= getattr(hooks, "last_stats", {})
     return summary

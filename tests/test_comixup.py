@@ -534,6 +534,11 @@ def test_method_configs_match_the_paper_defaults():
         METHODS[name](**method)  # every key known to the schema, in range
     with pytest.raises(ValueError, match="method.tau"):
         METHODS["comixup"](tau=-1.0)
+    with pytest.raises(ValueError, match="method.mixed_labels"):  # caught before the run, not mid-epoch
+        METHODS["comixup"](solver="gco_expansion")
+    METHODS["comixup"](solver="gco_expansion", mixed_labels=False)
+    with pytest.raises(ValueError, match="method.grid"):
+        METHODS["puzzle_mix"](grid=0)
 
 
 @pytest.mark.slow  # a subprocess importing torch and Hydra: 15 s on a quiet machine, a minute on a busy one

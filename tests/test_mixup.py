@@ -9,6 +9,7 @@ import torch
 from runner.methods.comixup import grid_cut
 from runner.methods.mixup import (
     cutmix,
+    default_mixup_layers,
     input_mixup,
     manifold_mixup,
     none,
@@ -87,6 +88,29 @@ def test_manifold_mixup_mixes_the_hidden_state_of_the_chosen_layer():
         seen.add(hit.index(True))
     assert seen == {0, 1}  # both the input and the hidden layer get chosen
     assert torch.allclose(model(x), second(torch.tanh(first(x))))  # the hook is gone
+
+
+def test_default_mixup_layers_end_the_first_two_stages():
+    from omegaconf import OmegaConf
+
+    from runner.models import build_model
+
+    def model(**cfg):
+        return build_model(OmegaConf.create(cfg), (3, 32, 32), 10)
+
+    cnn = model(name="cnn", channels=[4, 4, 4])
+    pools = [m for m in cnn.body if isinstance(m, torch.nn.MaxPool2d)]
+    assert len(pools) == 2 and default_mixup_layers(cnn) == pools  # after blocks 1 and 2
+    nin = model(name="nin")
+    nin_pools = [m for m in nin.body if isinstance(m, torch.nn.MaxPool2d | torch.nn.AvgPool2d)]
+    assert default_mixup_layers(nin) == nin_pools
+    resnet = model(name="preactresnet18")
+    assert default_mixup_layers(resnet) == list(resnet.stages)[:2]
+    resnext = model(name="resnext29")  # 3 stages x 3 blocks in one sequence
+    assert default_mixup_layers(resnext) == [resnext.blocks[2], resnext.blocks[5]]
+    mlp = model(name="mlp", hidden=[8, 8, 8], dropout=0.0)
+    relus = [m for m in mlp.body if isinstance(m, torch.nn.ReLU)]
+    assert default_mixup_layers(mlp) == relus[:2]
 
 
 def edge_energy(labels, unary, pairwise, weights):
@@ -196,3 +220,5 @@ def test_numpy_in_numpy_out_and_bad_input():
         puzzle_mix(x, y, np.ones((8, 8, 8)), grid=3)
     with pytest.raises(ValueError, match="saliency_maps"):
         puzzle_mix(x, y, np.full((8, 8, 8), np.nan), grid=2)
+    with pytest.raises(ValueError, match="solver='bf'"):
+        puzzle_mix(x, y, np.ones((8, 8, 8)), grid=2, solver="bf")

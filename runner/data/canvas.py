@@ -66,7 +66,7 @@ def digits_canvas(cfg, rng) -> Data:
     splits = three_way_split(digits, bunch.target, cfg.val_fraction, cfg.test_fraction, rng)
     out, boxes = [], {}
     for name, split, copies in zip(("train", "val", "test"), splits, (1, 1, cfg.test_copies)):
-        x = split.x.numpy()[:, 0].repeat(copies, axis=0) if copies > 1 else split.x.numpy()[:, 0]
+        x = split.x.numpy()[:, 0].repeat(copies, axis=0)
         y = split.y.repeat_interleave(copies)
         images, boxes[name] = place_on_canvas(x, cfg.canvas, cfg.noise, rng)
         out.append(Split(torch.from_numpy(images), y, y.clone()))

@@ -30,9 +30,9 @@ Solvers (all take numpy arrays or torch tensors, CPU or CUDA, through POT's back
 - :func:`select`, :func:`allocate` (a whole epoch in random chunks), :func:`curriculum_budget`.
 
 The similarity matrix is never formed: with ``F`` the (B, D) normalised features,
-``S = F F^T - diag(|f_i|^2)``, so ``S X = F (F^T X) - n * X`` costs ``2BDC`` instead of ``B^2 C``
-plus the ``B^2 D`` of building ``S``; the label term only needs the within-class blocks of ``S``
-(``B^2 / C`` entries, built once). The structure terms are quadratic, so one sketch
+``S = F F^T - diag(|f_i|^2)``, so ``S X = F (F^T X) - diag(|f_i|^2) X`` costs ``2BDC`` instead
+of ``B^2 C`` plus the ``B^2 D`` of building ``S``; the label term only needs the within-class
+blocks of ``S`` (``B^2 / C`` entries, built once). The structure terms are quadratic, so one sketch
 ``F^T (W * Q)`` of each conditional-gradient target serves the objective along the whole
 line search; with the gradient's ``F (F^T X)`` that is two ``B x D x C`` products per step.
 """
@@ -420,7 +420,8 @@ def _omega_p_weights(probs, omega_p_input):
     if omega_p_input == "softmax":
         return probs
     if omega_p_input == "log_softmax":
-        return get_backend(probs).log(get_backend(probs).maximum(probs, _TINY))
+        nx = get_backend(probs)
+        return nx.log(nx.maximum(probs, _TINY))
     raise ValueError(f"omega_p_input={omega_p_input!r}: must be 'softmax' or 'log_softmax'")
 
 

@@ -23,8 +23,9 @@ import numpy as np
 import scipy.stats
 import torch
 from scipy.optimize import linear_sum_assignment
+from torch import nn
 
-from runner.methods.comixup import RANDOM_GRIDS, _as_numpy, _cut, pool_saliency
+from runner.methods.comixup import RANDOM_GRIDS, SOLVERS, _as_numpy, _check_choice, _cut, pool_saliency
 
 
 def _tensor_io(fn):
@@ -98,13 +99,22 @@ def cutmix(x, y, alpha: float = 1.0, rng=None):
 
 
 def default_mixup_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """Hidden layers after which manifold mixup may mix: the first two stages of a staged network
-    (layer1, layer2 of a ResNet, as Verma et al.), else the first two pooling layers of a plain CNN."""
-    if isinstance(getattr(model, "stages", None), torch.nn.Sequential):
+    """Hidden layers after which manifold mixup may mix: the ends of the first two stages.
+
+    That is layer1, layer2 of a staged ResNet (as Verma et al.); the last block of each of the first
+    two stages of a ResNeXt's `blocks` (a block with a projection shortcut starts a stage); the first
+    two pooling layers of a plain CNN or NIN; the first two hidden ReLUs of an MLP.
+    """
+    if isinstance(getattr(model, "stages", None), nn.Sequential):
         return list(model.stages)[:2]
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.Sequential):
+        starts = [i for i, block in enumerate(blocks) if i and not isinstance(block.shortcut, nn.Identity)]
+        return [blocks[i - 1] for i in starts[:2]]
     body = getattr(model, "body", None)
-    if isinstance(body, torch.nn.Sequential):
-        return [m for m in body if isinstance(m, torch.nn.MaxPool2d | torch.nn.ReLU)][:2]
+    if isinstance(body, nn.Sequential):
+        pools = [m for m in body if isinstance(m, nn.MaxPool2d | nn.AvgPool2d)]
+        return (pools or [m for m in body if isinstance(m, nn.ReLU)])[:2]
     return []
 
 
@@ -202,6 +212,7 @@ def puzzle_mix(
     saliency_maps: (B, H, W) per-pixel saliency of x.
     """
     _check_batch(x, y)
+    _check_choice("solver", solver, SOLVERS)
     rng = np.random.default_rng(rng)
     B, C, H, W = x.shape
     lam, perm = _pairing(B, alpha, rng)
