@@ -162,7 +162,7 @@ def _run(cfg: DictConfig) -> float | None:
         cfg.logger.group = "/".join(Path(hydra_cfg.sweep.dir).parts[-2:])
     device, rank, world_size = setup(cfg.hardware)
     seed_everything(cfg.seed, cfg.hardware.deterministic)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     if rank == 0:
         OmegaConf.save(cfg, run_dir / "config.yaml")
     tracker = Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg), enabled=rank == 0)

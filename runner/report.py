@@ -262,7 +262,7 @@ def plot(report: Report, out: Path) -> list[Path]:
                 if key in per_key:
                     x, mean, std = per_key[key]
                     (line,) = ax.plot(x, mean, label=label, lw=2.2 if g is best else 1.2,
-                                      marker="o" if len(x) <= 20 else None, ms=3)
+                                      marker="o" if len(x) <= 20 else None, ms=3)  # fmt: skip
                     ax.fill_between(x, mean - std, mean + std, color=line.get_color(), alpha=0.2, lw=0)
         for ax, key in zip(axes, ("train/loss", report.metric)):
             ax.set(xlabel="epoch", ylabel=key, title=key)
@@ -288,7 +288,7 @@ def _plot_against(ax, report: Report, param: str) -> None:
         gs = sorted(gs, key=lambda g: position[_hashable(g.params[param])])
         x = [position[_hashable(g.params[param])] for g in gs]
         stats = [g.stats(report.metric) for g in gs]
-        label = ", ".join(f"{k}={_show(v)}" for k, v in zip(others, rest)) if as_lines else None
+        label = _params_label(dict(zip(others, rest))) if as_lines else None
         ax.errorbar(x, [s[0] for s in stats], yerr=[0 if math.isnan(s[1]) else s[1] for s in stats],
                     marker="o", capsize=3, ls="-" if as_lines else "none", label=label or None)  # fmt: skip
     if numeric and min(position.values()) > 0 and max(position.values()) / min(position.values()) >= 10:

@@ -93,6 +93,16 @@ def evaluate(model, split: Split, ctx: RunContext, batch_size: int = 1024) -> di
     return {"acc": correct / max(n, 1), "loss": loss / max(n, 1)}
 
 
+def _evaluate_splits(model, data: Data, ctx: RunContext, batch_size: int) -> dict:
+    """`val/acc`, `val/loss`, `test/acc`, `test/loss` for the non-empty splits."""
+    return {
+        f"{name}/{key}": value
+        for name in ("val", "test")
+        if len(getattr(data, name))
+        for key, value in evaluate(model, getattr(data, name), ctx, batch_size).items()
+    }
+
+
 def save_checkpoint(path, state) -> None:
     """torch.save `state` to `path` atomically (write a temporary file, then rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,6 +130,11 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
     n, k = len(y_train), data.num_classes
     steps_per_epoch = max(1, n // cfg.batch_size)
 
+    # The hooks a method provides (see the module docstring); None for those it leaves out.
+    on_epoch_start = getattr(hooks, "on_epoch_start", None)
+    transform = getattr(hooks, "transform", None)
+    hook_loss = getattr(hooks, "loss", None)
+
     start, ckpt_path = 0, ctx.dir / CHECKPOINT
     if cfg.checkpoint and ckpt_path.exists():
         state = torch.load(ckpt_path, map_location=ctx.device, weights_only=False)
@@ -127,9 +142,9 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        if hooks is not None and hasattr(hooks, "load_state_dict") and state.get("hooks") is not None:
+        if hasattr(hooks, "load_state_dict") and state.get("hooks") is not None:
             hooks.load_state_dict(state["hooks"])
-        torch.set_rng_state(state["rng"])
+        torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the device too
         start = state["epoch"] + 1
         ctx.tracker.truncate(state["epoch"])
         log.info("resumed from %s at epoch %d", ckpt_path, start)
@@ -138,8 +153,8 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
     for epoch in range(start, cfg.epochs):
         t0 = time.perf_counter()
         model.train()
-        if hooks is not None and hasattr(hooks, "on_epoch_start"):
-            hooks.on_epoch_start(epoch, model, data)
+        if on_epoch_start is not None:
+            on_epoch_start(epoch, model, data)
         # The same permutation on every rank; each rank takes an interleaved shard of each global batch.
         g = torch.Generator().manual_seed(torch.initial_seed() * 1_000_003 + epoch)
         order = torch.randperm(n, generator=g)[: steps_per_epoch * cfg.batch_size][ctx.rank :: ctx.world_size]
@@ -155,11 +170,11 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
             x, y_soft = x_train[idx], F.one_hot(y_train[idx], k).float()
             if augment == "crop_flip":
                 x = augment_crop_flip(x)
-            if hooks is not None and hasattr(hooks, "transform"):
-                x, y_soft = hooks.transform(x, y_soft, idx, model)
+            if transform is not None:
+                x, y_soft = transform(x, y_soft, idx, model)
             with ctx.autocast():
-                if hooks is not None and hasattr(hooks, "loss"):
-                    loss = hooks.loss(net, x, y_soft, idx, epoch)
+                if hook_loss is not None:
+                    loss = hook_loss(net, x, y_soft, idx, epoch)
                 else:
                     loss = soft_cross_entropy(net(x), y_soft)
             optimizer.zero_grad(set_to_none=True)
@@ -170,15 +185,7 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
         scheduler.step()
         train_loss = all_reduce_sum(loss_sum.reshape(1)).item() / (steps_per_epoch * ctx.world_size)
         metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": optimizer.param_groups[0]["lr"]}
-        for name in ("val", "test"):
-            split = getattr(data, name)
-            if len(split):
-                metrics.update(
-                    {
-                        f"{name}/{key}": v
-                        for key, v in evaluate(model, split, ctx, cfg.eval_batch_size).items()
-                    }
-                )
+        metrics.update(_evaluate_splits(model, data, ctx, cfg.eval_batch_size))
         metrics["time/epoch_s"] = time.perf_counter() - t0
         ctx.tracker.log(metrics, step=epoch)
         if ctx.is_main:
@@ -193,18 +200,11 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
                         "scheduler": scheduler.state_dict(),
                         "scaler": scaler.state_dict(),
                         "rng": torch.get_rng_state(),
-                        "hooks": hooks.state_dict()
-                        if hooks is not None and hasattr(hooks, "state_dict")
-                        else None,
+                        "hooks": hooks.state_dict() if hasattr(hooks, "state_dict") else None,
                     },
                 )
     if not metrics:  # resumed a finished run, or epochs=0: report the model as it is
-        metrics = {
-            f"{s}/{k}": v
-            for s in ("val", "test")
-            if len(getattr(data, s))
-            for k, v in evaluate(model, getattr(data, s), ctx, cfg.eval_batch_size).items()
-        }
+        metrics = _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
     return metrics
 
 

@@ -259,7 +259,7 @@ class Trainer:
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             sampler.rng.bit_generator.state = state["sampler"]
-            torch.set_rng_state(state["torch_rng"])
+            torch.set_rng_state(state["torch_rng"].cpu())
             log.info("%s: resumed at iteration %d/%d", tag, state["iter"], iters)
         best_score, best_net = state["best"]
         first = state["iter"]  # `state` is replaced by every checkpoint below

@@ -102,3 +102,15 @@ def test_bad_noise_arguments_raise():
         inject_label_noise(np.zeros(5, int), 2, "weird", 0.1, np.random.default_rng(0))
     with pytest.raises(ValueError, match="imbalance=0.5"):
         longtail_counts(10, 3, 0.5)
+
+
+def test_zero_test_fraction_leaves_the_test_split_empty():
+    # The schema allows dataset.test_fraction in [0, 1); 0 must mean "no test split", as val_fraction=0 does.
+    data = load_data(dataset_cfg("dataset.test_fraction=0"), seed=0)
+    assert len(data.test) == 0 and len(data.train) + len(data.val) == 1797
+    assert len(data.val) == pytest.approx(0.1 * 1797, abs=1)
+
+
+def test_fractions_leaving_no_train_split_are_one_line():
+    with pytest.raises(ConfigError, match=r"dataset.val_fraction=0.5 \+ dataset.test_fraction=0.5"):
+        load_data(dataset_cfg("dataset.val_fraction=0.5", "dataset.test_fraction=0.5"), seed=0)

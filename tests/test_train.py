@@ -68,6 +68,17 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     assert steps == [0, 1, 2, 3, 4] and metrics["epoch"] == 5
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_resume_on_cuda(tmp_path):
+    # The checkpoint is loaded onto the run's device, but the CPU RNG state must be restored from the CPU.
+    model_cfg, train_cfg, _ = setup(tmp_path, "train.epochs=2")
+    ctx = RunContext(torch.device("cuda"), tmp_path, Tracker(tmp_path))
+    fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx)
+    train_cfg.epochs = 3
+    metrics = fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx)
+    assert metrics["epoch"] == 3
+
+
 class Recorder:
     """Counts hook calls and replaces the loss with a plain CE on hard labels."""
 

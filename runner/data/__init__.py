@@ -64,17 +64,24 @@ def split_of(x, y) -> Split:
 
 
 def three_way_split(x, y, val_fraction: float, test_fraction: float, rng: np.random.Generator):
-    """Stratified train/val/test splits of arrays (fractions of the whole)."""
+    """Stratified train/val/test splits of arrays (fractions of the whole; a fraction of 0 leaves its
+    split empty)."""
     from sklearn.model_selection import train_test_split
 
+    if val_fraction + test_fraction >= 1:
+        raise ConfigError(
+            f"dataset.val_fraction={val_fraction} + dataset.test_fraction={test_fraction} leaves no "
+            "training data; their sum must be < 1"
+        )
     seed = int(rng.integers(2**31))
-    idx = np.arange(len(y))
-    rest, test = train_test_split(idx, test_size=test_fraction, stratify=y, random_state=seed)
-    val_share = val_fraction / (1.0 - test_fraction)
-    if val_share > 0:
-        train, val = train_test_split(rest, test_size=val_share, stratify=y[rest], random_state=seed)
-    else:
-        train, val = rest, rest[:0]
+
+    def hold_out(idx, share):  # (kept, held out)
+        if share == 0:
+            return idx, idx[:0]
+        return train_test_split(idx, test_size=share, stratify=y[idx], random_state=seed)
+
+    rest, test = hold_out(np.arange(len(y)), test_fraction)
+    train, val = hold_out(rest, val_fraction / (1.0 - test_fraction))
     return tuple(split_of(x[i], y[i]) for i in (train, val, test))
 
 

@@ -32,10 +32,6 @@ class ConvNet(Classifier):
 
     def __init__(self, input_shape, num_classes, channels=(32, 64, 128)):
         super().__init__()
-        if len(input_shape) != 3:
-            raise ConfigError(
-                f"model=cnn needs image inputs (C, H, W); this dataset gives {tuple(input_shape)}"
-            )
         layers, c_in = [], input_shape[0]
         for i, c in enumerate(channels):
             layers += [nn.Conv2d(c_in, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True)]
@@ -64,12 +60,12 @@ def build_model(cfg, input_shape, num_classes: int) -> nn.Module:
     """The network named `cfg.name` for inputs of `input_shape` (per sample) and `num_classes` outputs."""
     if cfg.name == "mlp":
         return MLP(input_shape, num_classes, tuple(cfg.hidden), cfg.dropout)
-    if cfg.name == "cnn":
-        return ConvNet(input_shape, num_classes, tuple(cfg.channels))
-    if cfg.name not in CIFAR_MODELS:
+    if cfg.name not in MODELS:
         raise ConfigError(f"model.name={cfg.name!r} is unknown; choices: {', '.join(MODELS)}")
     if len(input_shape) != 3:
         raise ConfigError(
             f"model={cfg.name} needs image inputs (C, H, W); this dataset gives {tuple(input_shape)}"
         )
+    if cfg.name == "cnn":
+        return ConvNet(input_shape, num_classes, tuple(cfg.channels))
     return CIFAR_MODELS[cfg.name](input_shape[0], num_classes)

@@ -33,6 +33,13 @@ class PreActBlock(nn.Module):
         return out + skip
 
 
+def _projection(c_in, c_out, stride):
+    """A post-activation block's shortcut: identity, or a strided 1x1 conv + BN when the shape changes."""
+    if stride == 1 and c_in == c_out:
+        return nn.Identity()
+    return nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+
 def _stage(block, c_in, c_out, n, stride, **kw):
     layers = [block(c_in, c_out, stride, **kw)] + [block(c_out, c_out, 1, **kw) for _ in range(n - 1)]
     return nn.Sequential(*layers)
@@ -91,11 +98,7 @@ class ResNeXtBlock(nn.Module):
             nn.Conv2d(inner, c_out, 1, bias=False),
             nn.BatchNorm2d(c_out),
         )
-        self.shortcut = nn.Identity()
-        if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
-            )
+        self.shortcut = _projection(c_in, c_out, stride)
         self.c_out = c_out
 
     def forward(self, x):
@@ -133,11 +136,7 @@ class BasicBlock(nn.Module):
             nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False),
             nn.BatchNorm2d(c_out),
         )
-        self.shortcut = nn.Identity()
-        if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
-            )
+        self.shortcut = _projection(c_in, c_out, stride)
 
     def forward(self, x):
         return F.relu(self.body(x) + self.shortcut(x))
