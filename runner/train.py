@@ -64,14 +64,17 @@ def make_scheduler(optimizer, cfg):
 
 
 @torch.no_grad()
-def predict(model, x: torch.Tensor, ctx: RunContext, batch_size: int = 1024) -> torch.Tensor:
-    """Logits for all of `x` (in eval mode), returned on the CPU."""
+def predict(
+    model, x: torch.Tensor, ctx: RunContext, batch_size: int = 1024, features: bool = False
+) -> torch.Tensor:
+    """Logits (with features=True: `forward_features`) for all of `x` in eval mode, returned on the CPU."""
     was_training = model.training
     model.eval()
+    forward = model.forward_features if features else model
     out = []
     for i in range(0, len(x), batch_size):
         with ctx.autocast():
-            out.append(model(x[i : i + batch_size].to(ctx.device)).float().cpu())
+            out.append(forward(x[i : i + batch_size].to(ctx.device)).float().cpu())
     model.train(was_training)
     return torch.cat(out) if out else torch.empty(0)
 

@@ -113,13 +113,11 @@ def _samples(cfg, ctx, data):
         x, y = x[keep], y[keep]
     if m.features == "net":
         from runner.models import build_model
-        from runner.train import fit
+        from runner.train import fit, predict
 
         model = build_model(cfg.model, data.input_shape, data.num_classes)
         fit(model, data, cfg.train, ctx, augment=cfg.dataset.augment)
-        model.eval()
-        with torch.no_grad(), ctx.autocast():
-            x = torch.cat([model.forward_features(b.to(ctx.device)).float().cpu() for b in x.split(1024)])
+        x = predict(model, x, ctx, features=True)
     x = x.reshape(len(x), -1).double().numpy()
     if m.standardize:
         x = (x - x.mean(0)) / np.maximum(x.std(0), 1e-12)

@@ -159,7 +159,7 @@ def _embed(cfg, ctx, data, x: torch.Tensor) -> np.ndarray:
     with the missing class cut to dev_share of it."""
     from runner.data import Data
     from runner.models import build_model
-    from runner.train import fit
+    from runner.train import fit, predict
 
     m = cfg.method
     model = build_model(cfg.model, data.input_shape, data.num_classes)
@@ -180,10 +180,7 @@ def _embed(cfg, ctx, data, x: torch.Tensor) -> np.ndarray:
         train = data.train.subset(np.sort(np.r_[others, missing]))
         fit(model, Data(train, data.val, data.test, data.num_classes, data.input_shape, data.meta), cfg.train,
             ctx, augment=cfg.dataset.augment)  # fmt: skip
-    model.to(ctx.device).eval()
-    with torch.no_grad(), ctx.autocast():
-        feats = [model.forward_features(b.to(ctx.device)).float().cpu() for b in x.split(1024)]
-    return torch.cat(feats).double().numpy()
+    return predict(model.to(ctx.device), x, ctx, features=True).double().numpy()
 
 
 def build_sets(cfg, ctx):

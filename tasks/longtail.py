@@ -159,16 +159,6 @@ def resampled_test_sets(y: np.ndarray, num_classes: int, imbalance: float, names
     }
 
 
-@torch.no_grad()
-def features(model, x: torch.Tensor, ctx, batch_size: int = 1024) -> torch.Tensor:
-    model.eval()
-    out = []
-    for i in range(0, len(x), batch_size):
-        with ctx.autocast():
-            out.append(model.forward_features(x[i : i + batch_size].to(ctx.device)).float().cpu())
-    return torch.cat(out)
-
-
 def infer(rule: str, m, logits, feats, weight, train_prior, test_prior) -> np.ndarray:
     """Predicted classes (N,) of `rule` from logits (N, K) (and features/classifier weights for cls_norm)."""
     if rule == "argmax":
@@ -218,7 +208,7 @@ def run(cfg, ctx) -> dict:
     )
 
     logits = predict(model, data.test.x, ctx).double().numpy()
-    feats = features(model, data.test.x, ctx).double().numpy()
+    feats = predict(model, data.test.x, ctx, features=True).double().numpy()
     weight = model.classifier.weight.detach().double().cpu().numpy()
     y_test = data.test.y_clean.numpy()
     rng = np.random.default_rng(cfg.seed + 1)
