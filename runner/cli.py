@@ -17,7 +17,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from runner.schema import ConfigError, task_module, validate
+from runner.schema import ConfigError, apply_debug, task_module, validate
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 log = logging.getLogger("runner")
@@ -157,6 +157,7 @@ def _run(cfg: DictConfig) -> float | None:
 
     t0 = time.perf_counter()
     cfg = _typed(cfg, validate(cfg))
+    apply_debug(cfg)
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode.name == "MULTIRUN" and cfg.logger.group is None:  # one W&B group per sweep
         cfg.logger.group = "/".join(Path(hydra_cfg.sweep.dir).parts[-2:])
@@ -166,7 +167,15 @@ def _run(cfg: DictConfig) -> float | None:
     if rank == 0:
         OmegaConf.save(cfg, run_dir / "config.yaml")
     tracker = Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg), enabled=rank == 0)
-    ctx = RunContext(device, run_dir, tracker, amp=cfg.hardware.amp, rank=rank, world_size=world_size)
+    ctx = RunContext(
+        device,
+        run_dir,
+        tracker,
+        amp=cfg.hardware.amp,
+        rank=rank,
+        world_size=world_size,
+        num_workers=cfg.hardware.num_workers,
+    )
     module = task_module(cfg)
     method = cfg.method.name if "method" in cfg else "erm"
     log.info(

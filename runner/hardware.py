@@ -26,6 +26,7 @@ class RunContext:
     amp: bool = False
     rank: int = 0
     world_size: int = 1
+    num_workers: int = 0  # DataLoader processes for file-backed splits
 
     @property
     def is_main(self) -> bool:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -29,9 +31,11 @@ def check_choice(key: str, value: Any, choices) -> None:
 
 
 def check_range(key: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
-    """Raise unless lo <= value <= hi (strict where `*_open`)."""
-    bad = (lo is not None and (value < lo or (lo_open and value == lo))) or (
-        hi is not None and (value > hi or (hi_open and value == hi))
+    """Raise unless lo <= value <= hi (strict where `*_open`); NaN is in no range."""
+    bad = (
+        value != value
+        or (lo is not None and (value < lo or (lo_open and value == lo)))
+        or (hi is not None and (value > hi or (hi_open and value == hi)))
     )
     if bad:
         left = "(" if lo_open else "["
@@ -40,14 +44,34 @@ def check_range(key: str, value, lo=None, hi=None, lo_open=False, hi_open=False)
         raise ConfigError(f"{key}={value!r} is out of range; must be in {interval}")
 
 
+# Real human label noise (CIFAR-10N / CIFAR-100N): the label sets of the released files, by dataset.
+HUMAN_NOISE_VARIANTS = {
+    "cifar10": ("aggre_label", "worse_label", "random_label1", "random_label2", "random_label3"),
+    "cifar100": ("noisy_label",),
+}
+
+
 @dataclass
 class LabelNoiseConfig:
-    kind: str = "none"
-    rate: float = 0.0
+    kind: str = "none"  # none | symmetric | asymmetric | human (CIFAR-N labels read from dataset.root)
+    rate: float = 0.0  # symmetric / asymmetric only: a human set has its own rate
+    variant: str = ""  # kind=human: which label set of the file
 
     def __post_init__(self):
-        check_choice("dataset.label_noise.kind", self.kind, ("none", "symmetric", "asymmetric"))
+        check_choice("dataset.label_noise.kind", self.kind, ("none", "symmetric", "asymmetric", "human"))
         check_range("dataset.label_noise.rate", self.rate, 0.0, 1.0)
+        if self.kind == "human":
+            variants = [v for vs in HUMAN_NOISE_VARIANTS.values() for v in vs]
+            check_choice("dataset.label_noise.variant", self.variant, variants)
+            if self.rate != 0:
+                raise ConfigError(
+                    f"dataset.label_noise.rate={self.rate} does not apply to kind=human (the file's labels "
+                    "set the noise); leave it at 0"
+                )
+        elif self.variant:
+            raise ConfigError(
+                f"dataset.label_noise.variant={self.variant!r} applies only to kind=human, not {self.kind!r}"
+            )
 
 
 @dataclass
@@ -57,14 +81,22 @@ class DatasetConfig:
     download: bool = False
     val_fraction: float = 0.1
     test_fraction: float = 0.2
-    augment: str = "none"
+    augment: str = "none"  # training augmentation: none | crop_flip | rrc_flip (RandomResizedCrop + flip)
+    crop_pad: int = 4  # crop_flip: zero padding before the random crop
+    image_size: int = 0  # file-backed images: the side after resizing/cropping (0: the dataset's default)
     label_noise: LabelNoiseConfig = field(default_factory=LabelNoiseConfig)
     imbalance: float = 1.0
+    max_train: int = 0  # at most this many training samples, a random subset (0: all); +debug=smoke sets it
+    max_eval: int = 0  # likewise for each evaluation split
 
     def __post_init__(self):
         check_range("dataset.val_fraction", self.val_fraction, 0.0, 1.0, hi_open=True)
         check_range("dataset.test_fraction", self.test_fraction, 0.0, 1.0, hi_open=True)
-        check_choice("dataset.augment", self.augment, ("none", "crop_flip"))
+        check_choice("dataset.augment", self.augment, ("none", "crop_flip", "rrc_flip"))
+        check_range("dataset.crop_pad", self.crop_pad, 0)
+        check_range("dataset.image_size", self.image_size, 0)
+        check_range("dataset.max_train", self.max_train, 0)
+        check_range("dataset.max_eval", self.max_eval, 0)
         check_range("dataset.imbalance", self.imbalance, 1.0)
 
 
@@ -86,6 +118,19 @@ class SyntheticConfig(DatasetConfig):
 @dataclass
 class ModelConfig:
     name: str = "mlp"
+    # false: random initialisation; or the path of a local weights file to start from (a state_dict,
+    # or a checkpoint with one under 'state_dict' or 'model'); nothing is downloaded
+    pretrained: Any = False
+
+    def __post_init__(self):
+        if self.pretrained is False or self.pretrained is None:
+            return
+        if not isinstance(self.pretrained, str) or not self.pretrained:
+            raise ConfigError(
+                f"model.pretrained={self.pretrained!r}: must be false or the path of a local weights file"
+            )
+        if not os.path.isfile(self.pretrained):
+            raise ConfigError(f"model.pretrained={self.pretrained!r}: no such file")
 
 
 @dataclass
@@ -94,6 +139,7 @@ class MLPConfig(ModelConfig):
     dropout: float = 0.0
 
     def __post_init__(self):
+        super().__post_init__()
         check_range("model.dropout", self.dropout, 0.0, 1.0, hi_open=True)
 
 
@@ -102,11 +148,30 @@ class CNNConfig(ModelConfig):
     channels: list[int] = field(default_factory=lambda: [32, 64, 128])
 
     def __post_init__(self):
+        super().__post_init__()
         if not self.channels or min(self.channels) < 1:
             raise ConfigError(f"model.channels={self.channels}: must be a non-empty list of positive ints")
 
 
-MODEL_SCHEMAS: dict[str, type] = {"mlp": MLPConfig, "cnn": CNNConfig}
+@dataclass
+class CifarResNetConfig(ModelConfig):
+    stem_stride: int = 1  # 2: the Tiny-ImageNet (64 px) variant of the Co-Mixup code
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("model.stem_stride", self.stem_stride, (1, 2))
+
+
+MODEL_SCHEMAS: dict[str, type] = {
+    "mlp": MLPConfig,
+    "cnn": CNNConfig,
+    **dict.fromkeys(("preactresnet18", "wrn16_8", "resnext29"), CifarResNetConfig),
+}
+
+
+def model_config(node: DictConfig) -> ModelConfig:
+    """The checked schema object of a `model` config node, defaults filled in."""
+    return _to_schema(node, MODEL_SCHEMAS.get(node.name, ModelConfig), "model")
 
 
 @dataclass
@@ -117,10 +182,12 @@ class HardwareConfig:
     distributed: bool = False
     deterministic: bool = False
     threads: int = 0
+    num_workers: int = 0  # DataLoader decoding processes for file-backed datasets (0: in the main process)
 
     def __post_init__(self):
         check_choice("hardware.device", self.device, ("cpu", "cuda"))
         check_range("hardware.threads", self.threads, 0)
+        check_range("hardware.num_workers", self.num_workers, 0)
 
 
 @dataclass
@@ -137,6 +204,9 @@ class LoggerConfig:
         check_choice("logger.mode", self.mode, ("offline", "online", "disabled"))
 
 
+RESUME_MODES = ("auto", "must", "never", "force")
+
+
 @dataclass
 class TrainConfig:
     epochs: int = 30
@@ -148,13 +218,20 @@ class TrainConfig:
     nesterov: bool = False
     weight_decay: float = 5e-4
     schedule: str = "cosine"
+    warmup_epochs: int = 0  # linear learning-rate warm-up from lr / (warmup_epochs + 1), per step
     milestones: list[int] = field(default_factory=list)
     gamma: float = 0.1
     checkpoint: bool = True
+    # Also checkpoint inside an epoch every this many minutes (0: at the end of each epoch only).
+    checkpoint_every_minutes: float = 10.0
+    # With a checkpoint in the run dir: auto resumes it (none: a fresh start); must resumes it, an
+    # error without one; never starts fresh and refuses a run dir holding one (nothing is overwritten);
+    # force resumes it even when the config differs from the run dir's config.yaml (see runner/rundir.py).
+    resume: str = "auto"
     progress: bool = True
 
     def __post_init__(self):
-        check_range("train.epochs", self.epochs, 0)
+        check_range("train.epochs", self.epochs, 1)
         check_range("train.batch_size", self.batch_size, 1)
         check_range("train.eval_batch_size", self.eval_batch_size, 1)
         check_choice("train.optimizer", self.optimizer, ("sgd", "adam"))
@@ -162,7 +239,37 @@ class TrainConfig:
         check_range("train.momentum", self.momentum, 0.0, 1.0, hi_open=True)
         check_range("train.weight_decay", self.weight_decay, 0.0)
         check_choice("train.schedule", self.schedule, ("cosine", "step", "none"))
+        check_range("train.warmup_epochs", self.warmup_epochs, 0)
         check_range("train.gamma", self.gamma, 0.0, 1.0, lo_open=True)
+        check_range("train.checkpoint_every_minutes", self.checkpoint_every_minutes, 0.0)
+        check_choice("train.resume", self.resume, RESUME_MODES)
+
+
+@dataclass
+class DebugConfig:
+    """`+debug=smoke`: bound a run to `epochs` epochs of `max_batches` batches (see `apply_debug`)."""
+
+    name: str = "smoke"
+    epochs: int = 1
+    max_batches: int = 2
+
+    def __post_init__(self):
+        check_range("debug.epochs", self.epochs, 1)
+        check_range("debug.max_batches", self.max_batches, 1)
+
+
+def apply_debug(cfg: DictConfig) -> None:
+    """Bound a typed job config in place to `cfg.debug`: epochs, and random subsets of the data of
+    `max_batches` batches per split; a task may bound its own method keys with `smoke(cfg)`."""
+    debug = cfg.get("debug")
+    if debug is None:
+        return
+    cfg.train.epochs = min(cfg.train.epochs, debug.epochs)
+    cfg.dataset.max_train = debug.max_batches * cfg.train.batch_size
+    cfg.dataset.max_eval = debug.max_batches * cfg.train.eval_batch_size
+    smoke = getattr(task_module(cfg), "smoke", None)
+    if smoke is not None:
+        smoke(cfg)
 
 
 TOP_LEVEL = {
@@ -172,7 +279,25 @@ TOP_LEVEL = {
     "logger": LoggerConfig,
     "train": TrainConfig,
 }
-SCALARS = {"seed": int, "name": str}
+# Top-level scalars: their type and, for numbers, their range (numpy takes seeds in [0, 2**32 - 1]).
+SCALARS = {"seed": (int, 0, 2**32 - 1), "name": (str,)}
+# `field(metadata=ALLOW_INF)` marks a float key for which an infinity is meaningful; NaN never is.
+ALLOW_INF = {"allow_inf": True}
+
+
+def _check_finite(node: DictConfig, path: str) -> None:
+    """Reject NaN in any float of `node` (nested groups and lists too), and infinities outside ALLOW_INF."""
+    schema = OmegaConf.get_type(node)
+    fields = dataclasses.fields(schema) if dataclasses.is_dataclass(schema) else ()
+    allow_inf = {f.name for f in fields if f.metadata.get("allow_inf")}
+    for key in node:
+        value, where = node[key], f"{path}.{key}"
+        if isinstance(value, DictConfig):
+            _check_finite(value, where)
+            continue
+        for v in value if isinstance(value, ListConfig) else [value]:
+            if isinstance(v, float) and not math.isfinite(v) and (math.isnan(v) or key not in allow_inf):
+                raise ConfigError(f"{where}={value}: must be a finite number")
 
 
 def _to_schema(node: DictConfig, schema: type, path: str):
@@ -182,7 +307,9 @@ def _to_schema(node: DictConfig, schema: type, path: str):
         if key not in names:
             raise ConfigError(f"unknown key {path}.{key}; valid keys: {', '.join(names)}")
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        _check_finite(merged, path)  # before __post_init__: range checks and derived values see no NaN
+        return OmegaConf.to_object(merged)
     except ConfigError:
         raise
     except OmegaConfBaseException as e:
@@ -212,13 +339,15 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
     from runner.data import DATASET_SCHEMAS
 
     checked: dict[str, Any] = {}
-    known = set(TOP_LEVEL) | set(SCALARS) | {"method"}
+    known = set(TOP_LEVEL) | set(SCALARS) | {"method", "debug"}
     for key in cfg:
         if key not in known:
             raise ConfigError(f"unknown key {key}; valid top-level keys: {', '.join(sorted(known))}")
-    for key, kind in SCALARS.items():
-        if key in cfg and not isinstance(cfg[key], kind):
+    for key, (kind, *bounds) in SCALARS.items():
+        if key in cfg and (not isinstance(cfg[key], kind) or isinstance(cfg[key], bool)):
             raise ConfigError(f"{key}={cfg[key]!r} must be of type {kind.__name__}")
+        if key in cfg and bounds:
+            check_range(key, cfg[key], *bounds)
     for group, base in TOP_LEVEL.items():
         node = cfg[group]
         if group == "dataset":
@@ -236,4 +365,6 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
                 f"method.name={name!r} is not a method of task {method.task!r}; choices: {', '.join(schemas)}"
             )
         checked["method"] = _to_schema(method, schemas[name], "method")
+    if cfg.get("debug") is not None:
+        checked["debug"] = _to_schema(cfg.debug, DebugConfig, "debug")
     return checked

@@ -1,7 +1,8 @@
 """Results: `metrics.jsonl` and `summary.json` in the run dir, mirrored to Weights & Biases.
 
 W&B runs offline unless `logger.mode=online`; if it cannot start (no network, no package) the run
-goes on with local files only. Only the main rank writes anything.
+goes on with local files only. Only the main rank writes anything. The W&B run id is kept in the run
+dir (`wandb_run_id`), so a resumed run (a restart, a Slurm requeue) goes on logging into the same W&B run.
 """
 
 from __future__ import annotations
@@ -9,9 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+WANDB_ID = "wandb_run_id"
 
 
 def _jsonable(value):
@@ -22,8 +26,24 @@ def _jsonable(value):
     return value
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` by `text` in one step: a kill mid-write leaves the old file, never half a new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 class Tracker:
-    def __init__(self, run_dir: Path, logger_cfg=None, config: dict | None = None, enabled: bool = True):
+    """`resume=True`: this run continues the one in `run_dir` (same W&B run id, when one was kept)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        logger_cfg=None,
+        config: dict | None = None,
+        enabled: bool = True,
+        resume: bool = False,
+    ):
         self.dir = Path(run_dir)
         self.enabled = enabled
         self.metrics_path = self.dir / "metrics.jsonl"
@@ -36,13 +56,20 @@ class Tracker:
             and logger_cfg.name == "wandb"
             and logger_cfg.mode != "disabled"
         ):
-            self.wandb = self._start_wandb(logger_cfg, config)
+            self.wandb = self._start_wandb(logger_cfg, config, resume)
 
-    def _start_wandb(self, cfg, config):
+    def _start_wandb(self, cfg, config, resume: bool):
         try:
             import wandb
 
+            id_path = self.dir / WANDB_ID
+            run_id = id_path.read_text().strip() if resume and id_path.exists() else None
+            if run_id is None:
+                run_id = wandb.util.generate_id()
+                write_atomic(id_path, run_id + "\n")
             return wandb.init(
+                id=run_id,
+                resume="allow",
                 project=cfg.project,
                 entity=cfg.entity,
                 group=cfg.group,
@@ -73,9 +100,15 @@ class Tracker:
         """Drop records logged after `last_step` (a resumed run redoes the epoch it was killed in)."""
         if not (self.enabled and self.metrics_path.exists()):
             return
-        lines = self.metrics_path.read_text().splitlines()
-        keep = [ln for ln in lines if json.loads(ln).get("step", -1) <= last_step]
-        self.metrics_path.write_text("".join(ln + "\n" for ln in keep))
+        keep = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # the torn last line of a killed run
+                continue
+            if record.get("step", -1) <= last_step:
+                keep.append(line)
+        write_atomic(self.metrics_path, "".join(ln + "\n" for ln in keep))
 
     def image(self, key: str, path) -> None:
         """Log a PNG already written in the run dir."""
@@ -85,11 +118,17 @@ class Tracker:
             self.wandb.log({key: wandb.Image(str(path))})
 
     def finish(self, summary: dict) -> None:
+        """Write summary.json (a failed run's holds an `error`) and finish the W&B run."""
         if not self.enabled:
             return
         summary = {k: _jsonable(v) for k, v in summary.items()}
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         if self.wandb is not None:
             self.wandb.summary.update(summary)
-            self.wandb.finish()
+        self.close(exit_code=1 if "error" in summary else 0)
+
+    def close(self, exit_code: int = 0) -> None:
+        """Finish the W&B run, if still open (a run that raised or was stopped: with its exit code)."""
+        if self.wandb is not None:
+            self.wandb.finish(exit_code=exit_code)
             self.wandb = None

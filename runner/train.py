@@ -1,8 +1,11 @@
-"""The training loop every classification-style task shares.
+"""The training loop every classification-style task shares, and the one data path every consumer uses.
 
-`fit` trains on in-memory tensors (the whole split on the device, batches by index), evaluates on
-val and test each epoch, logs to the tracker, checkpoints every epoch and resumes from the last
-checkpoint in the run dir. Methods plug in through a `hooks` object with any of:
+Every walk over a dataset goes through `batches` (training: the epoch's index batches of this rank;
+evaluation and per-epoch method passes: `predict`), so the same code serves in-memory splits (sliced on the
+device) and file-backed ones (a DataLoader with `hardware.num_workers` decoding processes and pinned
+memory). `fit` trains, evaluates val, test and any extra splits each epoch, logs to the tracker,
+checkpoints every epoch and resumes from the last checkpoint in the run dir. Methods plug in through a
+`hooks` object with any of:
 
     on_epoch_start(epoch, model, data)                  e.g. CSOT's sample selection
     transform(x, y_soft, idx, model) -> (x, y_soft)     a batch transform (mixup family)
@@ -20,7 +23,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from runner.data import Data, Split
+from runner.data.files import FileSplit
 from runner.hardware import RunContext, all_reduce_sum
+from runner.metrics import calibration_bins, expected_calibration_error, history_summary, reliability_plot
 from runner.schema import ConfigError
 
 log = logging.getLogger(__name__)
@@ -63,47 +68,159 @@ def make_scheduler(optimizer, cfg):
     return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=cfg.gamma)
 
 
+class EpochBatches:
+    """This rank's index batches of one epoch: a permutation seeded by (seed, epoch), the same on every
+    rank, cut into global batches of `batch_size` (the last partial one dropped); each rank takes an
+    interleaved shard of every global batch, so ranks read disjoint samples and together see one
+    process's batches. `set_epoch(epoch, start=s)` skips the first s batches (mid-epoch resume)."""
+
+    def __init__(self, n: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):
+        self.n, self.batch_size, self.rank, self.world_size, self.seed = n, batch_size, rank, world_size, seed
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        return max(1, self.n // self.batch_size)
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**63)
+        order = torch.randperm(self.n, generator=g)[: len(self) * self.batch_size]
+        shards = order[self.rank :: self.world_size].split(self.batch_size // self.world_size)
+        return iter(shards[self.start :])
+
+
+def _on_device(split: Split, device: torch.device) -> torch.Tensor:
+    """`split.x` on `device`, copied once per split (and again only if `split.x` is replaced)."""
+    cached = split.__dict__.get("_device_copy")
+    if cached is None or cached[0] is not split.x or cached[1].device != device:
+        cached = (split.x, split.x.to(device))
+        split.__dict__["_device_copy"] = cached
+    return cached[1]
+
+
+def batches(split, ctx: RunContext, index_batches, augment: str = "none", crop_pad: int = 4):
+    """An iterable of `(x, idx)` over `index_batches` (an iterable of index tensors, e.g. EpochBatches),
+    `x` float network input on `ctx.device`, `idx` the batch's int64 sample indices on the CPU.
+
+    In-memory splits are sliced on the device (augment="crop_flip": random crop + flip there); a
+    FileSplit is read by a DataLoader whose workers decode and transform, with its training transform
+    when `augment` is not "none". Re-iterate the returned object each epoch (DataLoader workers persist).
+    """
+    if isinstance(split, FileSplit):
+        loader = torch.utils.data.DataLoader(
+            split.dataset(train=augment != "none"),
+            batch_sampler=_AsLists(index_batches),
+            num_workers=ctx.num_workers,
+            pin_memory=ctx.device.type == "cuda",
+            persistent_workers=ctx.num_workers > 0,
+        )
+        return _ToDevice(loader, ctx.device)
+    return _SliceBatches(split, ctx.device, index_batches, augment, crop_pad)
+
+
+class _AsLists:
+    """Index tensors as lists, what a DataLoader's workers expect; each iteration re-reads `batches` (so
+    an EpochBatches' set_epoch takes effect)."""
+
+    def __init__(self, index_batches):
+        self.index_batches = index_batches
+
+    def __len__(self) -> int:
+        return len(self.index_batches)
+
+    def __iter__(self):
+        return (idx.tolist() for idx in self.index_batches)
+
+
+class _ToDevice:
+    def __init__(self, loader, device):
+        self.loader, self.device = loader, device
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for x, idx in self.loader:
+            yield x.to(self.device, non_blocking=True), idx
+
+
+class _SliceBatches:
+    def __init__(self, split: Split, device, index_batches, augment: str, crop_pad: int):
+        self.split, self.device, self.index_batches = split, device, index_batches
+        self.augment, self.crop_pad = augment, crop_pad
+
+    def __len__(self) -> int:
+        return len(self.index_batches)
+
+    def __iter__(self):
+        x_all = _on_device(self.split, self.device)
+        for idx in self.index_batches:
+            x = self.split.decode(x_all[idx.to(self.device)])
+            if self.augment == "crop_flip":
+                x = augment_crop_flip(x, self.crop_pad)
+            yield x, idx
+
+
+def in_order(n: int, batch_size: int) -> list[torch.Tensor]:
+    """Index batches 0..n-1 in order (evaluation and per-epoch passes)."""
+    return list(torch.arange(n).split(batch_size))
+
+
 @torch.no_grad()
-def predict(
-    model, x: torch.Tensor, ctx: RunContext, batch_size: int = 1024, features: bool = False
-) -> torch.Tensor:
-    """Logits (with features=True: `forward_features`) for all of `x` in eval mode, returned on the CPU."""
+def predict(model, source, ctx: RunContext, batch_size: int = 1024, features: bool = False) -> torch.Tensor:
+    """Logits (with features=True: `forward_features`) for every sample of `source` (a split, or a
+    tensor of inputs) in index order, in eval mode without augmentation, returned on the CPU."""
+    if isinstance(source, torch.Tensor):
+        source = Split(source, torch.zeros(len(source), dtype=torch.long), torch.zeros(len(source), dtype=torch.long))
     was_training = model.training
     model.eval()
     forward = model.forward_features if features else model
     out = []
-    for i in range(0, len(x), batch_size):
+    for x, _ in batches(source, ctx, in_order(len(source), batch_size)):
         with ctx.autocast():
-            out.append(forward(x[i : i + batch_size].to(ctx.device)).float().cpu())
+            out.append(forward(x).float().cpu())
     model.train(was_training)
     return torch.cat(out) if out else torch.empty(0)
 
 
 @torch.no_grad()
-def evaluate(model, split: Split, ctx: RunContext, batch_size: int = 1024) -> dict:
-    """Accuracy and mean cross-entropy against the clean labels; shards and sums over ranks."""
-    shard = slice(ctx.rank, None, ctx.world_size)
-    x, y = split.x[shard], split.y_clean[shard]
-    logits = predict(model, x, ctx, batch_size)
-    totals = torch.tensor(
-        [float((logits.argmax(1) == y).sum()), float(F.cross_entropy(logits, y, reduction="sum")), len(y)]
-        if len(y)
-        else [0.0, 0.0, 0.0],
+def evaluate(model, split, ctx: RunContext, batch_size: int = 1024, top5: bool = False) -> dict:
+    """Accuracy (and top-5 accuracy), mean cross-entropy and ECE (15 bins) against the clean labels;
+    each rank takes an interleaved shard and the sums are reduced over ranks. `calibration` holds the
+    bins (for `reliability_plot`)."""
+    shard = split.subset(torch.arange(ctx.rank, len(split), ctx.world_size))
+    logits, y = predict(model, shard, ctx, batch_size), shard.y_clean
+    top = logits.topk(min(5, logits.shape[1]), dim=1).indices if len(y) else torch.zeros(0, 5, dtype=torch.long)
+    sums = torch.tensor(
+        [
+            float((top[:, 0] == y).sum()),
+            float((top == y[:, None]).any(1).sum()),
+            float(F.cross_entropy(logits, y, reduction="sum")) if len(y) else 0.0,
+            len(y),
+        ],
         dtype=torch.float64,
-        device=ctx.device,
     )
-    correct, loss, n = all_reduce_sum(totals).tolist()
-    return {"acc": correct / max(n, 1), "loss": loss / max(n, 1)}
+    bins = calibration_bins(logits.softmax(1), y) if len(y) else torch.zeros(3, 15, dtype=torch.float64)
+    reduced = all_reduce_sum(torch.cat([sums, bins.flatten()]).to(ctx.device)).cpu()
+    correct, correct5, loss, n = reduced[:4].tolist()
+    bins = reduced[4:].view(3, -1)
+    out = {"acc": correct / max(n, 1), "loss": loss / max(n, 1), "ece": expected_calibration_error(bins)}
+    if top5:
+        out["acc5"] = correct5 / max(n, 1)
+    out["calibration"] = bins
+    return out
 
 
-def _evaluate_splits(model, data: Data, ctx: RunContext, batch_size: int) -> dict:
-    """`val/acc`, `val/loss`, `test/acc`, `test/loss` for the non-empty splits."""
-    return {
-        f"{name}/{key}": value
-        for name in ("val", "test")
-        if len(getattr(data, name))
-        for key, value in evaluate(model, getattr(data, name), ctx, batch_size).items()
-    }
+def _evaluate_splits(model, data: Data, ctx: RunContext, batch_size: int) -> tuple[dict, dict]:
+    """(`<split>/<metric>` for every evaluation split, the calibration bins by split)."""
+    metrics, calibration = {}, {}
+    for name, split in data.eval_splits().items():
+        result = evaluate(model, split, ctx, batch_size, top5=data.meta.get("top5", False))
+        calibration[name] = result.pop("calibration")
+        metrics.update({f"{name}/{key}": value for key, value in result.items()})
+    return metrics, calibration
 
 
 def save_checkpoint(path, state) -> None:
@@ -115,7 +232,10 @@ def save_checkpoint(path, state) -> None:
 
 
 def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "none") -> dict:
-    """Train `model` on `data.train` for `cfg.epochs` (a `TrainConfig`); return the final metrics."""
+    """Train `model` on `data.train` for `cfg.epochs` (a `TrainConfig`); return the final metrics, with
+    the best, last and median-of-last-10 test accuracy, and write `reliability.png` of the test split.
+    `augment` is the training augmentation (`dataset.augment`; in-memory crop padding from
+    `data.meta["crop_pad"]`)."""
     # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
     # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
     if cfg.batch_size % ctx.world_size:
@@ -129,16 +249,14 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg)
     scaler = torch.amp.GradScaler(enabled=ctx.amp and ctx.device.type == "cuda")
-    x_train, y_train = data.train.x.to(ctx.device), data.train.y.to(ctx.device)
-    n, k = len(y_train), data.num_classes
-    steps_per_epoch = max(1, n // cfg.batch_size)
+    y_train, k = data.train.y.to(ctx.device), data.num_classes
 
     # The hooks a method provides (see the module docstring); None for those it leaves out.
     on_epoch_start = getattr(hooks, "on_epoch_start", None)
     transform = getattr(hooks, "transform", None)
     hook_loss = getattr(hooks, "loss", None)
 
-    start, ckpt_path = 0, ctx.dir / CHECKPOINT
+    start, ckpt_path, history = 0, ctx.dir / CHECKPOINT, []
     if cfg.checkpoint and ckpt_path.exists():
         state = torch.load(ckpt_path, map_location=ctx.device, weights_only=False)
         model.load_state_dict(state["model"])
@@ -148,31 +266,38 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
         if hasattr(hooks, "load_state_dict") and state.get("hooks") is not None:
             hooks.load_state_dict(state["hooks"])
         torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the device too
+        history = state.get("history", [])
         start = state["epoch"] + 1
         ctx.tracker.truncate(state["epoch"])
         log.info("resumed from %s at epoch %d", ckpt_path, start)
 
+    # After the resume: the data order is seeded by the run's seed, which the restored RNG state carries.
+    sampler = EpochBatches(len(y_train), cfg.batch_size, ctx.rank, ctx.world_size, torch.initial_seed())
+    train_batches = batches(data.train, ctx, sampler, augment, data.meta.get("crop_pad", 4))
+    steps_per_epoch = len(sampler)
+    warmup_steps = cfg.warmup_epochs * steps_per_epoch
     metrics: dict = {}
+    calibration: dict = {}
     for epoch in range(start, cfg.epochs):
         t0 = time.perf_counter()
         model.train()
         if on_epoch_start is not None:
             on_epoch_start(epoch, model, data)
-        # The same permutation on every rank; each rank takes an interleaved shard of each global batch.
-        g = torch.Generator().manual_seed(torch.initial_seed() * 1_000_003 + epoch)
-        order = torch.randperm(n, generator=g)[: steps_per_epoch * cfg.batch_size][ctx.rank :: ctx.world_size]
+        sampler.set_epoch(epoch)
         loss_sum = torch.zeros((), device=ctx.device)
         bar = tqdm(
-            order.split(cfg.batch_size // ctx.world_size),
+            train_batches,
             desc=f"epoch {epoch + 1}/{cfg.epochs}",
             leave=False,
             disable=None if cfg.progress and ctx.is_main else True,
         )
-        for idx in bar:
+        for step, (x, idx) in enumerate(bar):
+            if epoch * steps_per_epoch + step < warmup_steps:  # linear warm-up of the scheduled lr
+                factor = (epoch * steps_per_epoch + step + 1) / (warmup_steps + 1)
+                for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                    group["lr"] = lr * factor
             idx = idx.to(ctx.device)
-            x, y_soft = x_train[idx], F.one_hot(y_train[idx], k).float()
-            if augment == "crop_flip":
-                x = augment_crop_flip(x)
+            y_soft = F.one_hot(y_train[idx], k).float()
             if transform is not None:
                 x, y_soft = transform(x, y_soft, idx, model)
             with ctx.autocast():
@@ -185,10 +310,15 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
             scaler.step(optimizer)
             scaler.update()
             loss_sum += loss.detach()
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr  # undo the warm-up factor: the schedulers compute from the current lr
         scheduler.step()
         train_loss = all_reduce_sum(loss_sum.reshape(1)).item() / (steps_per_epoch * ctx.world_size)
         metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": optimizer.param_groups[0]["lr"]}
-        metrics.update(_evaluate_splits(model, data, ctx, cfg.eval_batch_size))
+        evaluated, calibration = _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
+        metrics.update(evaluated)
+        if "test/acc" in metrics:
+            history.append(metrics["test/acc"])
         metrics["time/epoch_s"] = time.perf_counter() - t0
         ctx.tracker.log(metrics, step=epoch)
         if ctx.is_main:
@@ -204,10 +334,14 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
                         "scaler": scaler.state_dict(),
                         "rng": torch.get_rng_state(),
                         "hooks": hooks.state_dict() if hasattr(hooks, "state_dict") else None,
+                        "history": history,
                     },
                 )
     if not metrics:  # resumed a finished run, or epochs=0: report the model as it is
-        metrics = _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
+        metrics, calibration = _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
+    metrics.update(history_summary(history))
+    if ctx.is_main and "test" in calibration:
+        reliability_plot(ctx.dir / "reliability.png", calibration["test"], "test")
     return metrics
 
 

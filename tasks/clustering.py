@@ -69,7 +69,7 @@ class DBOTClusterConfig(ClusterConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_range("method.tau", self.tau, 0.0)
+        check_range("method.tau", self.tau, 0.0, 1.0, hi_open=True)
         check_range("method.eps", self.eps, 0.0, lo_open=True)
         check_range("method.outer_iters", self.outer_iters, 1)
         check_choice("method.init", self.init, ("kmeans++", "random"))

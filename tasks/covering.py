@@ -78,7 +78,7 @@ class CoverConfig:
         check_choice("method.scenario", self.scenario, ("dataset", "mixture2d"))
         check_range("method.n_app", self.n_app, 1)
         check_range("method.n_dev", self.n_dev, 1)
-        check_range("method.k", self.k, 0, self.n_app)
+        check_range("method.k", self.k, 1, self.n_app)
         check_range("method.missing_class", self.missing_class, 0)
         check_range("method.dev_share", self.dev_share, 0.0, 1.0, hi_open=True)
         check_range("method.app_share", self.app_share, 0.0, 1.0, hi_open=True)

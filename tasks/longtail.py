@@ -94,7 +94,7 @@ class LongTailConfig:
             raise ConfigError(
                 f"method.predict={self.predict!r} must be one of method.inference={self.inference}"
             )
-        check_range("method.delta", self.delta, 0.0)
+        check_range("method.delta", self.delta, 0.0, 1.0, hi_open=True)
         check_range("method.eps", self.eps, 0.0, lo_open=True)
         check_choice("method.prior", self.prior, PRIORS)
         check_choice("method.scope", self.scope, ("all", "batch"))

@@ -18,16 +18,30 @@ from runner.schema import ConfigError, DatasetConfig
 
 @dataclass
 class Split:
-    x: torch.Tensor  # float32 [N, ...]
+    """An in-memory split. `x` is float32, or uint8 with `mean`/`std` (then each batch is converted to
+    `(x / 255 - mean) / std` on the fly, so a large uint8 set is never expanded to float whole)."""
+
+    x: torch.Tensor  # [N, ...]
     y: torch.Tensor  # int64 [N], the labels a method trains on (noisy when label noise is on)
     y_clean: torch.Tensor  # int64 [N], the true labels
+    mean: tuple | None = None
+    std: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.y)
 
     def subset(self, idx) -> Split:
         idx = torch.as_tensor(idx, dtype=torch.long)
-        return Split(self.x[idx], self.y[idx], self.y_clean[idx])
+        return Split(self.x[idx], self.y[idx], self.y_clean[idx], self.mean, self.std)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """A batch of `x` (already on its device) as float32 network input."""
+        if self.mean is None:
+            return x
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        mean = torch.tensor(self.mean, device=x.device).view(shape)
+        std = torch.tensor(self.std, device=x.device).view(shape)
+        return (x.float() / 255.0 - mean) / std
 
 
 @dataclass
@@ -37,7 +51,13 @@ class Data:
     test: Split
     num_classes: int
     input_shape: tuple[int, ...]
-    meta: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)  # e.g. "top5": also report top-5 accuracy
+    extra: dict = field(default_factory=dict)  # more evaluation splits by name (WebVision: imagenet_val)
+
+    def eval_splits(self) -> dict:
+        """The non-empty evaluation splits by metric prefix: val, test, then the extra ones."""
+        splits = {"val": self.val, "test": self.test, **self.extra}
+        return {name: split for name, split in splits.items() if len(split)}
 
 
 Builder = Callable[[DatasetConfig, np.random.Generator], Data]
@@ -101,9 +121,18 @@ def longtail_indices(y: np.ndarray, num_classes: int, imbalance: float, rng: np.
     return np.sort(np.concatenate([p[:n] for p, n in zip(per_class, counts)]))
 
 
-def next_class_map(num_classes: int) -> np.ndarray:
-    """Asymmetric noise mapping c -> c + 1 (mod C), used where no class-pair mapping is standard."""
-    return (np.arange(num_classes) + 1) % num_classes
+def next_class_map(num_classes: int, groups=None) -> np.ndarray:
+    """Asymmetric noise mapping: c -> c + 1 (mod C), used where no class-pair mapping is standard; with
+    `groups` (class -> group id), c -> the next class of its own group in index order, circularly (the
+    CIFAR-100 super-class map of Patrini et al. 2017)."""
+    if groups is None:
+        return (np.arange(num_classes) + 1) % num_classes
+    groups = np.asarray(groups)
+    mapping = np.empty(num_classes, dtype=np.int64)
+    for g in np.unique(groups):
+        members = np.flatnonzero(groups == g)
+        mapping[members] = np.roll(members, -1)
+    return mapping
 
 
 def inject_label_noise(y, num_classes: int, kind: str, rate: float, rng: np.random.Generator, mapping=None):
@@ -139,7 +168,13 @@ def load_data(cfg, seed: int) -> Data:
         keep = longtail_indices(data.train.y_clean.numpy(), data.num_classes, cfg.imbalance, rng)
         data.train = data.train.subset(keep)
     noise = cfg.label_noise
-    if noise.kind != "none":
+    if noise.kind == "human":  # the builder has read the human labels into data.train.y
+        if "human_noise" not in data.meta:
+            raise ConfigError(
+                f"dataset.label_noise.kind=human: dataset.name={cfg.name!r} has no human labels; "
+                "choose cifar10 or cifar100 (CIFAR-10N / CIFAR-100N)"
+            )
+    elif noise.kind != "none":
         noisy = inject_label_noise(
             data.train.y_clean.numpy(),
             data.num_classes,
@@ -149,10 +184,28 @@ def load_data(cfg, seed: int) -> Data:
             data.meta.get("asym_map"),
         )
         data.train.y = torch.as_tensor(noisy, dtype=torch.long)
+    data.meta.setdefault("crop_pad", cfg.crop_pad)
+    return limit_splits(data, cfg.max_train, cfg.max_eval, rng)
+
+
+def limit_splits(data: Data, max_train: int, max_eval: int, rng: np.random.Generator) -> Data:
+    """Random subsets of at most `max_train` training and `max_eval` samples per evaluation split
+    (0: all), taken after noise and imbalance so a smoke run sees the real corruption."""
+
+    def cut(split, most):
+        if not most or len(split) <= most:
+            return split
+        return split.subset(np.sort(rng.choice(len(split), most, replace=False)))
+
+    data.train = cut(data.train, max_train)
+    data.val, data.test = cut(data.val, max_eval), cut(data.test, max_eval)
+    data.extra = {name: cut(split, max_eval) for name, split in data.extra.items()}
     return data
 
 
 import runner.data.blobs  # noqa: E402,F401  (registers `blobs`, DB-OT clustering)
 import runner.data.canvas  # noqa: E402,F401  (registers `digits_canvas`, Co-Mixup)
+import runner.data.imagenet32  # noqa: E402,F401  (registers `imagenet32`, hierarchical hashing)
+import runner.data.layouts  # noqa: E402,F401  (registers the file-backed datasets)
 import runner.data.synthetic_hier  # noqa: E402,F401  (registers `synthetic_hier`, hierarchical hashing)
 from runner.data import builtin  # noqa: E402,F401  (registers the datasets)

@@ -1,5 +1,6 @@
 """Networks. Each has `forward_features(x) -> (B, D)`, a linear `classifier`, and `feature_dim`;
-conv nets also have `feature_maps(x) -> (B, C, h, w)` (the maps before global pooling, for CAM)."""
+conv nets also have `feature_maps(x) -> (B, C, h, w)` (the maps before global pooling, for CAM).
+CIFAR-size nets are in `runner.models.cifar`, ImageNet-size backbones in `runner.models.imagenet`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from torch import nn
 
 from runner.models.base import Classifier
 from runner.models.cifar import NIN, PreActResNet18, ResNet32, ResNeXt29, WideResNet
-from runner.schema import ConfigError
+from runner.models.imagenet import INCEPTION_MIN_SIDE, RESNETS, ImageNetResNet, InceptionResNetV2
+from runner.models.weights import load_weights
+from runner.schema import ConfigError, model_config
 
 
 class MLP(Classifier):
@@ -30,9 +33,9 @@ class MLP(Classifier):
 class ConvNet(Classifier):
     """Small CNN: conv3x3-BN-ReLU blocks, 2x2 max-pool between blocks, global average pooling."""
 
-    def __init__(self, input_shape, num_classes, channels=(32, 64, 128)):
+    def __init__(self, in_channels, num_classes, channels=(32, 64, 128)):
         super().__init__()
-        layers, c_in = [], input_shape[0]
+        layers, c_in = [], in_channels
         for i, c in enumerate(channels):
             layers += [nn.Conv2d(c_in, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(inplace=True)]
             if i < len(channels) - 1:
@@ -46,26 +49,40 @@ class ConvNet(Classifier):
         return self.body(x)
 
 
-CIFAR_MODELS = {
-    "preactresnet18": PreActResNet18,
-    "wrn16_8": lambda c_in, k: WideResNet(c_in, k, depth=16, widen=8),
-    "resnext29": lambda c_in, k: ResNeXt29(c_in, k, cardinality=4, width=24),
-    "resnet32": ResNet32,
-    "nin": NIN,
+IMAGE_MODELS = {  # name -> builder(in_channels, num_classes, checked model config)
+    "cnn": lambda c, k, m: ConvNet(c, k, tuple(m.channels)),
+    "preactresnet18": lambda c, k, m: PreActResNet18(c, k, m.stem_stride),
+    "wrn16_8": lambda c, k, m: WideResNet(c, k, depth=16, widen=8, stem_stride=m.stem_stride),
+    "resnext29": lambda c, k, m: ResNeXt29(c, k, cardinality=4, base_width=24, stem_stride=m.stem_stride),
+    "resnet32": lambda c, k, m: ResNet32(c, k),
+    "nin": lambda c, k, m: NIN(c, k),
+    **{name: (lambda c, k, m, name=name: ImageNetResNet(name, c, k)) for name in RESNETS},
+    "inception_resnet_v2": lambda c, k, m: InceptionResNetV2(c, k),
 }
-MODELS = ("mlp", "cnn", *CIFAR_MODELS)
+MIN_SIDE = {"inception_resnet_v2": INCEPTION_MIN_SIDE}
+MODELS = ("mlp", *IMAGE_MODELS)
 
 
 def build_model(cfg, input_shape, num_classes: int) -> nn.Module:
-    """The network named `cfg.name` for inputs of `input_shape` (per sample) and `num_classes` outputs."""
-    if cfg.name == "mlp":
-        return MLP(input_shape, num_classes, tuple(cfg.hidden), cfg.dropout)
+    """The network named `cfg.name` for inputs of `input_shape` (per sample) and `num_classes` outputs,
+    started from the weights file `cfg.pretrained` when one is named."""
     if cfg.name not in MODELS:
         raise ConfigError(f"model.name={cfg.name!r} is unknown; choices: {', '.join(MODELS)}")
-    if len(input_shape) != 3:
-        raise ConfigError(
-            f"model={cfg.name} needs image inputs (C, H, W); this dataset gives {tuple(input_shape)}"
-        )
-    if cfg.name == "cnn":
-        return ConvNet(input_shape, num_classes, tuple(cfg.channels))
-    return CIFAR_MODELS[cfg.name](input_shape[0], num_classes)
+    spec = model_config(cfg)
+    if cfg.name == "mlp":
+        model = MLP(input_shape, num_classes, tuple(spec.hidden), spec.dropout)
+    else:
+        if len(input_shape) != 3:
+            raise ConfigError(
+                f"model={cfg.name} needs image inputs (C, H, W); this dataset gives {tuple(input_shape)}"
+            )
+        side = MIN_SIDE.get(cfg.name, 1)
+        if min(input_shape[1:]) < side:
+            raise ConfigError(
+                f"model={cfg.name} needs images of at least {side}x{side} px; this dataset gives "
+                f"{tuple(input_shape)} (set dataset.image_size)"
+            )
+        model = IMAGE_MODELS[cfg.name](input_shape[0], num_classes, spec)
+    if spec.pretrained:
+        load_weights(model, spec.pretrained)
+    return model

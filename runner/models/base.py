@@ -5,9 +5,14 @@ from torch import nn
 
 
 class Classifier(nn.Module):
-    """`forward(x) = classifier(forward_features(x))`; conv nets define `feature_maps` and pool it."""
+    """`forward(x) = classifier(forward_features(x))`; conv nets define `feature_maps` and pool it.
+
+    `checkpoint_aliases`: (foreign prefix, our prefix) pairs that rename the parameters of a weights
+    file saved by the library a network comes from (see `runner.models.weights.load_weights`).
+    """
 
     feature_dim: int
+    checkpoint_aliases: tuple[tuple[str, str], ...] = ()
 
     def feature_maps(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} has no spatial feature maps")

@@ -1,0 +1,58 @@
+"""Summary statistics of a classifier's predictions that every classification run reports."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def calibration_bins(probs: torch.Tensor, labels: torch.Tensor, bins: int = 15) -> torch.Tensor:
+    """Per equal-width confidence bin: [count, sum of confidences, number correct], shape (3, bins),
+    float64; sums, so that shards of a split add up (under DDP) before `expected_calibration_error`."""
+    conf, pred = probs.max(1)
+    which = torch.clamp((conf * bins).long(), max=bins - 1)
+    out = torch.zeros(3, bins, dtype=torch.float64)
+    for row, values in enumerate((torch.ones_like(conf), conf, (pred == labels).to(conf.dtype))):
+        out[row].index_add_(0, which.cpu(), values.double().cpu())
+    return out
+
+
+def expected_calibration_error(binned: torch.Tensor) -> float:
+    """ECE = sum_b |B_b| / N * |acc(B_b) - conf(B_b)| from `calibration_bins` (Guo et al. 2017)."""
+    count, conf, correct = binned
+    n = count.sum().item()
+    return float((conf - correct).abs().sum().item() / n) if n else 0.0
+
+
+def reliability_plot(path, binned: torch.Tensor, title: str = "") -> None:
+    """Accuracy against confidence per bin (bars), with the diagonal of perfect calibration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    count, conf, correct = binned
+    bins = binned.shape[1]
+    centres = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
+    acc = torch.where(count > 0, correct / count.clamp(min=1), torch.zeros_like(count))
+    fig, ax = plt.subplots(figsize=(4, 4))
+    ax.bar(centres, acc, width=1 / bins, edgecolor="black", label="accuracy")
+    ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
+    ax.set(xlabel="confidence", ylabel="accuracy", xlim=(0, 1), ylim=(0, 1))
+    ax.set_title(f"{title}  ECE {expected_calibration_error(binned):.3f}".strip())
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def history_summary(accuracies: list[float], prefix: str = "test/acc") -> dict:
+    """Best, last and the median of the last 10 epochs' accuracies (the Co-Mixup tables' convention)."""
+    if not accuracies:
+        return {}
+    return {
+        f"{prefix}_best": max(accuracies),
+        f"{prefix}_last": accuracies[-1],
+        f"{prefix}_median10": statistics.median(accuracies[-10:]),
+    }
