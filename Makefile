@@ -2,7 +2,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-slow lint bench clean venv
+.PHONY: run test test-slow lint bench bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -26,6 +26,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(B)
+
+bench-gpu: $(STAMP)  # CUDA: the paper presets' step time, memory and precision (one line without CUDA)
+	$(PY) -m benchmarks bench_gpu
 
 clean:
 	rm -rf $(VENV) outputs multirun wandb .pytest_cache build *.egg-info

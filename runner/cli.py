@@ -6,17 +6,23 @@ fails in a second with one line naming the bad value and the valid choices, inst
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import math
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from runner import rundir
+from runner.faults import CheckpointError, Diverged, Interrupted
 from runner.schema import ConfigError, apply_debug, task_module, validate
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -65,8 +71,8 @@ def _check_group_choice(group: str, value: str) -> None:
 def _variants(overrides: list[str]) -> list[list[str]]:
     """Override lists to check: every swept key at each of its values, the others at their first.
 
-    Hydra's own keys are left out (they do not shape the job config); so are continuous Optuna
-    search spaces (`interval(...)`), which have no values to list.
+    Hydra's own keys are left out (they do not shape the job config); a continuous Optuna search space
+    (`interval(a, b)`) is checked at both of its ends.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ValueType
@@ -79,9 +85,13 @@ def _variants(overrides: list[str]) -> list[list[str]]:
         raise ConfigError(" ".join(str(e).split())) from None
     for o in parsed:
         key = o.key_or_group
-        if key == "hydra" or key.startswith(("hydra.", "hydra/")) or o.value_type == ValueType.INTERVAL_SWEEP:
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
             continue
-        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [None]
+        if o.value_type == ValueType.INTERVAL_SWEEP:
+            ends = (o.value().start, o.value().end)  # Hydra reads both as floats; tag(int, ...) samples ints
+            values = [int(v) if "int" in o.value().tags else v for v in ends]
+        else:
+            values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [None]
         if key in groups and not o.is_delete():
             for v in values:
                 _check_group_choice(key, v if v is not None else o.get_value_element_as_str())
@@ -122,11 +132,34 @@ def _compose(overrides: list[str]) -> DictConfig:
             ) from None
 
 
+def _compose_hydra(overrides: list[str]) -> DictConfig:
+    """The first job's config with the `hydra` node (launcher, sweeper, run dir) of the command line."""
+    from hydra import compose, initialize_config_dir
+
+    job = _variants(overrides)[0] + [o for o in overrides if o.startswith(("hydra/", "hydra."))]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        try:
+            return compose("config", overrides=job, return_hydra_config=True)
+        except Exception as e:  # e.g. a search space given as a hydra.* override
+            raise ConfigError(" ".join(str(e).split())) from None
+
+
+def _sweep_params(overrides: list[str]) -> list[str]:
+    """The sweeper's `params` (search spaces from a config such as conf/sweep/*.yaml) as overrides, but
+    for keys the command line sweeps itself (its value wins in the sweep)."""
+    params = _compose_hydra(overrides).hydra.sweeper.get("params") or {}
+    given = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    return [f"{key}={value}" for key, value in params.items() if key not in given]
+
+
 def preflight(argv: list[str]) -> None:
-    """Compose and validate each job a command line would launch; raise ConfigError on the first bad one."""
+    """Compose and validate each job a command line would launch (in a sweep: each swept value, both ends
+    of each search interval); raise ConfigError on the first bad one."""
     overrides = _override_args(argv)
     if overrides is None:
         return
+    if {"-m", "--multirun"} & set(argv):
+        overrides = _sweep_params(overrides) + overrides
     for variant in _variants(overrides):
         validate(_compose(variant))
 
@@ -141,17 +174,33 @@ def _typed(cfg: DictConfig, schemas: dict) -> DictConfig:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def _job(cfg: DictConfig) -> float | None:
-    try:
-        return _run(cfg)
-    except ConfigError as e:  # bad input found while building data, model or device: one line
-        if HydraConfig.get().mode.name == "MULTIRUN":
-            raise
-        print(f"runner: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode.name == "MULTIRUN"
+    # Whatever ends the job, `cleanup` finishes its W&B run, leaves the process group, frees the run dir.
+    with contextlib.ExitStack() as cleanup:
+        try:
+            return _run(cfg, cleanup)
+        except (KeyboardInterrupt, Interrupted) as e:
+            stop = signal.Signals(getattr(e, "signum", signal.SIGINT))
+            print(f"runner: stopped by {stop.name}; resume with: {_resume_hint(hydra_cfg)}", file=sys.stderr)
+            sys.exit(128 + stop)
+        except (ConfigError, Diverged, CheckpointError) as e:  # bad input, or a run gone wrong: one line
+            if multirun:
+                raise  # the sweep goes on; SweepSummary lists the job as failed
+            print(f"runner: error: {e}", file=sys.stderr)
+            sys.exit(2 if isinstance(e, ConfigError) else 1)
 
 
-def _run(cfg: DictConfig) -> float | None:
-    """One job: validate, set up device and tracker, run the task, write the summary."""
+def _resume_hint(hydra_cfg) -> str:
+    """The command that resumes the job (checkpoints/last.pt of its run dir), and in a sweep the sweep."""
+    hint = rundir.resume_command(hydra_cfg.runtime.output_dir, hydra_cfg.overrides.task)
+    if hydra_cfg.mode.name == "MULTIRUN":
+        hint += f" (the whole sweep: its command line with hydra.sweep.dir={hydra_cfg.sweep.dir})"
+    return hint
+
+
+def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
+    """One job: validate, lock the run dir, set up device and tracker, run the task, write the summary."""
     from runner.hardware import RunContext, seed_everything, setup, teardown
     from runner.track import Tracker
 
@@ -161,17 +210,25 @@ def _run(cfg: DictConfig) -> float | None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode.name == "MULTIRUN" and cfg.logger.group is None:  # one W&B group per sweep
         cfg.logger.group = "/".join(Path(hydra_cfg.sweep.dir).parts[-2:])
-    device, rank, world_size = setup(cfg.hardware)
-    seed_everything(cfg.seed, cfg.hardware.deterministic)
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    cleanup.callback(teardown)
+    device, rank, world_size = setup(cfg.hardware)
+    if rank == 0:
+        rundir.lock(run_dir)
+        cleanup.callback(rundir.unlock, run_dir)
+    resume = rundir.check_resume(run_dir, cfg)
+    seed_everything(cfg.seed, cfg.hardware.deterministic)
     if rank == 0:
         OmegaConf.save(cfg, run_dir / "config.yaml")
-    tracker = Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg), enabled=rank == 0)
+    tracker = Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg), enabled=rank == 0, resume=resume)
+    cleanup.callback(tracker.close, exit_code=1)  # a no-op after tracker.finish
     ctx = RunContext(
         device,
         run_dir,
         tracker,
-        amp=cfg.hardware.amp,
+        precision=cfg.hardware.precision,
+        channels_last=cfg.hardware.channels_last,
+        compile=cfg.hardware.compile,
         rank=rank,
         world_size=world_size,
         num_workers=cfg.hardware.num_workers,
@@ -190,9 +247,13 @@ def _run(cfg: DictConfig) -> float | None:
     )
     summary = dict(module.run(cfg, ctx))
     summary["time/total_s"] = time.perf_counter() - t0
-    tracker.finish(summary)
-    teardown()
     metric = module.METRIC[0]
+    value = summary.get(metric)
+    if isinstance(value, float) and not math.isfinite(value):  # failed, for the report and for Optuna
+        summary["error"] = f"Diverged: {metric}={value}"
+    tracker.finish(summary)
+    if "error" in summary:
+        raise Diverged(f"{metric}={value} in {run_dir / 'summary.json'}")
     if rank == 0:
         shown = [k for k in summary if k == metric or k.startswith("test/")][:6]
         print(
@@ -200,13 +261,34 @@ def _run(cfg: DictConfig) -> float | None:
             + "  ".join(f"{k}={summary[k]:.4f}" for k in shown if isinstance(summary[k], float))
             + f"  ({summary['time/total_s']:.1f} s) -> {run_dir / 'summary.json'}"
         )
-    value = summary.get(metric)
-    return float(value) if value is not None else None
+    score = summary.get(_objective_key(metric))  # what a search optimises: never the test metric
+    return float(score) if score is not None else None
+
+
+def _objective_key(metric: str) -> str:
+    """The validation twin of a task's METRIC (`test/acc` -> `val/acc`); an unsupervised score as is."""
+    return "val/" + metric.removeprefix("test/") if metric.startswith("test/") else metric
+
+
+def objective(module, cfg) -> str:
+    """The summary key an Optuna search optimises for `cfg`: `_objective_key` of the task's METRIC.
+    A ConfigError (one line, before any trial) when that needs a validation split `cfg` lacks."""
+    key = _objective_key(module.METRIC[0])
+    dataset = validate(cfg)["dataset"]
+    share = "val_per_class" if hasattr(dataset, "val_per_class") else "val_fraction"  # per-class sized sets
+    if key.startswith("val/") and not getattr(dataset, share) > 0:
+        example = "10" if share == "val_per_class" else "0.1"
+        raise ConfigError(
+            f"a search selects on {key}, never on {module.METRIC[0]}, and dataset={dataset.name} has no "
+            f"validation split (dataset.{share}={getattr(dataset, share)}); give it one, e.g. "
+            f"dataset.{share}={example}"
+        )
+    return key
 
 
 def _launch_overrides(argv: list[str]) -> list[str]:
-    """Hydra overrides a launch adds (README, "Sweeps"): the Optuna direction of the task's METRIC
-    (unless given), and no Hydra files from torchrun ranks other than 0."""
+    """Hydra overrides a launch adds (README, "Sweeps"): the Optuna direction of the task's METRIC and
+    a search that goes on past failed trials (unless given), no Hydra files from torchrun ranks but 0."""
     overrides = _override_args(argv)
     if overrides is None:
         return []
@@ -214,21 +296,45 @@ def _launch_overrides(argv: list[str]) -> list[str]:
     if int(os.environ.get("RANK", 0)) > 0:
         extra += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     multirun = {"-m", "--multirun"} & set(argv)
-    if multirun and not any(o.startswith("hydra.sweeper.direction=") for o in overrides):
-        from hydra import compose, initialize_config_dir
-
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            choices = [o for o in overrides if o.startswith("hydra/")]
-            cfg = compose("config", overrides=_variants(overrides)[0] + choices, return_hydra_config=True)
+    if multirun:
+        cfg = _compose_hydra(overrides)
         if "optuna" in cfg.hydra.sweeper._target_:
+            objective(task_module(cfg), cfg)  # selects on validation data, or stops here
             direction = {"max": "maximize", "min": "minimize"}[task_module(cfg).METRIC[1]]
-            extra.append(f"hydra.sweeper.direction={direction}")
+            # A failed or diverged trial is told to Optuna as failed; the search goes on.
+            defaults = {"direction": direction, "max_failure_rate": 1.0}
+            extra += [
+                f"hydra.sweeper.{key}={value}"
+                for key, value in defaults.items()
+                if not any(o.startswith(f"hydra.sweeper.{key}=") for o in overrides)
+            ]
     return extra
+
+
+def _claim_run_dir(argv: list[str]) -> None:
+    """A single run into an existing run dir (a resume): lock it and check the resume before Hydra
+    rewrites the dir's .hydra/ files; `_run` takes the same lock again and releases it."""
+    overrides = _override_args(argv)
+    if overrides is None or {"-m", "--multirun"} & set(argv):
+        return
+    cfg = _compose_hydra(overrides)
+    run_dir = Path(cfg.hydra.run.dir)
+    if not run_dir.is_dir():
+        return
+    with open_dict(cfg):
+        del cfg["hydra"]
+    typed = _typed(cfg, validate(cfg))
+    apply_debug(typed)
+    if int(os.environ.get("RANK", 0)) == 0:
+        rundir.lock(run_dir)
+        atexit.register(rundir.unlock, run_dir)  # should Hydra fail before the job
+    rundir.check_resume(run_dir, typed)
 
 
 def main() -> None:
     try:
         preflight(sys.argv[1:])
+        _claim_run_dir(sys.argv[1:])
         extra, given = _launch_overrides(sys.argv[1:]), _override_args(sys.argv[1:])
         at = sys.argv.index(given[0]) if given else len(sys.argv)  # argparse wants one run of overrides
         sys.argv[at:at] = extra

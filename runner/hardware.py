@@ -23,7 +23,7 @@ class RunContext:
     device: torch.device
     dir: Path
     tracker: Any
-    amp: bool = False
+    precision: str = "fp32"  # fp32 | fp16 (autocast + grad scaler) | bf16 (autocast)
     rank: int = 0
     world_size: int = 1
     num_workers: int = 0  # DataLoader processes for file-backed splits
@@ -36,11 +36,36 @@ class RunContext:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    channels_last: bool = False  # image batches and conv weights in NHWC
+    compile: bool = False  # torch.compile the network's training forward
+
     def autocast(self):
-        """Mixed precision on CUDA when `hardware.amp`; a no-op otherwise."""
-        if not (self.amp and self.device.type == "cuda"):
+        """Autocast to `precision` (fp16, bf16) on this device; a no-op at fp32."""
+        if self.precision == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast("cuda", dtype=torch.float16)
+        dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """Loss scaling, on for fp16 only (bf16 has fp32's exponent range and needs none)."""
+        return torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+
+    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move `model` to the device (channels-last if asked); return the network to train through:
+        compiled if asked, wrapped in DistributedDataParallel under DDP. Hooks keep using `model`."""
+        model.to(self.device)
+        if self.channels_last:
+            model.to(memory_format=torch.channels_last)
+        net = torch.compile(model) if self.compile else model
+        if self.distributed:
+            ids = [self.device.index] if self.device.index is not None else None
+            net = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids)
+        return net
+
+    def to_input(self, x: torch.Tensor) -> torch.Tensor:
+        """A batch moved to the device, in the memory format the model expects."""
+        x = x.to(self.device, non_blocking=True)
+        return x.contiguous(memory_format=torch.channels_last) if self.channels_last and x.dim() == 4 else x
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:

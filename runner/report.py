@@ -163,9 +163,12 @@ def build_report(root, metric: str | None = None, columns: list[str] | None = No
         direction = direction or "max"
         if direction not in ("max", "min"):
             raise ValueError(f"--metric {metric}: the direction after ':' must be max or min")
+    numeric = list(dict.fromkeys(k for r in done for k in r.summary if _is_number(r.summary[k])))
     if done and not any(key in r.summary for r in done):
-        shown = ", ".join(k for k in done[0].summary if _is_number(done[0].summary[k]))
-        raise ValueError(f"metric {key!r} is in no summary.json; keys: {shown}")
+        raise ValueError(f"metric {key!r} is in no summary.json; keys: {', '.join(numeric)}")
+    unknown = [c for c in columns or () if done and c not in numeric]
+    if unknown:
+        raise ValueError(f"--columns {','.join(unknown)}: in no summary.json; choices: {', '.join(numeric)}")
 
     groups: dict[tuple, Group] = {}
     for r in done:
@@ -175,8 +178,7 @@ def build_report(root, metric: str | None = None, columns: list[str] | None = No
 
     if columns is None:  # the main metric, then its siblings (test/acc -> test/loss, ...)
         prefix = key.split("/")[0] + "/" if "/" in key else None
-        seen = dict.fromkeys(k for r in done for k in r.summary if _is_number(r.summary[k]))
-        siblings = [k for k in seen if prefix and k.startswith(prefix) and k != key]
+        siblings = [k for k in numeric if prefix and k.startswith(prefix) and k != key]
         columns = [key, *siblings[:MAX_EXTRA_COLUMNS]]
     elif key not in columns:
         columns = [key, *columns]
@@ -433,9 +435,10 @@ class SweepSummary(Callback):
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         from hydra.core.utils import JobStatus
+        from hydra.types import RunMode
 
-        if job_return.status != JobStatus.FAILED:
-            return
+        if job_return.status != JobStatus.FAILED or config.hydra.mode != RunMode.MULTIRUN:
+            return  # a single run reports its own failure
         error = job_return._return_value  # the exception; `.return_value` would re-raise it
         # Into the job's own log, with the traceback unless a bad value's one line says it all.
         log.error("job %s failed: %s", config.hydra.job.num, error,

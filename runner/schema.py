@@ -178,7 +178,9 @@ def model_config(node: DictConfig) -> ModelConfig:
 class HardwareConfig:
     name: str = "cpu"
     device: str = "cpu"
-    amp: bool = False
+    precision: str = "fp32"  # fp32 | fp16 (autocast + grad scaler) | bf16 (autocast, no scaler)
+    channels_last: bool = False
+    compile: bool = False  # torch.compile of the model's training forward
     distributed: bool = False
     deterministic: bool = False
     threads: int = 0
@@ -186,6 +188,7 @@ class HardwareConfig:
 
     def __post_init__(self):
         check_choice("hardware.device", self.device, ("cpu", "cuda"))
+        check_choice("hardware.precision", self.precision, ("fp32", "fp16", "bf16"))
         check_range("hardware.threads", self.threads, 0)
         check_range("hardware.num_workers", self.num_workers, 0)
 

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import uuid
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ class Tracker:
             id_path = self.dir / WANDB_ID
             run_id = id_path.read_text().strip() if resume and id_path.exists() else None
             if run_id is None:
-                run_id = wandb.util.generate_id()
+                run_id = uuid.uuid4().hex[:12]
                 write_atomic(id_path, run_id + "\n")
             return wandb.init(
                 id=run_id,

@@ -15,15 +15,19 @@ checkpoints every epoch and resumes from the last checkpoint in the run dir. Met
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import random
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from runner.data import Data, Split
-from runner.data.files import FileSplit
+from runner.faults import CheckpointError, Diverged, StopSignals
 from runner.hardware import RunContext, all_reduce_sum
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary, reliability_plot
 from runner.schema import ConfigError
@@ -108,7 +112,7 @@ def batches(split, ctx: RunContext, index_batches, augment: str = "none", crop_p
     FileSplit is read by a DataLoader whose workers decode and transform, with its training transform
     when `augment` is not "none". Re-iterate the returned object each epoch (DataLoader workers persist).
     """
-    if isinstance(split, FileSplit):
+    if not isinstance(split, Split):  # FileSplit, FakeSplit: a map-style dataset read by workers
         loader = torch.utils.data.DataLoader(
             split.dataset(train=augment != "none"),
             batch_sampler=_AsLists(index_batches),
@@ -116,8 +120,8 @@ def batches(split, ctx: RunContext, index_batches, augment: str = "none", crop_p
             pin_memory=ctx.device.type == "cuda",
             persistent_workers=ctx.num_workers > 0,
         )
-        return _ToDevice(loader, ctx.device)
-    return _SliceBatches(split, ctx.device, index_batches, augment, crop_pad)
+        return _ToDevice(loader, ctx)
+    return _SliceBatches(split, ctx, index_batches, augment, crop_pad)
 
 
 class _AsLists:
@@ -135,32 +139,32 @@ class _AsLists:
 
 
 class _ToDevice:
-    def __init__(self, loader, device):
-        self.loader, self.device = loader, device
+    def __init__(self, loader, ctx: RunContext):
+        self.loader, self.ctx = loader, ctx
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self):
         for x, idx in self.loader:
-            yield x.to(self.device, non_blocking=True), idx
+            yield self.ctx.to_input(x), idx
 
 
 class _SliceBatches:
-    def __init__(self, split: Split, device, index_batches, augment: str, crop_pad: int):
-        self.split, self.device, self.index_batches = split, device, index_batches
+    def __init__(self, split: Split, ctx: RunContext, index_batches, augment: str, crop_pad: int):
+        self.split, self.ctx, self.index_batches = split, ctx, index_batches
         self.augment, self.crop_pad = augment, crop_pad
 
     def __len__(self) -> int:
         return len(self.index_batches)
 
     def __iter__(self):
-        x_all = _on_device(self.split, self.device)
+        x_all = _on_device(self.split, self.ctx.device)
         for idx in self.index_batches:
-            x = self.split.decode(x_all[idx.to(self.device)])
+            x = self.split.decode(x_all[idx.to(self.ctx.device)])
             if self.augment == "crop_flip":
                 x = augment_crop_flip(x, self.crop_pad)
-            yield x, idx
+            yield self.ctx.to_input(x), idx
 
 
 def in_order(n: int, batch_size: int) -> list[torch.Tensor]:
@@ -173,7 +177,9 @@ def predict(model, source, ctx: RunContext, batch_size: int = 1024, features: bo
     """Logits (with features=True: `forward_features`) for every sample of `source` (a split, or a
     tensor of inputs) in index order, in eval mode without augmentation, returned on the CPU."""
     if isinstance(source, torch.Tensor):
-        source = Split(source, torch.zeros(len(source), dtype=torch.long), torch.zeros(len(source), dtype=torch.long))
+        source = Split(
+            source, torch.zeros(len(source), dtype=torch.long), torch.zeros(len(source), dtype=torch.long)
+        )
     was_training = model.training
     model.eval()
     forward = model.forward_features if features else model
@@ -192,7 +198,9 @@ def evaluate(model, split, ctx: RunContext, batch_size: int = 1024, top5: bool =
     bins (for `reliability_plot`)."""
     shard = split.subset(torch.arange(ctx.rank, len(split), ctx.world_size))
     logits, y = predict(model, shard, ctx, batch_size), shard.y_clean
-    top = logits.topk(min(5, logits.shape[1]), dim=1).indices if len(y) else torch.zeros(0, 5, dtype=torch.long)
+    top = (
+        logits.topk(min(5, logits.shape[1]), dim=1).indices if len(y) else torch.zeros(0, 5, dtype=torch.long)
+    )
     sums = torch.tensor(
         [
             float((top[:, 0] == y).sum()),
@@ -224,125 +232,248 @@ def _evaluate_splits(model, data: Data, ctx: RunContext, batch_size: int) -> tup
 
 
 def save_checkpoint(path, state) -> None:
-    """torch.save `state` to `path` atomically (write a temporary file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """torch.save `state` to `path` atomically (a temporary file, then a rename): a kill, a full disk or
+    an unwritable run dir during the save leaves the previous checkpoint intact (CheckpointError)."""
+    path = Path(path)
     tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)  # atomic: a kill during the save leaves the previous checkpoint intact
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, tmp)
+        tmp.replace(path)
+    except (OSError, RuntimeError) as e:  # torch's writer raises RuntimeError on a full disk
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write {path} ({_first_line(e)}); the previous one is intact") from None
+
+
+def load_checkpoint(path, device) -> dict:
+    """`torch.load` a checkpoint; CheckpointError naming the file (which is kept) if it cannot be read."""
+    try:
+        return torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # truncated or corrupt: zip, pickle and EOF errors, among others
+        raise CheckpointError(
+            f"cannot read checkpoint {path} ({type(e).__name__}: {_first_line(e)}); the file is kept: "
+            "move it away to start the run over"
+        ) from None
+
+
+def rng_state(device: torch.device) -> dict:
+    """Every random stream a run draws from: torch's (CPU, and `device`'s if CUDA), numpy's, Python's."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())  # map_location moved the tensors to the device
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+class Resumable:
+    """Everything a checkpoint holds, for one training loop: the model, its optimizer, scheduler and loss
+    scaler, the method hooks' `state_dict`, every RNG, and the loop's position (`epoch`, and `step`: the
+    batches done in that epoch, or None once the epoch is complete) with its `extra` bookkeeping.
+
+    `resume()` restores the run dir's checkpoint into them (if any) and returns its position; `save()`
+    writes one at a position, refusing non-finite weights. One object per loop, so another loop (e.g.
+    iterations instead of epochs) reuses it whole."""
+
+    def __init__(self, path, ctx: RunContext, model, optimizer, scheduler, scaler, hooks=None):
+        self.path, self.ctx, self.model, self.hooks = Path(path), ctx, model, hooks
+        self.parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+        self.last = "none written yet"  # the last good checkpoint, for error messages
+
+    def resume(self) -> tuple[int, int | None, dict] | None:
+        """(epoch, step, extra) of the checkpoint just restored, or None without one."""
+        if not self.path.exists():
+            return None
+        state = load_checkpoint(self.path, self.ctx.device)
+        try:
+            for key, part in self.parts.items():
+                part.load_state_dict(state[key])
+        except (KeyError, RuntimeError, ValueError) as e:
+            raise CheckpointError(
+                f"checkpoint {self.path} does not fit this run ({_first_line(e)}); the file is kept"
+            ) from None
+        if state.get("hooks") is not None and hasattr(self.hooks, "load_state_dict"):
+            self.hooks.load_state_dict(state["hooks"])
+        set_rng_state(state["rng"], self.ctx.device)
+        self.last = f"{self.path} ({_position(state['epoch'], state.get('step'))})"
+        log.info("resumed from %s", self.last)
+        return state["epoch"], state.get("step"), state.get("extra", {})
+
+    def save(self, epoch: int, step: int | None, extra: dict) -> None:
+        params = [p.detach() for p in self.model.parameters()]
+        if params and not bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+            raise Diverged(
+                f"non-finite parameters at {_position(epoch, step)}; last good checkpoint: {self.last}"
+            )
+        state = {key: part.state_dict() for key, part in self.parts.items()}
+        state.update(epoch=epoch, step=step, extra=extra, rng=rng_state(self.ctx.device))
+        state["hooks"] = self.hooks.state_dict() if hasattr(self.hooks, "state_dict") else None
+        save_checkpoint(self.path, state)
+        self.last = f"{self.path} ({_position(epoch, step)})"
+
+
+def _position(epoch: int, step: int | None) -> str:
+    return f"end of epoch {epoch + 1}" if step is None else f"epoch {epoch + 1}, step {step}"
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
 
 
 def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "none") -> dict:
     """Train `model` on `data.train` for `cfg.epochs` (a `TrainConfig`); return the final metrics, with
     the best, last and median-of-last-10 test accuracy, and write `reliability.png` of the test split.
     `augment` is the training augmentation (`dataset.augment`; in-memory crop padding from
-    `data.meta["crop_pad"]`)."""
+    `data.meta["crop_pad"]`).
+
+    Checkpoints (`checkpoints/last.pt`, `train.checkpoint`) at the end of every epoch and every
+    `train.checkpoint_every_minutes` inside one, and on a stop signal after the current step (see
+    `runner.faults.StopSignals`); a restart in the run dir continues from the same step with the same
+    random streams, so on the CPU it ends exactly as an uninterrupted run. Hooks with an
+    `on_epoch_start` are resumed inside an epoch only if they declare `mid_epoch_resume = True` (their
+    `state_dict` holds all that `on_epoch_start` set up); otherwise only at epoch ends. A non-finite
+    loss or parameter stops the run (Diverged) and is never saved."""
     # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
     # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
     if cfg.batch_size % ctx.world_size:
         raise ConfigError(f"train.batch_size={cfg.batch_size}: must split evenly over {ctx.world_size} ranks")
-    model.to(ctx.device)
-    net = model
-    if ctx.distributed:
-        net = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[ctx.device.index] if ctx.device.index is not None else None
-        )
+    net = ctx.prepare(model)
     optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg)
-    scaler = torch.amp.GradScaler(enabled=ctx.amp and ctx.device.type == "cuda")
+    scaler = ctx.grad_scaler()
     y_train, k = data.train.y.to(ctx.device), data.num_classes
 
     # The hooks a method provides (see the module docstring); None for those it leaves out.
     on_epoch_start = getattr(hooks, "on_epoch_start", None)
     transform = getattr(hooks, "transform", None)
     hook_loss = getattr(hooks, "loss", None)
+    mid_epoch = cfg.checkpoint and (on_epoch_start is None or getattr(hooks, "mid_epoch_resume", False))
 
-    start, ckpt_path, history = 0, ctx.dir / CHECKPOINT, []
-    if cfg.checkpoint and ckpt_path.exists():
-        state = torch.load(ckpt_path, map_location=ctx.device, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        if hasattr(hooks, "load_state_dict") and state.get("hooks") is not None:
-            hooks.load_state_dict(state["hooks"])
-        torch.set_rng_state(state["rng"].cpu())  # map_location moved it to the device too
-        history = state.get("history", [])
-        start = state["epoch"] + 1
-        ctx.tracker.truncate(state["epoch"])
-        log.info("resumed from %s at epoch %d", ckpt_path, start)
+    state = Resumable(ctx.dir / CHECKPOINT, ctx, model, optimizer, scheduler, scaler, hooks)
+    resumed = state.resume() if cfg.checkpoint else None
+    start, first, extra = (0, 0, {}) if resumed is None else resumed
+    if resumed is None:
+        ctx.tracker.truncate(-1)  # records of an earlier attempt that died before its first checkpoint
+    elif first is None:  # an epoch-end checkpoint
+        start, first = start + 1, 0
+        ctx.tracker.truncate(start - 1)
+    else:
+        ctx.tracker.truncate(start - 1)  # the interrupted epoch is logged when it completes
+    history = extra.get("history", [])
 
     # After the resume: the data order is seeded by the run's seed, which the restored RNG state carries.
     sampler = EpochBatches(len(y_train), cfg.batch_size, ctx.rank, ctx.world_size, torch.initial_seed())
     train_batches = batches(data.train, ctx, sampler, augment, data.meta.get("crop_pad", 4))
     steps_per_epoch = len(sampler)
     warmup_steps = cfg.warmup_epochs * steps_per_epoch
+    check_loss = not scaler.is_enabled()  # fp16 loss scaling skips non-finite steps by design
+    last_save = time.monotonic()
     metrics: dict = {}
     calibration: dict = {}
-    for epoch in range(start, cfg.epochs):
-        t0 = time.perf_counter()
-        model.train()
-        if on_epoch_start is not None:
-            on_epoch_start(epoch, model, data)
-        sampler.set_epoch(epoch)
-        loss_sum = torch.zeros((), device=ctx.device)
-        bar = tqdm(
-            train_batches,
-            desc=f"epoch {epoch + 1}/{cfg.epochs}",
-            leave=False,
-            disable=None if cfg.progress and ctx.is_main else True,
-        )
-        for step, (x, idx) in enumerate(bar):
-            if epoch * steps_per_epoch + step < warmup_steps:  # linear warm-up of the scheduled lr
-                factor = (epoch * steps_per_epoch + step + 1) / (warmup_steps + 1)
-                for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-                    group["lr"] = lr * factor
-            idx = idx.to(ctx.device)
-            y_soft = F.one_hot(y_train[idx], k).float()
-            if transform is not None:
-                x, y_soft = transform(x, y_soft, idx, model)
-            with ctx.autocast():
-                if hook_loss is not None:
-                    loss = hook_loss(net, x, y_soft, idx, epoch)
-                else:
-                    loss = soft_cross_entropy(net(x), y_soft)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            loss_sum += loss.detach()
-        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = lr  # undo the warm-up factor: the schedulers compute from the current lr
-        scheduler.step()
-        train_loss = all_reduce_sum(loss_sum.reshape(1)).item() / (steps_per_epoch * ctx.world_size)
-        metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": optimizer.param_groups[0]["lr"]}
-        evaluated, calibration = _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
-        metrics.update(evaluated)
-        if "test/acc" in metrics:
-            history.append(metrics["test/acc"])
-        metrics["time/epoch_s"] = time.perf_counter() - t0
-        ctx.tracker.log(metrics, step=epoch)
-        if ctx.is_main:
-            log.info("epoch %d/%d  %s", epoch + 1, cfg.epochs, _brief(metrics))
-            if cfg.checkpoint:
-                save_checkpoint(
-                    ckpt_path,
-                    {
-                        "epoch": epoch,
-                        "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "scheduler": scheduler.state_dict(),
-                        "scaler": scaler.state_dict(),
-                        "rng": torch.get_rng_state(),
-                        "hooks": hooks.state_dict() if hasattr(hooks, "state_dict") else None,
-                        "history": history,
-                    },
-                )
-    if not metrics:  # resumed a finished run, or epochs=0: report the model as it is
+    with StopSignals() as signals:
+        for epoch in range(start, cfg.epochs):
+            t0 = time.perf_counter()
+            model.train()
+            resuming = epoch == start and first > 0
+            if on_epoch_start is not None and not resuming:
+                on_epoch_start(epoch, model, data)
+            sampler.set_epoch(epoch, start=first if resuming else 0)
+            # The partial loss sum of a resumed epoch is the global one: rank 0 carries it.
+            carried = extra.get("loss_sum", 0.0) if resuming and ctx.is_main else 0.0
+            loss_sum = torch.full((), carried, device=ctx.device)
+            bar = tqdm(
+                train_batches,
+                desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                initial=first if resuming else 0,
+                total=steps_per_epoch,
+                leave=False,
+                disable=None if cfg.progress and ctx.is_main else True,
+            )
+            pending = None  # (step, finite flag) of the last step, read one step late: no wait on the GPU
+            for step, (x, idx) in enumerate(bar, start=first if resuming else 0):
+                if epoch * steps_per_epoch + step < warmup_steps:  # linear warm-up of the scheduled lr
+                    factor = (epoch * steps_per_epoch + step + 1) / (warmup_steps + 1)
+                    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                        group["lr"] = lr * factor
+                idx = idx.to(ctx.device)
+                y_soft = F.one_hot(y_train[idx], k).float()
+                if transform is not None:
+                    x, y_soft = transform(x, y_soft, idx, model)
+                with ctx.autocast():
+                    if hook_loss is not None:
+                        loss = hook_loss(net, x, y_soft, idx, epoch)
+                    else:
+                        loss = soft_cross_entropy(net(x), y_soft)
+                optimizer.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                loss_sum += loss.detach()
+                if check_loss:
+                    _check_finite(pending, epoch, steps_per_epoch, state)
+                    pending = (step, torch.isfinite(loss.detach()))
+                due = mid_epoch and 0 < cfg.checkpoint_every_minutes * 60 <= time.monotonic() - last_save
+                stop, due = _agree(ctx, signals.signum is not None, due)
+                if stop or due:
+                    _check_finite(pending, epoch, steps_per_epoch, state)
+                    if mid_epoch:
+                        partial = all_reduce_sum(loss_sum.clone().reshape(1)).item()
+                        if ctx.is_main:
+                            state.save(epoch, step + 1, {"history": history, "loss_sum": partial})
+                        last_save = time.monotonic()
+                    if stop:
+                        if not mid_epoch:
+                            log.warning("stopping inside epoch %d without a checkpoint of it", epoch + 1)
+                        signals.stop()
+            _check_finite(pending, epoch, steps_per_epoch, state)
+            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr  # undo the warm-up factor: the schedulers compute from the current lr
+            scheduler.step()
+            train_loss = all_reduce_sum(loss_sum.reshape(1)).item() / (steps_per_epoch * ctx.world_size)
+            metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": optimizer.param_groups[0]["lr"]}
+            evaluated, calibration = _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
+            metrics.update(evaluated)
+            if "test/acc" in metrics:
+                history.append(metrics["test/acc"])
+            metrics["time/epoch_s"] = time.perf_counter() - t0
+            ctx.tracker.log(metrics, step=epoch)
+            if ctx.is_main:
+                log.info("epoch %d/%d  %s", epoch + 1, cfg.epochs, _brief(metrics))
+                if cfg.checkpoint:
+                    state.save(epoch, None, {"history": history})
+            last_save = time.monotonic()
+            if _agree(ctx, signals.signum is not None)[0]:
+                signals.stop()
+    if not metrics:  # resumed a finished run: report the model as it is
         metrics, calibration = _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
     metrics.update(history_summary(history))
     if ctx.is_main and "test" in calibration:
         reliability_plot(ctx.dir / "reliability.png", calibration["test"], "test")
     return metrics
+
+
+def _check_finite(pending, epoch: int, steps: int, state: Resumable) -> None:
+    """Stop (Diverged) if the step in `pending` had a non-finite loss."""
+    if pending is not None and not bool(pending[1]):
+        raise Diverged(
+            f"non-finite loss at epoch {epoch + 1}, step {pending[0] + 1}/{steps}; last good checkpoint: "
+            f"{state.last}; lower train.lr (or check the data)"
+        )
+
+
+def _agree(ctx: RunContext, *flags: bool) -> list[bool]:
+    """Each flag, true if it is true on any rank (so that every rank stops or saves at the same step)."""
+    if not ctx.distributed:
+        return list(flags)
+    votes = all_reduce_sum(torch.tensor([float(f) for f in flags], device=ctx.device))
+    return [bool(v > 0) for v in votes.tolist()]
 
 
 def _brief(metrics: dict) -> str:

@@ -14,7 +14,7 @@ import torch
 from runner.data import load_data
 from runner.data.canvas import canvas_metrics
 from runner.methods.comixup import SOLVERS, THRES_TYPES
-from runner.methods.mixup_training import MixupHooks
+from runner.methods.mixup_training import MixupHooks, TargetLoss
 from runner.models import build_model
 from runner.schema import ConfigError, check_choice, check_range
 from runner.train import fit
@@ -22,28 +22,34 @@ from runner.train import fit
 METRIC = ("test/acc", "max")
 
 
+LOSSES = ("ce", "bce")
+
+
 @dataclass
 class ERMConfig:
     name: str = "erm"
     task: str = "classify"
+    loss: str = "ce"  # ce (soft-target CE) | bce (BCE on the softmax, the Puzzle Mix / Co-Mixup code)
+
+    def __post_init__(self):
+        check_choice("method.loss", self.loss, LOSSES)
 
 
 # --- the mixup family (runner/methods/mixup.py, comixup.py; hooks in mixup_training.py) ---------------
 
 
 @dataclass
-class InputMixupConfig:
+class InputMixupConfig(ERMConfig):
     name: str = "input_mixup"
-    task: str = "classify"
+    loss: str = "bce"  # the authors' code trains every row of the Co-Mixup table with it
     alpha: float = 1.0  # mixing ratio ~ Beta(alpha, alpha) (Co-Mixup: Dirichlet(alpha))
     clean_lam: float = 0.0  # weight of the clean-input loss added to the mixed loss
-    loss: str = "ce"  # mixed-batch loss: ce (soft targets) | bce (BCE on softmax, as the Co-Mixup code)
     preview: bool = True  # write mixup_preview.png of the first mixed batch and log it
 
     def __post_init__(self):
+        super().__post_init__()
         check_range("method.alpha", self.alpha, 0.0, lo_open=True)
         check_range("method.clean_lam", self.clean_lam, 0.0)
-        check_choice("method.loss", self.loss, ("ce", "bce"))
 
 
 @dataclass
@@ -59,24 +65,32 @@ class CutMixConfig(InputMixupConfig):
 
 @dataclass
 class PuzzleMixConfig(InputMixupConfig):
+    """Defaults: the PuzzleMix README's CIFAR-100 command (its Tiny-ImageNet one: t_size=-1, clean_lam=1)."""
+
     name: str = "puzzle_mix"
-    clean_lam: float = 1.0
-    loss: str = "bce"
-    beta: float = 1.2  # label smoothness
+    beta: float = 1.2  # label smoothness (x 1 / (16 g))
     gamma: float = 0.5  # data (seam) smoothness
     eta: float = 0.2  # prior weight
     n_labels: int = 3  # mask levels in [0, 1]
-    grid: int = -1  # mask grid; -1 draws from {2, 4, 8}
+    grid: int = -1  # mask grid; -1 draws g from {2, 4, 8, 16} per batch
+    neigh_size: int = 4  # pixels pooled per seam sample
     transport: bool = True
     t_eps: float = 0.8  # transport distance cost
+    t_size: int = 4  # transport cells of this many pixels where finer than the cut's; -1: the cut's grid
+    adv_p: float = 0.0  # probability of adversarial noise on x and on its partner (each, per batch)
+    adv_eps: float = 10.0  # its L-inf radius, in /255 pixel units
 
     def __post_init__(self):
         super().__post_init__()
-        for key in ("beta", "gamma", "eta", "t_eps"):
+        for key in ("beta", "gamma", "eta", "t_eps", "adv_eps"):
             check_range(f"method.{key}", getattr(self, key), 0.0)
         check_range("method.n_labels", self.n_labels, 2)
+        check_range("method.neigh_size", self.neigh_size, 1)
+        check_range("method.adv_p", self.adv_p, 0.0, 1.0)
         if self.grid != -1:
-            check_range("method.grid", self.grid, 1)
+            check_range("method.grid", self.grid, 2)
+        if self.t_size != -1:
+            check_range("method.t_size", self.t_size, 1)
 
 
 @dataclass
@@ -84,7 +98,6 @@ class CoMixupConfig(InputMixupConfig):
     name: str = "comixup"
     alpha: float = 2.0
     clean_lam: float = 1.0
-    loss: str = "bce"
     beta: float = 0.32  # smoothness
     gamma: float = 1.0  # diversity (compatibility) penalty
     eta: float = 0.05  # Dirichlet prior weight
@@ -121,10 +134,15 @@ class CoMixupConfig(InputMixupConfig):
 MIXUP = (InputMixupConfig, ManifoldMixupConfig, CutMixConfig, PuzzleMixConfig, CoMixupConfig)
 
 METHODS: dict[str, type] = {"erm": ERMConfig, **{c.name: c for c in MIXUP}}
-# method name -> factory(method_cfg, data, ctx) returning the hooks object given to `fit`
+# method name -> factory(method_cfg, data, ctx) returning the hooks object given to `fit` (or None)
 HOOKS: dict[str, Callable] = {
-    c.name: lambda cfg, data, ctx: MixupHooks(cfg, data.num_classes, ctx, seed=torch.initial_seed())
-    for c in MIXUP
+    "erm": lambda cfg, data, ctx: TargetLoss(cfg.loss) if cfg.loss != "ce" else None,
+    **{
+        c.name: lambda cfg, data, ctx: MixupHooks(
+            cfg, data.num_classes, ctx, seed=torch.initial_seed(), normalize=data.meta.get("normalize")
+        )
+        for c in MIXUP
+    },
 }
 
 

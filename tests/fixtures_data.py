@@ -28,7 +28,9 @@ def write_lines(path: Path, lines) -> None:
     path.write_text("".join(f"{line}\n" for line in lines))
 
 
-def write_class_folders(root: Path, sub: str, classes, per_class: int, suffix=".JPEG") -> list[tuple[str, int]]:
+def write_class_folders(
+    root: Path, sub: str, classes, per_class: int, suffix=".JPEG"
+) -> list[tuple[str, int]]:
     """`per_class` images root/sub/<class>/<class>_<i><suffix>; returns the (relative path, label) pairs."""
     pairs = []
     for label, cls in enumerate(classes):
@@ -55,7 +57,9 @@ def write_tiny_imagenet(root: Path, per_class: int = 3) -> dict:
     for w in WNIDS:
         for i in range(per_class):
             write_image(root / "train" / w / "images" / f"{w}_{i}.JPEG", seed=i)
-        write_lines(root / "train" / w / f"{w}_boxes.txt", [f"{w}_{i}.JPEG\t0\t0\t8\t8" for i in range(per_class)])
+        write_lines(
+            root / "train" / w / f"{w}_boxes.txt", [f"{w}_{i}.JPEG\t0\t0\t8\t8" for i in range(per_class)]
+        )
     rows = [(f"val_{i}.JPEG", WNIDS[(2 * i + 1) % 3]) for i in range(5)]
     for i, (name, _) in enumerate(rows):
         write_image(root / "val" / "images" / name, seed=20 + i)

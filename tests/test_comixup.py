@@ -459,8 +459,10 @@ def canvas_data(**overrides):
 
     from runner.data import load_data
 
-    cfg = OmegaConf.merge(OmegaConf.load(CONF / "dataset" / "digits_canvas.yaml"), overrides)
-    return load_data(cfg, 0)
+    from runner.data.canvas import CanvasConfig
+
+    yaml = OmegaConf.load(CONF / "dataset" / "digits_canvas.yaml")
+    return load_data(OmegaConf.merge(OmegaConf.structured(CanvasConfig), yaml, overrides), 0)
 
 
 def test_digits_canvas_places_each_digit_inside_its_box():
@@ -523,22 +525,116 @@ def test_method_configs_match_the_paper_defaults():
 
     cfg = OmegaConf.load(CONF / "method" / "comixup.yaml")
     paper = dict(beta=0.32, gamma=1.0, eta=0.05, tau=0.83, thres_type="hard", alpha=2.0, omega=0.001)
-    paper |= dict(grid=4, part=20, n_iter=4, set_resolve=True, clean_lam=1.0, solver="gco_swap", loss="bce")
+    paper |= dict(grid=4, part=20, n_iter=4, set_resolve=True, clean_lam=1.0, solver="gco_swap")
     assert {k: cfg.method[k] for k in paper} == paper
-    train = dict(epochs=300, batch_size=100, lr=0.2, nesterov=True, weight_decay=1e-4, milestones=[100, 200])
-    assert {k: cfg.train[k] for k in train} == train
     from tasks.classify import METHODS
 
-    for name in ("comixup", "input_mixup", "manifold_mixup", "cutmix", "puzzle_mix"):
+    assert METHODS["comixup"]().loss == "bce"  # the authors' loss where no preset names one
+    puzzle = OmegaConf.load(CONF / "method" / "puzzle_mix.yaml").method  # the PuzzleMix README, CIFAR-100
+    readme = dict(alpha=1.0, beta=1.2, gamma=0.5, eta=0.2, n_labels=3, neigh_size=4, t_size=4, t_eps=0.8)
+    assert {k: puzzle[k] for k in readme} == readme and puzzle.clean_lam == 0 and puzzle.grid == -1
+    for name in ("erm", "comixup", "input_mixup", "manifold_mixup", "cutmix", "puzzle_mix"):
         method = OmegaConf.load(CONF / "method" / f"{name}.yaml").method
         METHODS[name](**method)  # every key known to the schema, in range
+        assert "train" not in OmegaConf.load(CONF / "method" / f"{name}.yaml")  # the presets own the schedule
     with pytest.raises(ValueError, match="method.tau"):
         METHODS["comixup"](tau=-1.0)
     with pytest.raises(ValueError, match="method.mixed_labels"):  # caught before the run, not mid-epoch
         METHODS["comixup"](solver="gco_expansion")
     METHODS["comixup"](solver="gco_expansion", mixed_labels=False)
     with pytest.raises(ValueError, match="method.grid"):
-        METHODS["puzzle_mix"](grid=0)
+        METHODS["puzzle_mix"](grid=1)
+    with pytest.raises(ValueError, match="method.loss"):
+        METHODS["erm"](loss="mse")
+
+
+TABLE_ROWS = ["erm", "input_mixup", "manifold_mixup", "cutmix", "puzzle_mix", "comixup"]
+PAPER_TRAIN = dict(epochs=300, batch_size=100, optimizer="sgd", lr=0.2, momentum=0.9, nesterov=True)
+PAPER_TRAIN |= dict(weight_decay=1e-4, schedule="step", milestones=[100, 200], gamma=0.1)
+
+
+@pytest.mark.parametrize("net", ["preactresnet18", "wrn16_8", "resnext29"])
+def test_table1_rows_compose_with_one_train_block_and_loss(net):
+    from runner.cli import _compose
+    from runner.schema import validate
+
+    trains = []
+    for method in TABLE_ROWS:
+        for order in (
+            [f"+method={method}", f"+experiment=comixup_cifar100_{net}"],
+            [f"+experiment=comixup_cifar100_{net}", f"+method={method}"],
+        ):
+            checked = validate(_compose(order))
+            assert checked["method"].loss == "bce" and checked["method"].name == method
+            assert checked["dataset"].crop_pad == 2 and checked["dataset"].augment == "crop_flip"
+            assert checked["model"].name == net and checked["dataset"].name == "cifar100"
+            trains.append(checked["train"])
+    assert all(t == trains[0] for t in trains)  # every row, either order: the same schedule
+    assert {k: getattr(trains[0], k) for k in PAPER_TRAIN} == PAPER_TRAIN
+
+
+def test_tiny_imagenet_and_imagenet_presets_compose_for_every_row():
+    from runner.cli import _compose
+    from runner.schema import validate
+
+    for method in TABLE_ROWS:
+        tiny = validate(_compose([f"+method={method}", "+experiment=comixup_tiny_imagenet"]))
+        assert tiny["model"].name == "preactresnet18" and tiny["model"].stem_stride == 2
+        assert (tiny["train"].epochs, tiny["train"].milestones, tiny["train"].lr) == (1200, [600, 900], 0.2)
+        assert tiny["dataset"].name == "tiny_imagenet" and tiny["method"].loss == "bce"
+        imagenet = validate(_compose([f"+method={method}", "+experiment=comixup_imagenet"]))
+        assert imagenet["model"].name == "resnet50" and imagenet["dataset"].name == "imagenet"
+        assert imagenet["train"].epochs == 100 and imagenet["method"].loss == "ce"  # the ImageNet code's
+
+
+def test_erm_with_bce_trains_on_the_authors_loss():
+    from runner.methods.mixup_training import mixed_loss
+    from tasks.classify import HOOKS, METHODS
+
+    assert HOOKS["erm"](METHODS["erm"](), None, None) is None  # plain soft CE: fit's own loss
+    hooks = HOOKS["erm"](METHODS["erm"](loss="bce"), None, None)
+    model = torch.nn.Linear(3, 4)
+    x, y = torch.randn(5, 3), torch.eye(4)[[0, 1, 2, 3, 0]]
+    p = model(x).softmax(1)
+    bce = torch.nn.functional.binary_cross_entropy(p, y)
+    assert hooks.loss(model, x, y, None, 0).item() == pytest.approx(bce.item(), rel=1e-6)
+    assert mixed_loss(model(x), y, "bce").item() == pytest.approx(bce.item(), rel=1e-6)
+
+
+def mix_all(x, y, s):
+    """Every mix step of the table on one batch, each with its own seeded rng."""
+    from runner.methods.mixup import cutmix, input_mixup, puzzle_mix
+
+    return {
+        "comixup": comixup(x, y, s, rng=0)[:2],
+        "puzzle_mix": puzzle_mix(x, y, s, grid=4, t_size=2, rng=0),
+        "input_mixup": input_mixup(x, y, rng=0),
+        "cutmix": cutmix(x, y, rng=0),
+    }
+
+
+def test_mix_steps_stay_on_the_data_device():
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.random((8, 3, 16, 16))).float()
+    y = torch.eye(8)
+    s = torch.from_numpy(blob_saliency(rng, 8)).float()
+    for name, (x_mix, y_mix) in mix_all(x, y, s).items():
+        assert x_mix.device == x.device and y_mix.device == x.device, name
+        assert x_mix.dtype == x.dtype and torch.allclose(y_mix.sum(1), torch.ones(8)), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mix_steps_on_cuda_match_the_cpu():
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.random((8, 3, 16, 16))).float()
+    y = torch.eye(8)
+    s = torch.from_numpy(blob_saliency(rng, 8)).float()
+    cpu = mix_all(x, y, s)
+    cuda = mix_all(x.cuda(), y.cuda(), s.cuda())
+    for name in cpu:
+        assert cuda[name][0].device.type == "cuda" and cuda[name][1].device.type == "cuda", name
+        assert torch.allclose(cuda[name][0].cpu(), cpu[name][0], atol=1e-5), name
+        assert torch.allclose(cuda[name][1].cpu(), cpu[name][1], atol=1e-5), name
 
 
 @pytest.mark.slow  # a subprocess importing torch and Hydra: 15 s on a quiet machine, a minute on a busy one
@@ -556,3 +652,22 @@ def test_cli_one_epoch_of_comixup_on_digits_canvas(tmp_path):
     for key in ("test/err", "test/ece", "test/loc_acc", "test/err_bg_replace", "test/err_bg_noise"):
         assert 0 <= summary[key] <= 1
     assert (tmp_path / "mixup_preview.png").stat().st_size > 0
+
+
+def test_search_selects_on_a_validation_metric_or_refuses_in_one_line():
+    import tasks.classify
+    import tasks.hashing
+    from runner.cli import _compose, _launch_overrides, objective
+    from runner.schema import ConfigError
+
+    search = ["-m", "+method=comixup", "+experiment=comixup_digits_canvas", "+sweep=comixup"]
+    with pytest.raises(ConfigError, match="selects on val/acc, never on test/acc.*dataset.val_fraction=0.1"):
+        _launch_overrides(search)
+    assert "hydra.sweeper.direction=maximize" in _launch_overrides([*search, "dataset.val_fraction=0.1"])
+    cfg = _compose(["+method=comixup", "+experiment=comixup_digits_canvas", "dataset.val_fraction=0.1"])
+    assert objective(tasks.classify, cfg) == "val/acc"
+    hashing = ["-m", "+experiment=hier_hash_synthetic", "+sweep=hier_hash"]
+    with pytest.raises(ConfigError, match="selects on val/p@1.*dataset.val_per_class=10"):
+        _launch_overrides(hashing)
+    cfg = _compose(["+experiment=hier_hash_synthetic", "dataset.val_per_class=10"])
+    assert objective(tasks.hashing, cfg) == "val/p@1"

@@ -321,12 +321,23 @@ def test_allocate_matches_per_chunk_solves():
     assert selected.sum() == 12 + 12 + 2  # floor(0.4 * 32) twice, floor(0.4 * 6)
 
 
-def test_curriculum_budget():
-    ms = [curriculum_budget(e, warmup=10, end=250) for e in range(0, 400)]
+def test_curriculum_budget_paper_rule_hand_values():
+    """m = min(1, m0 + (t - 1)/(T_sup - 1)) with t = epoch + 1 (Alg. S3), T_sup = 250, m0 = 0.3."""
+    assert curriculum_budget(0, warmup=10, end=250) == pytest.approx(0.3)
+    assert curriculum_budget(10, warmup=10, end=250) == pytest.approx(0.3 + 10 / 249)  # first selection
+    assert curriculum_budget(30, warmup=30, end=250) == pytest.approx(0.3 + 30 / 249)  # CIFAR-100
+    assert curriculum_budget(100, warmup=10, end=250) == pytest.approx(0.3 + 100 / 249)
+    assert curriculum_budget(174, warmup=10, end=250) == pytest.approx(0.3 + 174 / 249)  # 0.99880
+    assert curriculum_budget(175, warmup=10, end=250) == 1.0  # 0.3 + 175/249 > 1: capped at epoch 175
+    assert curriculum_budget(20, warmup=10, end=80, m0=0.5) == pytest.approx(0.5 + 20 / 79)
+
+
+def test_curriculum_budget_code_rule():
+    ms = [curriculum_budget(e, warmup=10, end=250, rule="code") for e in range(0, 400)]
     assert ms[10] == pytest.approx(0.3) and ms[0] == pytest.approx(0.3)
-    assert all(m == 1.0 for m in ms[250:])
+    assert all(m == 1.0 for m in ms[250:]) and ms[249] < 1
     assert np.all(np.diff(ms) >= 0)
-    assert curriculum_budget(130, 10, 250) == pytest.approx(0.65)
+    assert curriculum_budget(130, 10, 250, rule="code") == pytest.approx(0.65)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -366,6 +377,8 @@ def test_bad_input_raises_value_error():
         csot_plan(probs, features, labels, 0.5, kappa_p=-1)
     with pytest.raises(ValueError, match="end"):
         curriculum_budget(5, warmup=10, end=10)
+    with pytest.raises(ValueError, match="rule"):
+        curriculum_budget(5, warmup=1, end=10, rule="exp")
 
 
 # ----------------------------------------------------------------------------- label noise

@@ -1,8 +1,9 @@
-"""Mixup baselines: mixing identities recovered from the targets, Puzzle Mix's cut and transport
-against brute force and POT."""
+"""Mixup baselines: mixing identities recovered from the targets; Puzzle Mix's energy terms and
+transport against hand-computed values, its cut against brute force."""
+
+import itertools
 
 import numpy as np
-import ot
 import pytest
 import torch
 
@@ -13,8 +14,9 @@ from runner.methods.mixup import (
     input_mixup,
     manifold_mixup,
     none,
+    puzzle_costs,
     puzzle_mix,
-    transport_blocks,
+    transport_plan,
 )
 
 
@@ -139,31 +141,81 @@ def test_per_edge_weighted_cut_matches_brute_force():
     assert exact >= 25
 
 
-def test_transport_is_an_optimal_assignment():
-    rng = np.random.default_rng(1)
-    g = 3
-    n = g * g
-    for _ in range(10):
-        s = rng.random((g, g)) ** 3
-        s /= s.sum()
-        visible = rng.choice([0.0, 0.5, 1.0], size=(g, g))
-        source = transport_blocks(s, visible, t_eps=0.8)
-        assert sorted(source) == list(range(n))
-        pos = np.stack(np.unravel_index(np.arange(n), (g, g)), 1)
-        dist = np.abs(pos[:, None] - pos[None]).sum(-1) / (2 * (g - 1))
-        cost = 0.8 * dist / n - s.reshape(n, 1) * visible.reshape(1, n)
-        plan = ot.emd(np.ones(n) / n, np.ones(n) / n, cost)  # exact OT, uniform marginals
-        assert cost[source, np.arange(n)].sum() / n == pytest.approx((plan * cost).sum(), abs=1e-12)
+def test_puzzle_costs_on_a_2x2_grid_by_hand():
+    # 1-channel 2x2 images, one pixel per cell (so the seam pools nothing): x = O, partner = P
+    O = torch.tensor([[0.0, 1.0], [1.0, 1.0]]).reshape(1, 1, 2, 2)
+    P = torch.tensor([[1.0, 1.0], [0.0, 0.0]]).reshape(1, 1, 2, 2)
+    s_own = torch.tensor([[[0.4, 0.3], [0.2, 0.1]]])
+    s_partner = torch.tensor([[[0.1, 0.1], [0.1, 0.7]]])
+    unary, weights, pairwise = puzzle_costs(s_own, s_partner, O, P, lam=0.3, beta=1.2, gamma=0.5, eta=0.2)
+    # beta' = 1.2 / (16 * 2) = 0.0375, c = beta' gamma = 0.01875. Seams |upper - lower| (a above b):
+    #   vertical, columns 0, 1:  d(O,O) = [1, 0]  d(O,P) = [0, 1]  d(P,O) = [0, 0]  d(P,P) = [1, 1]
+    #   horizontal, rows 0, 1:   d(O,O) = [1, 0]  d(O,P) = [1, 1]  d(P,O) = [0, 1]  d(P,P) = [0, 0]
+    # residual (d(O,P) + d(P,O) - d(O,O) - d(P,P)) / 2: vertical [-1, 0], horizontal [0, 1]
+    assert weights == pytest.approx(np.array([[0.0375 - 0.01875, 0.0375, 0.0375, 0.0375 + 0.01875]]))
+    # data terms (sum over the cell's edges of the mean over the other side), times c:
+    #   keeping O: cells (0,0) .5 + 1, (0,1) .5 + .5, (1,0) .5 + .5, (1,1) 0 + .5
+    #   keeping P: cells (0,0) .5 + 0, (0,1) .5 + .5, (1,0) .5 + .5, (1,1) 1 + .5
+    keep_o = np.array([0.1, 0.1, 0.1, 0.7]) + 0.01875 * np.array([1.5, 1.0, 1.0, 0.5])
+    keep_p = np.array([0.4, 0.3, 0.2, 0.1]) + 0.01875 * np.array([0.5, 1.0, 1.0, 1.5])
+    # prior: partner weight z ~ Binom(2, 1 - lam) / 2: P = [.09, .42, .49], cost -eta / n log P
+    prior = -0.2 / 4 * np.log(np.array([0.09, 0.42, 0.49]) + 1e-8)
+    z = np.array([0.0, 0.5, 1.0])
+    expected = (1 - z) * keep_o[:, None] + z * keep_p[:, None] + prior
+    assert unary[0] == pytest.approx(expected)
+    assert pairwise == pytest.approx(np.array([[0, 0.25, 1], [0.25, 0, 0.25], [1, 0.25, 0]]))
 
 
-def test_transport_moves_salient_blocks_into_view_and_leaves_flat_images():
-    s = np.zeros((4, 4))
-    s[0, 0] = 1.0
-    visible = np.zeros((4, 4))
-    visible[3, 3] = 1.0
-    source = transport_blocks(s, visible)
-    assert source[15] == 0  # the salient corner block moves to the visible corner
-    assert np.array_equal(transport_blocks(np.full((4, 4), 1 / 16), np.ones((4, 4))), np.arange(16))
+def test_puzzle_costs_of_binary_masks_are_the_seam_energy_up_to_a_constant():
+    rng = np.random.default_rng(0)
+    own, partner = torch.rand(1, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.rand(1, 3, 8, 8)
+    s_own, s_partner = (torch.from_numpy(rng.dirichlet(np.ones(4))).reshape(1, 2, 2) for _ in range(2))
+    unary, weights, _ = puzzle_costs(s_own, s_partner, own, partner, lam=0.5, eta=0.0, neigh_size=2)
+    c = 1.2 / 32 * 0.5
+    pooled = {1: torch.nn.functional.avg_pool2d(own, 2)[0], 0: torch.nn.functional.avg_pool2d(partner, 2)[0]}
+    edges = [((0, 0), (1, 0)), ((0, 1), (1, 1)), ((0, 0), (0, 1)), ((1, 0), (1, 1))]
+
+    def seam(a, b, edge):  # |last pooled row / column of the upper cell - first of the lower cell|
+        (r0, c0), (r1, c1) = edge
+        if r1 > r0:
+            return (
+                (pooled[a][:, 2 * r0 + 1, 2 * c0 : 2 * c0 + 2] - pooled[b][:, 2 * r1, 2 * c1 : 2 * c1 + 2])
+                .abs()
+                .mean()
+            )
+        return (
+            (pooled[a][:, 2 * r0 : 2 * r0 + 2, 2 * c0 + 1] - pooled[b][:, 2 * r1 : 2 * r1 + 2, 2 * c1])
+            .abs()
+            .mean()
+        )
+
+    energies, truth = [], []
+    for keep in itertools.product((0, 1), repeat=4):  # 1: the cell keeps x
+        labels = [0 if k else 2 for k in keep]
+        e = sum(unary[0, i, lab] for i, lab in enumerate(labels))
+        e += sum(w * (keep[2 * a[0] + a[1]] != keep[2 * b[0] + b[1]]) for w, (a, b) in zip(weights[0], edges))
+        energies.append(e)
+        dropped = sum((s_partner if k else s_own).reshape(-1)[i].item() for i, k in enumerate(keep))
+        cuts = sum(1.2 / 32 * (keep[2 * a[0] + a[1]] != keep[2 * b[0] + b[1]]) for a, b in edges)
+        seams = sum(c * seam(keep[2 * a[0] + a[1]], keep[2 * b[0] + b[1]], (a, b)).item() for a, b in edges)
+        truth.append(dropped + cuts + seams)
+    offset = np.array(energies) - np.array(truth)
+    assert offset == pytest.approx(np.full(16, offset[0]), abs=1e-9)
+
+
+def test_transport_plan_by_hand_on_a_2x2_grid():
+    # cells 1 and 3 (right column) visible; t_eps = 0.3, squared distances 1 (adjacent), 2 (diagonal)
+    mask = torch.tensor([[[0.0, 1.0], [0.0, 1.0]]])
+    s = torch.tensor([0.6, 0.2, 0.15, 0.05]).reshape(1, 2, 2)
+    plan = transport_plan(mask, s, t_eps=0.3)
+    # round 1: blocks 0, 1 -> cell 1 (-.3, -.2), 2 -> 2 (0), 3 -> 3 (-.05); 0 wins cell 1; cell 2's
+    # claimant ties the non-claimants' 0 and loses (the authors' argmin over plan * cost), 1 and 2 pay +1;
+    # round 2: 0 -> 1, 1 -> 3 (.1), 2 -> 3 (.15), 3 -> 3 (-.05): 3 wins. Cells 0 and 2 (hidden) stay empty.
+    expected = torch.zeros(1, 4, 4)
+    expected[0, 0, 1] = expected[0, 3, 3] = 1
+    assert torch.equal(plan, expected)
+    identity = transport_plan(torch.ones(1, 3, 3), torch.full((1, 3, 3), 1 / 9))
+    assert torch.equal(identity[0], torch.eye(9))
 
 
 def test_puzzle_mix_without_smoothing_takes_the_more_salient_image_per_cell():
@@ -190,6 +242,7 @@ def test_puzzle_mix_cells_are_level_blends_of_blocks_and_labels_equal_area(trans
     perm, w = partner_and_weight(y_mix)
     assert torch.allclose(y_mix.sum(1), torch.ones(8, dtype=y.dtype))
     blocks = x.reshape(8, 2, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(8, 16, -1)
+    blocks = torch.cat([blocks, torch.zeros_like(blocks[:, :1])], 1)  # transport may leave a cell empty
     out = x_mix.reshape(8, 2, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(8, 16, -1)
     for i in range(8):
         j = perm[i].item()
@@ -200,12 +253,30 @@ def test_puzzle_mix_cells_are_level_blends_of_blocks_and_labels_equal_area(trans
         blends = (1 - levels) * blocks[i][None, :, None] + levels * blocks[j][None, None, :]
         share = []
         for k in range(16):
-            match = (blends - out[i, k]).abs().amax(-1) < 1e-9  # (3, 16, 16)
+            match = (blends - out[i, k]).abs().amax(-1) < 1e-9  # (3, 17, 17)
             if not transport:
                 match = match[:, k, k]
             assert match.any()
-            share.append(levels.ravel()[match.reshape(3, -1).any(1)][0].item())
+            share.append(levels.ravel()[match.reshape(3, -1).any(1)][-1].item())
         assert 1 - np.mean(share) == pytest.approx(w[i].item())
+
+
+def test_puzzle_mix_transport_grid_and_adversarial_noise():
+    x, y = distinct_batch(6, B=6, size=8)
+    s = np.random.default_rng(7).random((6, 8, 8))
+    noise = torch.full_like(x, 0.25)
+    mixed, y_mix = puzzle_mix(
+        x, y, s, grid=2, n_labels=2, noise=noise, adv_mask=(True, False), transport=False, rng=2, eta=0.0
+    )
+    perm, w = partner_and_weight(y_mix)
+    own = (x + 0.25).clamp(0, 1)  # x is raw here (no mean / std): its noise is added and clipped
+    for i in range(6):
+        keep = torch.isclose(mixed[i], own[i]).all(0)
+        assert keep.float().mean().item() == pytest.approx(w[i].item())
+    mixed, y_mix = puzzle_mix(x, y, s, grid=2, t_size=2, rng=3)  # transport on a 4x4 grid of 2-px cells
+    assert mixed.shape == x.shape and torch.allclose(y_mix.sum(1), torch.ones(6, dtype=y.dtype))
+    with pytest.raises(ValueError, match="t_size=3"):
+        puzzle_mix(x, y, s, grid=2, t_size=3)
 
 
 def test_numpy_in_numpy_out_and_bad_input():

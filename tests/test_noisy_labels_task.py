@@ -1,23 +1,28 @@
-"""The noisy-label task: configs, views, the selection hook against the solver, the losses, the CLI."""
+"""The noisy-label task: configs, the network, views, the two loaders, the selection hook against the
+solver, the losses and their Table 4 ablations, the CLI."""
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from runner.data import Data, Split
+from runner.hardware import RunContext
 from runner.methods.csot import allocate
 from runner.models import MLP
 from runner.schema import ConfigError
 from tasks.noisy_labels import (
     METHODS,
     NoisyLabelHooks,
+    NoisyLabelNet,
+    PoolBatches,
     Views,
     _cutout,
     _gmm_clean_probability,
     _shift,
+    pool_batches,
     selection_stats,
 )
 
@@ -40,24 +45,27 @@ def _toy(n=120, k=4, noise=0.4, seed=0):
     return Data(split, empty, empty, num_classes=k, input_shape=(6,))
 
 
-def _hooks(name, data, **overrides):
+def _net(data, predictor=True):
+    torch.manual_seed(0)
+    backbone = MLP(data.input_shape, data.num_classes, hidden=(16,))
+    return NoisyLabelNet(backbone, head=True, predictor_hidden=8 if predictor else None)
+
+
+def _ctx(tmp_path, rank=0, world_size=1):
+    return RunContext(torch.device("cpu"), tmp_path, _Tracker(), rank=rank, world_size=world_size)
+
+
+def _hooks(name, data, tmp_path, batch_size=32, **overrides):
     cfg = METHODS[name](**{"warmup": 1, "curriculum_end": 5, "solve_batch": 50, **overrides})
-    model = MLP(data.input_shape, data.num_classes, hidden=(16,))
-    model.csot_head = torch.nn.Linear(16, 16)
-    model.csot_predictor = torch.nn.Sequential(
-        torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 16)
-    )
-    ctx = SimpleNamespace(device=torch.device("cpu"), tracker=_Tracker())
-    return (
-        NoisyLabelHooks(cfg, model, data, ctx, Views(data.input_shape), asymmetric=False, seed=0),
-        model,
-        ctx,
-    )
+    model, ctx = _net(data, cfg.loss == "paper"), _ctx(tmp_path)
+    hooks = NoisyLabelHooks(cfg, model, data, ctx, Views(data.input_shape), False, 0, batch_size)
+    return hooks, model, ctx
 
 
 def test_method_configs_and_errors():
-    assert set(METHODS) == {"csot", "cot", "ot", "small_loss", "ce"}
+    assert set(METHODS) == {"csot", "cot", "ot", "sot", "small_loss", "ce"}
     assert METHODS["cot"]().kappa_p == 0 and METHODS["ot"]().selection == "ot"
+    assert METHODS["sot"]().selection == "ot" and METHODS["sot"]().kappa_l == 1  # Table 4 (b)
     for kwargs, match in (
         ({"selection": "gmm"}, "method.selection"),
         ({"m0": 0.0}, "method.m0"),
@@ -65,9 +73,31 @@ def test_method_configs_and_errors():
         ({"warmup": 20, "curriculum_end": 10}, "method.curriculum_end"),
         ({"eps": 0.0}, "method.eps"),
         ({"loss": "mixup"}, "method.loss"),
+        ({"budget": "exp"}, "method.budget"),
+        ({"correction": "gmm"}, "method.correction"),
+        ({"stage_switch": "late"}, "method.stage_switch"),
     ):
         with pytest.raises(ConfigError, match=match):
             METHODS["csot"](**kwargs)
+
+
+def test_classifier_reads_the_head_output():
+    data = _toy()
+    model = _net(data)
+    x = data.train.x[:5]
+    backbone_features = model.backbone.forward_features(x)
+    z = model.head(backbone_features)
+    torch.testing.assert_close(model.forward_features(x), z)
+    torch.testing.assert_close(model(x), model.classifier(z))
+    logits, z_ssl, p = model(x, ssl=True)
+    torch.testing.assert_close(z_ssl, z)
+    torch.testing.assert_close(p, model.predictor(z))
+    with torch.no_grad():  # the head sits between the features and the classifier
+        model.head.weight.mul_(2)
+    assert not torch.allclose(model(x), logits)
+    torch.testing.assert_close(model.backbone(x), backbone_features)  # its own classifier is gone
+    plain = NoisyLabelNet(MLP(data.input_shape, data.num_classes, hidden=(16,)), False, None)
+    torch.testing.assert_close(plain(x), plain.classifier(plain.backbone.forward_features(x)))
 
 
 def test_selection_stats():
@@ -109,10 +139,77 @@ def test_gmm_separates_small_losses():
     assert (p[:80] > 0.5).mean() > 0.95 and (p[80:] < 0.5).mean() > 0.95
 
 
-@pytest.mark.parametrize("name", ["csot", "cot", "ot", "small_loss"])
-def test_selection_hook_matches_the_solver(name):
+def test_pool_batches_cycle_fresh_permutations():
+    pool = torch.tensor([3, 8, 11, 20, 21])
+    out = pool_batches(pool, steps=3, batch_size=4, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (3, 4)
+    flat = out.flatten()
+    for start in (0, 5):  # two complete shuffled passes, then the start of a third
+        assert sorted(flat[start : start + 5].tolist()) == pool.tolist()
+    assert set(flat[10:].tolist()) <= set(pool.tolist()) and len(set(flat[10:].tolist())) == 2
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_pool_loader_takes_the_rank_shard(tmp_path, rank):
     data = _toy()
-    hooks, model, ctx = _hooks(name, data)
+    global_batches = torch.arange(24).view(3, 8) * 2
+    loader = PoolBatches(data.train, _ctx(tmp_path, rank, 2), global_batches)
+    for row in global_batches:
+        x, idx = loader.next()
+        assert idx.tolist() == row[rank::2].tolist()
+        torch.testing.assert_close(x, data.train.x[idx])
+    with pytest.raises(RuntimeError, match="ran out"):
+        loader.next()
+
+
+def test_warmup_batch_is_weakly_augmented(tmp_path):
+    data = _toy()
+    hooks, model, _ = _hooks("csot", data, tmp_path)
+    hooks.views.weak = lambda x: x + 100.0  # a marker: the network must see the weak view
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    x, y = data.train.x[:8], data.train.y[:8]
+    loss = hooks.loss(model, x, F.one_hot(y, 4).float(), torch.arange(8), 0)
+    assert len(seen) == 1 and torch.equal(seen[0], x + 100.0)
+    with torch.no_grad():
+        assert loss.item() == pytest.approx(F.cross_entropy(model(x + 100.0), y).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("loss", ["paper", "simple"])
+def test_each_step_takes_a_clean_batch_and_an_unlabeled_batch(tmp_path, loss):
+    data = _toy(n=120)
+    hooks, model, _ = _hooks("csot", data, tmp_path, batch_size=16, loss=loss)
+    hooks.on_epoch_start(1, model, data)
+    clean = set(hooks.clean.nonzero()[:, 0].tolist())
+    assert 0 < len(clean) < 120
+    seen = {"labeled": [], "unlabeled": []}
+    for name, loader in zip(seen, hooks.loaders):
+        take = loader.next
+
+        def record(take=take, name=name):
+            x, idx = take()
+            seen[name].append(idx.tolist())
+            return x, idx
+
+        loader.next = record
+    steps = 120 // 16  # fit's epoch: len(train) // batch_size
+    x_fit = data.train.x[:16]
+    for _ in range(steps):
+        hooks.loss(model, x_fit, None, torch.arange(16), 1).backward()
+    for name, members in (("labeled", clean), ("unlabeled", set(range(120)) - clean)):
+        assert len(seen[name]) == steps and all(len(b) == 16 for b in seen[name])
+        flat = [i for b in seen[name] for i in b]
+        assert set(flat) <= members
+        if len(members) <= len(flat):  # the shorter loader cycles: every member is seen
+            assert set(flat) == members
+    with pytest.raises(RuntimeError, match="ran out"):
+        hooks.loss(model, x_fit, None, torch.arange(16), 1)
+
+
+@pytest.mark.parametrize("name", ["csot", "cot", "ot", "small_loss"])
+def test_selection_hook_matches_the_solver(tmp_path, name):
+    data = _toy()
+    hooks, model, ctx = _hooks(name, data, tmp_path)
     hooks.on_epoch_start(0, model, data)  # warm-up: nothing selected
     assert not hooks.selecting and not ctx.tracker.records
     hooks.on_epoch_start(1, model, data)
@@ -125,10 +222,13 @@ def test_selection_hook_matches_the_solver(name):
     if name == "small_loss":
         assert not corrected.any() and stats["select/n_clean"] == clean.sum()
         return
-    m = 1.0 if name == "ot" else 0.3
+    m = 1.0 if name == "ot" else 0.3 + 1 / 4  # the paper's ramp: t = 2, T_sup = 5: 0.3 + (2 - 1)/(5 - 1)
     assert stats["select/m"] == pytest.approx(m)
     # the hook's sets are the solver's: same inputs, same chunking seed
-    probs, feats = hooks._outputs(data.train.x)
+    probs, feats = hooks._outputs(data.train)
+    with torch.no_grad():
+        expected = F.softmax(model(data.train.x).double(), dim=1).numpy()
+    np.testing.assert_allclose(probs, expected, atol=1e-6)
     kappa = 0.0 if name in ("ot", "cot") else 1.0
     pseudo, _, selected = allocate(probs, feats, y, m, 50, seed=1, kappa_p=kappa, kappa_l=kappa)
     np.testing.assert_array_equal(clean, selected & (pseudo == y))
@@ -138,26 +238,80 @@ def test_selection_hook_matches_the_solver(name):
     )
 
 
+@pytest.mark.parametrize("switch, expected", [("data", True), ("epoch", True), ("never", False)])
+def test_stage_switch(tmp_path, switch, expected):
+    data = _toy()
+    hooks, model, _ = _hooks("csot", data, tmp_path, stage_switch=switch)
+    hooks.on_epoch_start(4, model, data)  # t = 5 = T_sup
+    assert bool(hooks.stage2) == expected
+
+
+def _paper_hooks(tmp_path, **overrides):
+    """Paper-loss hooks in stage 2 with identity views and no labeled samples: the loss is the stage-2
+    term (plus SimSiam when on)."""
+    data = _toy()
+    hooks, model, _ = _hooks("csot", data, tmp_path, batch_size=16, pl_threshold=0.0, **overrides)
+    hooks.on_epoch_start(1, model, data)
+    hooks.views.weak = hooks.views.strong = lambda x: x
+    hooks.clean[:] = False
+    hooks.loaders = hooks._loaders(1)
+    hooks.stage2 = True
+    return hooks, model, data
+
+
+@pytest.mark.parametrize("correction", ["ot", "threshold"])
+def test_stage2_correction_targets(tmp_path, correction):
+    hooks, model, data = _paper_hooks(tmp_path, correction=correction, simsiam=False)
+    assert hooks.loaders[0] is None
+    loader = hooks.loaders[1]
+    take, taken = loader.next, []
+    loader.next = lambda: taken.append(take()) or taken[-1]
+    loss = hooks.loss(model, None, None, None, 1)
+    x, idx = taken[0]
+    with torch.no_grad():
+        logits = model(x)
+        if correction == "threshold":  # FixMatch: the model's own argmax, every sample (threshold 0)
+            target, mask = logits.argmax(1), torch.ones(len(idx), dtype=torch.bool)
+        else:  # the plan's pseudo-labels, corrected samples only
+            target, mask = hooks.pseudo[idx], hooks.corrected[idx]
+        expected = (F.cross_entropy(logits, target, reduction="none") * mask).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("simsiam", [True, False])
+def test_simsiam_switch(tmp_path, simsiam):
+    hooks, model, _ = _paper_hooks(tmp_path, simsiam=simsiam)
+    hooks.stage2 = False
+    hooks.loss(model, None, None, None, 1).backward()
+    grad = model.predictor[0].weight.grad
+    assert grad is not None  # in the graph either way (DDP)
+    assert (grad.abs().sum() > 0) == simsiam
+
+
 @pytest.mark.parametrize("loss", ["paper", "simple"])
-def test_losses_train(loss):
+def test_every_parameter_gets_a_gradient_every_step(tmp_path, loss):
+    """DDP reduces every parameter's gradient each step: warm-up, stage 1, stage 2 and empty pools."""
     torch.manual_seed(0)
     data = _toy()
-    hooks, model, _ = _hooks("csot", data, loss=loss)
-    idx = torch.arange(32)
-    x, y_soft = data.train.x[idx], torch.nn.functional.one_hot(data.train.y[idx], 4).float()
-    warm = hooks.loss(model, x, y_soft, idx, 0)  # before any selection: CE
-    assert torch.isclose(warm, torch.nn.functional.cross_entropy(model(x), data.train.y[idx]))
+    hooks, model, _ = _hooks("csot", data, tmp_path, batch_size=32, loss=loss)
+    x, y_soft = data.train.x[:32], F.one_hot(data.train.y[:32], 4).float()
+
+    def check(value):
+        assert torch.isfinite(value)
+        model.zero_grad(set_to_none=True)
+        value.backward()
+        assert all(p.grad is not None for p in model.parameters())
+
+    check(hooks.loss(model, x, y_soft, torch.arange(32), 0))  # warm-up
     hooks.on_epoch_start(1, model, data)
-    hooks.stage2 = True
-    value = hooks.loss(model, x, y_soft, idx, 1)
-    assert torch.isfinite(value)
-    value.backward()
+    check(hooks.loss(model, x, y_soft, None, 1))
     assert model.classifier.weight.grad.abs().sum() > 0
-    if loss == "paper":
-        assert model.csot_predictor[0].weight.grad is not None  # SimSiam reaches the predictor
-    hooks.clean[:] = True
-    hooks.clean[idx[0]] = False  # a single unlabeled sample in the batch (BatchNorm in SimSiam)
-    assert torch.isfinite(hooks.loss(model, x, y_soft, idx, 1))
+    hooks.stage2 = True
+    check(hooks.loss(model, x, y_soft, None, 1))
+    for everything_clean in (True, False):
+        hooks.clean[:] = everything_clean
+        hooks.loaders = hooks._loaders(1)
+        check(hooks.loss(model, x, y_soft, None, 1))
 
 
 def _cli_selection_runs(cli, tmp_path, methods):
@@ -186,4 +340,4 @@ def test_cli_runs_and_logs_the_selection(cli, tmp_path):
 
 @pytest.mark.slow
 def test_cli_runs_every_method(cli, tmp_path):
-    _cli_selection_runs(cli, tmp_path, ["ce", "small_loss", "ot", "cot", "csot"])
+    _cli_selection_runs(cli, tmp_path, ["ce", "small_loss", "ot", "sot", "cot", "csot"])

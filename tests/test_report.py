@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 from hydra.core.utils import JobReturn, JobStatus
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from runner.report import SweepSummary, build_report, main, markdown
@@ -152,29 +153,40 @@ def test_optuna_results_are_quoted(tmp_path):
         (["{root}/runs", "--metric", "test/f1"], "metric 'test/f1' is in no summary.json; keys: test/acc"),
         (["{root}/runs", "--metric", "test/acc:up"], "must be max or min"),
         (["{root}/gone"], "task 'gone' has no tasks/gone.py with a METRIC; pass --metric KEY[:max|min]"),
+        (["{root}/runs", "--columns", "test/acc,tset/loss"], "--columns tset/loss: in no summary.json; "
+         "choices: test/acc, test/loss"),  # fmt: skip
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, expected):
     (tmp_path / "empty").mkdir()
-    make_run(tmp_path / "runs" / "0", [], {"test/acc": 0.9})
+    make_run(tmp_path / "runs" / "0", [], {"test/acc": 0.9, "test/loss": 0.3, "note": "x"})
     make_run(tmp_path / "gone" / "0", [], {"test/acc": 0.9}, config={"method": {"name": "x", "task": "gone"}})
+    (tmp_path / "runs" / "report.md").write_text("an earlier report\n")
     with pytest.raises(SystemExit) as exit_:
         main([a.format(root=tmp_path) for a in args])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert expected in err and "Traceback" not in err
+    assert expected in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "runs" / "report.md").read_text() == "an earlier report\n"  # nothing overwritten
+    assert not list((tmp_path / "runs").glob("*.png"))
 
 
 def test_callback_records_a_failed_job_and_logs_its_traceback(tmp_path, caplog):
     run_dir = tmp_path / "3"
     run_dir.mkdir()
-    config = OmegaConf.create({"hydra": {"job": {"num": 3}, "runtime": {"output_dir": str(run_dir)}}})
+    hydra = {"mode": RunMode.MULTIRUN, "job": {"num": 3}, "runtime": {"output_dir": str(run_dir)}}
     try:
         raise RuntimeError("loss is nan")
     except RuntimeError as e:
         failed = JobReturn(status=JobStatus.FAILED, _return_value=e)
     with caplog.at_level(logging.ERROR, logger="runner.report"):
-        SweepSummary().on_job_end(config, failed)
+        SweepSummary().on_job_end(OmegaConf.create({"hydra": hydra}), failed)
     assert json.loads((run_dir / "summary.json").read_text()) == {"error": "RuntimeError: loss is nan"}
     (record,) = caplog.records
     assert "job 3 failed: loss is nan" in record.getMessage() and record.exc_info[1] is failed._return_value
+
+    # A single run (no hydra.job.num) reports its own failure: the callback leaves it alone.
+    (run_dir / "summary.json").unlink()
+    single = {"mode": RunMode.RUN, "runtime": {"output_dir": str(run_dir)}}
+    SweepSummary().on_job_end(OmegaConf.create({"hydra": single}), failed)
+    assert not (run_dir / "summary.json").exists() and len(caplog.records) == 1

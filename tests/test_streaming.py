@@ -77,7 +77,9 @@ def test_predict_reads_file_and_memory_splits_alike(tmp_path):
     pixels = torch.stack([torch.full((3, 12, 12), i / 255.0) for i in range(9)])
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 144, 4))
     ctx = RunContext(CPU, tmp_path, None)
-    torch.testing.assert_close(predict(model, files, ctx, 4), predict(model, split_of(pixels, labels), ctx, 4))
+    torch.testing.assert_close(
+        predict(model, files, ctx, 4), predict(model, split_of(pixels, labels), ctx, 4)
+    )
 
 
 def test_uint8_split_decodes_per_batch():
@@ -114,7 +116,9 @@ def test_warmup_is_linear_per_step_then_the_schedule_continues(tmp_path, monkeyp
     data = Data(split, split.subset([]), split.subset([]), 2, (3,))
     optimizers, lrs = [], []
     make = train.make_optimizer
-    monkeypatch.setattr(train, "make_optimizer", lambda m, cfg: optimizers.append(make(m, cfg)) or optimizers[0])
+    monkeypatch.setattr(
+        train, "make_optimizer", lambda m, cfg: optimizers.append(make(m, cfg)) or optimizers[0]
+    )
 
     class RecordLR:  # the loss hook runs once per step: read the lr the step uses
         def loss(self, net, x, y_soft, idx, epoch):
@@ -156,7 +160,8 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 root = Path(sys.argv[1])
 paths = sorted(str(p.relative_to(root)) for p in root.rglob("*.png"))
-split = FileSplit(root, paths, [0] * len(paths), transforms=image_transforms("none", 12, (0, 0, 0), (1, 1, 1)))
+tf = image_transforms("none", 12, (0, 0, 0), (1, 1, 1))
+split = FileSplit(root, paths, [0] * len(paths), transforms=tf)
 sampler = EpochBatches(len(split), 8, rank, world, seed=3)
 seen = []
 for epoch in range(2):

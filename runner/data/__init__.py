@@ -205,6 +205,7 @@ def limit_splits(data: Data, max_train: int, max_eval: int, rng: np.random.Gener
 
 import runner.data.blobs  # noqa: E402,F401  (registers `blobs`, DB-OT clustering)
 import runner.data.canvas  # noqa: E402,F401  (registers `digits_canvas`, Co-Mixup)
+import runner.data.fake  # noqa: E402,F401  (registers `fake`: generated images of a real shape)
 import runner.data.imagenet32  # noqa: E402,F401  (registers `imagenet32`, hierarchical hashing)
 import runner.data.layouts  # noqa: E402,F401  (registers the file-backed datasets)
 import runner.data.synthetic_hier  # noqa: E402,F401  (registers `synthetic_hier`, hierarchical hashing)

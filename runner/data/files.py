@@ -34,14 +34,18 @@ def image_transforms(augment: str, image_size: int, mean, std, crop_pad: int = 4
 
     to_tensor = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)]
     if augment == "rrc_flip":
-        evaluate = v2.Compose([v2.Resize(int(round(image_size / 0.875))), v2.CenterCrop(image_size), *to_tensor])
+        evaluate = v2.Compose(
+            [v2.Resize(int(round(image_size / 0.875))), v2.CenterCrop(image_size), *to_tensor]
+        )
         train = v2.Compose([v2.RandomResizedCrop(image_size), v2.RandomHorizontalFlip(), *to_tensor])
         return ImageTransforms(train, evaluate)
     resize = [v2.Resize(image_size), v2.CenterCrop(image_size)]
     evaluate = v2.Compose([*resize, *to_tensor])
     if augment == "none":
         return ImageTransforms(evaluate, evaluate)
-    train = v2.Compose([*resize, v2.RandomCrop(image_size, padding=crop_pad), v2.RandomHorizontalFlip(), *to_tensor])
+    train = v2.Compose(
+        [*resize, v2.RandomCrop(image_size, padding=crop_pad), v2.RandomHorizontalFlip(), *to_tensor]
+    )
     return ImageTransforms(train, evaluate)
 
 
@@ -74,7 +78,9 @@ class FileSplit:
         # A numpy string array, not a list of str: forked workers then share it without copy-on-read.
         self.paths = np.asarray(paths, dtype=str)
         self.y = torch.as_tensor(np.asarray(y), dtype=torch.long)
-        self.y_clean = self.y.clone() if y_clean is None else torch.as_tensor(np.asarray(y_clean), dtype=torch.long)
+        self.y_clean = (
+            self.y.clone() if y_clean is None else torch.as_tensor(np.asarray(y_clean), dtype=torch.long)
+        )
         self.transforms = transforms
 
     def __len__(self) -> int:
@@ -82,7 +88,9 @@ class FileSplit:
 
     def subset(self, idx) -> FileSplit:
         idx = np.asarray(torch.as_tensor(idx, dtype=torch.long))
-        return FileSplit(self.root, self.paths[idx], self.y[idx], self.y_clean[idx], transforms=self.transforms)
+        return FileSplit(
+            self.root, self.paths[idx], self.y[idx], self.y_clean[idx], transforms=self.transforms
+        )
 
     def dataset(self, train: bool) -> ImageFiles:
         return ImageFiles(self.root, self.paths, self.transforms.train if train else self.transforms.eval)

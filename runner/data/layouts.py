@@ -104,11 +104,12 @@ def subfolders(folder: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(folder) if e.is_dir())
 
 
-def scan_classes(root: Path, sub: str, classes, name: str, inner: str = "", strict: bool = True):
+def scan_classes(root: Path, sub: str, classes, name: str, inner="", required=False, others_ok=False):
     """Images `root/sub/<class>/<inner>/*` of each of `classes`, labelled by class index: (paths relative
-    to root, labels). Every class folder must exist when `strict`; other folders are an error then too."""
+    to root, labels). A class folder may be absent unless `required`; a folder of no class is an error
+    unless `others_ok`."""
     folder = need(root / sub, name)
-    if strict:
+    if not others_ok:
         unknown = sorted(set(subfolders(folder)) - set(classes))
         if unknown:
             raise ConfigError(f"dataset.name={name}: {folder} has class folders not in train: {unknown[:5]}")
@@ -116,7 +117,7 @@ def scan_classes(root: Path, sub: str, classes, name: str, inner: str = "", stri
     for label, cls in enumerate(classes):
         images = folder / cls / inner
         if not images.is_dir():
-            if strict:
+            if required:
                 need(images, name)
             continue
         files = sorted(e.name for e in os.scandir(images) if e.name.lower().endswith(IMAGE_EXTENSIONS))
@@ -165,7 +166,7 @@ def tiny_imagenet(cfg, rng) -> Data:
     """Tiny-ImageNet (200 classes, 64 px): its val/ folder is the test split."""
     b = Builder(cfg, rng, "tiny_imagenet")
     wnids = sorted(read_keys(b.root / "wnids.txt", b.name))
-    train = b.split(*scan_classes(b.root, "train", wnids, b.name, inner="images"))
+    train = b.split(*scan_classes(b.root, "train", wnids, b.name, inner="images", required=True))
     index = {w: i for i, w in enumerate(wnids)}
     need(b.root / "val" / "images", b.name)
     rows = [line.split("\t") for line in read_keys(b.root / "val" / "val_annotations.txt", b.name)]
@@ -227,7 +228,9 @@ def webvision(cfg, rng) -> Data:
     if cfg.imagenet_val:
         wnids = [line.split()[0] for line in read_keys(b.root / "info" / "synsets.txt", b.name)][:k]
         folder = need(b.root / cfg.imagenet_val, b.name)
-        extra["imagenet_val"] = b.split(*scan_classes(folder, ".", wnids, b.name, strict=False), root=folder)
+        extra["imagenet_val"] = b.split(
+            *scan_classes(folder, ".", wnids, b.name, others_ok=True), root=folder
+        )
     return b.data(*b.carve(train), test, k, extra, top5=True)
 
 

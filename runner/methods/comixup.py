@@ -680,8 +680,8 @@ def _prepare(
 def _mix(x, y_onehot, W, problem):
     """Cell-wise mixing from the partition weights W (P, m', n, m): x_j = sum_i Z[j,i] * x_i.
 
-    A cell draws on at most two inputs, so the mix is two gathers instead of a B x B product. CPU
-    data is mixed in numpy (single-threaded: torch's small-op threading stalls on a busy machine).
+    A cell draws on at most two inputs, so the mix is two gathers instead of a B x B product. The
+    gathers run in torch on x's device, every index a tensor there (numpy x: on the CPU, zero-copy).
     Returns (x_mixed, y_mixed, masks (B, g, g, B)) in the type (and device) of x.
     """
     index, g = problem["index"], problem["grid"]
@@ -691,39 +691,28 @@ def _mix(x, y_onehot, W, problem):
     top2 = np.argsort(W, axis=-1)[..., -2:]  # (P, m', n, 2) partition slots of the two largest weights
     weights = np.take_along_axis(W, top2, axis=-1).reshape(-1, n, 2)[out_rows]
     sources = index[np.arange(len(index))[:, None, None, None], top2].reshape(-1, n, 2)[out_rows]
-    targets = index.ravel()[out_rows]
-    order = np.argsort(targets)  # outputs back in batch order
+    order = np.argsort(index.ravel()[out_rows])  # outputs back in batch order
     sources, weights = sources[order], weights[order]
     sources[..., 0] = np.where(weights[..., 0] > 0, sources[..., 0], sources[..., 1])  # no padding index
     masks = np.zeros((B, n, B), np.float32)
     for p, row in enumerate(index):
         m = int((row >= 0).sum())
         masks[np.ix_(row[:m], np.arange(n), row[:m])] = W[p, :m, :, :m]
-    on_device = isinstance(x, torch.Tensor) and x.device.type != "cpu"
-    xs = x if on_device else _as_numpy(x)
-    cells = _permute(xs.reshape(B, C, g, H // g, g, Wd // g), (0, 2, 4, 1, 3, 5)).reshape(B, n, -1)
-    if on_device:
-        sources, weights = (torch.from_numpy(a).to(x.device) for a in (sources, weights.astype(np.float32)))
-        weights = weights.to(x.dtype)
-    else:
-        weights = weights.astype(xs.dtype)
-    cell_idx = np.arange(n)[None, :]
+    xt = torch.as_tensor(x)
+    cells = xt.reshape(B, C, g, H // g, g, Wd // g).permute(0, 2, 4, 1, 3, 5).reshape(B, n, -1)
+    sources = torch.as_tensor(sources, device=xt.device)
+    weights = torch.as_tensor(weights, dtype=xt.dtype, device=xt.device)
+    cell_idx = torch.arange(n, device=xt.device)[None, :]
     mixed = (
         weights[..., :1] * cells[sources[..., 0], cell_idx]
         + weights[..., 1:] * cells[sources[..., 1], cell_idx]
     )
-    x_mixed = _permute(mixed.reshape(B, g, g, C, H // g, Wd // g), (0, 3, 1, 4, 2, 5)).reshape(B, C, H, Wd)
+    x_mixed = mixed.reshape(B, g, g, C, H // g, Wd // g).permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, Wd)
     y_mixed = masks.mean(1) @ _as_numpy(y_onehot).astype(np.float32)
     masks = masks.reshape(B, g, g, B)
     if not isinstance(x, torch.Tensor):
-        return x_mixed, y_mixed, masks
-    if not on_device:
-        x_mixed = torch.from_numpy(x_mixed)
+        return x_mixed.numpy(), y_mixed, masks
     return x_mixed, torch.from_numpy(y_mixed).to(x.device), torch.from_numpy(masks).to(x.device)
-
-
-def _permute(a, axes):
-    return a.permute(*axes) if isinstance(a, torch.Tensor) else a.transpose(axes)
 
 
 class ComixupPool:

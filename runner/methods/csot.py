@@ -659,14 +659,31 @@ def select(plan, m):
     return pseudo_labels, confidence, selected
 
 
-def curriculum_budget(epoch, warmup, end, m0=0.3):
-    """Budget m(epoch) = m0 + (1 - m0)(epoch - warmup)/(end - warmup), clipped to [m0, 1]
-    (the authors' code: m0 at the end of warm-up, 1 from epoch ``end`` on)."""
+BUDGET_RULES = ("paper", "code")
+
+
+def curriculum_budget(epoch, warmup, end, m0=0.3, rule="paper"):
+    r"""Curriculum budget m of the 0-based training ``epoch`` (warm-up included), ``end`` = T_sup.
+
+    ``rule="paper"`` (Sec. 6.1 and Alg. S3): with the 1-based epoch :math:`t = epoch + 1`,
+
+    .. math:: m = \min\big(1,\; m_0 + (t - 1)/(T_{sup} - 1)\big),
+
+    so m reaches 1 at :math:`t = 1 + (1 - m_0)(T_{sup} - 1)` (epoch 175 of T_sup = 250 at m0 = 0.3)
+    and the first selection after ``warmup`` epochs already has :math:`m_0 + warmup/(T_{sup} - 1)`.
+
+    ``rule="code"`` (the authors' code): :math:`m = m_0 + (1 - m_0)(epoch - warmup)/(T_{sup} - warmup)`,
+    clipped to [m0, 1]: m0 at the first selection, 1 from epoch ``end`` on.
+    """
     if not 0 < m0 <= 1:
         raise ValueError(f"m0={m0}: must lie in (0, 1]")
-    if not end > warmup:
-        raise ValueError(f"end={end} must be > warmup={warmup}")
-    return min(1.0, max(m0, m0 + (1 - m0) * (epoch - warmup) / (end - warmup)))
+    if not end > max(warmup, 1):
+        raise ValueError(f"end={end} must be > warmup={warmup} and > 1")
+    if rule == "paper":
+        return min(1.0, m0 + epoch / (end - 1))
+    if rule == "code":
+        return min(1.0, max(m0, m0 + (1 - m0) * (epoch - warmup) / (end - warmup)))
+    raise ValueError(f"rule={rule!r}: must be one of {BUDGET_RULES}")
 
 
 def allocate(probs, features, labels, m, solve_batch=1024, seed=0, **plan_kwargs):

@@ -8,8 +8,8 @@ lambda ~ Beta(alpha, alpha) drawn once per batch:
     input_mixup     x~ = lambda x + (1 - lambda) x[perm]                            (Zhang et al. 2018)
     manifold_mixup  the same on the hidden state of a random layer (a model hook)   (Verma et al. 2019)
     cutmix          a box of area ~ (1 - lambda) HW pasted from x[perm]              (Yun et al. 2019)
-    puzzle_mix      a saliency-guided {0, 1/2, 1} mask per g x g cell by graph cut, with each image's
-                    blocks first moved by optimal transport towards where they stay visible
+    puzzle_mix      a saliency-guided {0, 1/2, 1} mask per g x g cell by graph cut, then each image's
+                    blocks moved by a masked transport towards where they stay visible
                                                                                      (Kim et al. 2020)
 
 and y~ = w y + (1 - w) y[perm] with w the share of x in x~. Tensors or arrays in, the same out.
@@ -18,14 +18,15 @@ and y~ = w y + (1 - w) y[perm] with w the share of x in x~. Tensors or arrays in
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import scipy.stats
 import torch
-from scipy.optimize import linear_sum_assignment
+import torch.nn.functional as F
 from torch import nn
 
-from runner.methods.comixup import RANDOM_GRIDS, SOLVERS, _as_numpy, _check_choice, _cut, pool_saliency
+from runner.methods.comixup import RANDOM_GRIDS, SOLVERS, _check_choice, _cut, pool_saliency
 
 
 def _tensor_io(fn):
@@ -81,17 +82,18 @@ def input_mixup(x, y, alpha: float = 1.0, rng=None):
 def cutmix(x, y, alpha: float = 1.0, rng=None):
     """Paste the box [r0, r1) x [c0, c1) of x[perm] into x; y~ by the box's actual area.
 
-    The box has sides H sqrt(1 - lambda), W sqrt(1 - lambda) around a uniform centre and is clipped
-    to the image, so the label weight is 1 - area / HW after clipping.
+    The box has sides H sqrt(1 - lambda), W sqrt(1 - lambda) around a uniform (real) centre and is
+    clipped to the image, edges truncated to ints (the authors' `mixup_box`), so the label weight is
+    1 - area / HW after clipping.
     """
     _check_batch(x, y)
     rng = np.random.default_rng(rng)
     lam, perm = _pairing(len(x), alpha, rng)
     H, W = x.shape[-2:]
-    cut = np.sqrt(1.0 - lam)
-    cy, cx = rng.integers(H), rng.integers(W)
-    r0, r1 = np.clip([cy - round(H * cut / 2), cy + round(H * cut / 2)], 0, H)
-    c0, c1 = np.clip([cx - round(W * cut / 2), cx + round(W * cut / 2)], 0, W)
+    cy, cx = rng.uniform(0, H), rng.uniform(0, W)
+    rh, rw = np.sqrt(1.0 - lam) * H, np.sqrt(1.0 - lam) * W
+    r0, r1 = (int(np.clip(v, 0, H)) for v in (cy - rh / 2, cy + rh / 2))
+    c0, c1 = (int(np.clip(v, 0, W)) for v in (cx - rw / 2, cx + rw / 2))
     mixed = x.clone()
     mixed[..., r0:r1, c0:c1] = x[torch.as_tensor(perm, device=x.device)][..., r0:r1, c0:c1]
     keep = 1.0 - (r1 - r0) * (c1 - c0) / (H * W)
@@ -141,44 +143,128 @@ def manifold_mixup(model: torch.nn.Module, x, y, alpha: float = 2.0, layers=None
     return logits, _mix_targets(y, lam, perm)
 
 
-def transport_blocks(saliency_grid: np.ndarray, visible: np.ndarray, t_eps: float = 0.8) -> np.ndarray:
-    """Optimal block transport of Puzzle Mix: where each block of an image moves.
+# ----------------------------------------------------------------------------------------------
+# Puzzle Mix (Kim, Choo & Song, ICML 2020), term by term as the authors' `mixup.py`
 
-    saliency_grid (g, g), normalised to sum 1; visible (g, g) in [0, 1], how much of the image stays
-    visible in each cell. Solves the assignment (a discrete optimal transport with uniform marginals)
 
-        min_Pi sum_{src,dst} Pi[src,dst] (t_eps d(src,dst) / (2 (g - 1) n) - visible[dst] s[src])
+def seam_penalty(upper: torch.Tensor, lower: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data-smoothness cost of each cell boundary when `upper` meets `lower` there.
 
-    with d the L1 grid distance: salient blocks move to visible cells when the saliency they keep
-    exceeds the distance cost. Returns source (g*g,) with cell dst taking block source[dst].
+    upper, lower: (B, C, g k, g k) images average-pooled by the neighbourhood size (so a cell is k x k
+    pooled pixels). A vertical boundary between cells (r, c) and (r + 1, c) costs the mean over
+    channels and over the k pooled columns of the cell of |upper[last pooled row of r] - lower[first
+    pooled row of r + 1]|; horizontal boundaries likewise with columns. Returns (vertical (B, g-1, g),
+    horizontal (B, g, g-1)).
     """
-    g = saliency_grid.shape[0]
+    vert = (upper[:, :, :-1, :] - lower[:, :, 1:, :])[:, :, k - 1 :: k, :].abs().mean(1)
+    horz = (upper[:, :, :, :-1] - lower[:, :, :, 1:])[:, :, :, k - 1 :: k].abs().mean(1)
+    return F.avg_pool2d(vert, (1, k)), F.avg_pool2d(horz, (k, 1))
+
+
+def puzzle_costs(
+    s_own: torch.Tensor,
+    s_partner: torch.Tensor,
+    raw_own: torch.Tensor,
+    raw_partner: torch.Tensor,
+    lam: float,
+    beta: float = 1.2,
+    gamma: float = 0.5,
+    eta: float = 0.2,
+    n_labels: int = 3,
+    neigh_size: int = 4,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The Puzzle Mix graph-cut problem of each pair (x, x') on a g x g grid (n cells), as the authors.
+
+    Label l of a cell is the partner weight z_l = l / (L - 1) (L = n_labels; the cell is
+    (1 - z) x + z x'). With beta' = beta / (16 g) and the pairwise data costs d_e(a, b) of boundary e
+    (`seam_penalty` of the raw images pooled by `neigh_size`; a, b in {x, x'} the sources on each side)
+
+        unary[k, l] = (1 - z_l) U_x[k] + z_l U_x'[k] - eta / n log(Binom(l; L - 1, 1 - lam) + 1e-8)
+        U_x[k]  = s'[k] + beta' gamma sum_{e at k} mean_b d_e(x, b)      (cost of keeping x in cell k)
+        U_x'[k] = s[k]  + beta' gamma sum_{e at k} mean_b d_e(x', b)
+        w_e     = beta' (1 + gamma (d_e(x, x') + d_e(x', x) - d_e(x, x) - d_e(x', x')) / 2)
+        E(l)    = sum_k unary[k, l_k] + sum_e w_e (z_{l_k} - z_{l_k'})^2
+
+    (s, s': pooled saliency normalised to sum 1; "mean_b" over the source b on the other side, with
+    a the source on this side in the order of e). For binary masks E is the saliency the mask drops
+    + beta' per cut edge + beta' gamma d_e(source above, source below), up to a constant: the data
+    term is the authors' linearisation, exact for {0, 1} and interpolated for blends.
+    s_own, s_partner: (B, g, g); raw_*: (B, C, H, W) pixels in [0, 1]. Returns numpy float64
+    (unary (B, n, L), edge weights (B, E) in `grid_cut` order (clipped at 0), pairwise (L, L)).
+    """
+    B, g, _ = s_own.shape
     n = g * g
-    pos = np.stack(np.unravel_index(np.arange(n), (g, g)), 1)
-    dist = np.abs(pos[:, None, :] - pos[None, :, :]).sum(-1) / max(2 * (g - 1), 1)
-    cost = t_eps * dist / n - saliency_grid.reshape(n, 1) * visible.reshape(1, n)
-    src, dst = linear_sum_assignment(cost)
-    source = np.empty(n, int)
-    source[dst] = src
-    return source
+    block = raw_own.shape[-1] // g
+    size = max(d for d in range(1, min(neigh_size, block) + 1) if block % d == 0)  # = the authors' on 2^j
+    k = block // size
+    beta_n = beta / g / 16
+    pooled = {1: F.avg_pool2d(raw_own.float(), size), 0: F.avg_pool2d(raw_partner.float(), size)}
+    vert, horz = {}, {}  # (a, b): cost of a above / left of b; 1 = x, 0 = x'
+    for a in (0, 1):
+        for b in (0, 1):
+            v, h = seam_penalty(pooled[a], pooled[b], k)
+            vert[a, b], horz[a, b] = beta_n * gamma * v, beta_n * gamma * h
+    keep_x, keep_partner = s_partner.double().clone(), s_own.double().clone()
+    for a, cost in ((1, keep_x), (0, keep_partner)):
+        cost[:, :-1, :] += (vert[a, 0] + vert[a, 1]) / 2  # this cell above
+        cost[:, 1:, :] += (vert[0, a] + vert[1, a]) / 2  # this cell below
+        cost[:, :, :-1] += (horz[a, 0] + horz[a, 1]) / 2
+        cost[:, :, 1:] += (horz[0, a] + horz[1, a]) / 2
+    z = torch.linspace(0, 1, n_labels, dtype=torch.float64, device=s_own.device)
+    prior = scipy.stats.binom.pmf(np.arange(n_labels), n_labels - 1, 1 - lam)
+    log_prior = torch.as_tensor(-eta / n * np.log(prior + 1e-8), device=s_own.device)
+    unary = (1 - z) * keep_x.reshape(B, n, 1) + z * keep_partner.reshape(B, n, 1) + log_prior
+    residual = [(p[1, 0] + p[0, 1] - p[1, 1] - p[0, 0]).reshape(B, -1) / 2 for p in (vert, horz)]
+    edge_weight = (beta_n + torch.cat(residual, 1).double()).clamp(min=0)
+    pairwise = (z[:, None] - z[None, :]) ** 2
+    return unary.cpu().numpy(), edge_weight.cpu().numpy(), pairwise.cpu().numpy()
 
 
-def _boundary_mismatch(x0: np.ndarray, x1: np.ndarray, g: int) -> np.ndarray:
-    """Mean squared mismatch along each cell boundary when x0 meets x1 there (either side), per edge
-    of the grid in `_grid_edges` order (vertical then horizontal), normalised to mean 1 per image."""
-    B, C, H, W = x0.shape
-    bh, bw = H // g, W // g
-    rows0, rows1 = x0[:, :, bh - 1 : H - 1 : bh, :], x1[:, :, bh:H:bh, :]  # last row of cell r / first of r+1
-    rows0b, rows1b = x1[:, :, bh - 1 : H - 1 : bh, :], x0[:, :, bh:H:bh, :]
-    cols0, cols1 = x0[:, :, :, bw - 1 : W - 1 : bw], x1[:, :, :, bw:W:bw]
-    cols0b, cols1b = x1[:, :, :, bw - 1 : W - 1 : bw], x0[:, :, :, bw:W:bw]
+def transport_plan(mask: torch.Tensor, saliency: torch.Tensor, t_eps: float = 0.8) -> torch.Tensor:
+    """Puzzle Mix's masked transport of one image's g x g blocks (the authors' Algorithm 2).
 
-    vert = 0.5 * (np.square(rows0 - rows1) + np.square(rows0b - rows1b)).mean(1)  # (B, g-1, W)
-    vert = vert.reshape(B, g - 1, g, bw).mean(-1)
-    horz = 0.5 * (np.square(cols0 - cols1) + np.square(cols0b - cols1b)).mean(1)  # (B, H, g-1)
-    horz = horz.reshape(B, g, bh, g - 1).mean(2)
-    edges = np.concatenate([vert.reshape(B, -1), horz.reshape(B, -1)], axis=1)
-    return edges / (edges.mean(1, keepdims=True) + 1e-12)
+    Cost of moving block src to cell dst (squared grid distance, binary visibility):
+
+        C[src, dst] = t_eps |p_src - p_dst|^2 / (g - 1)^2 - s[src] [mask[dst] > 0]
+
+    g rounds of: every block picks its cheapest cell; per cell, the argmin over all blocks of
+    plan * cost wins (a non-claimant counts as 0, so a claimant at cost >= 0 may lose); losers pay
+    +1 for that cell in the next round. mask, saliency (normalised, sum 1): (B, g, g). Returns the
+    last round's winners (B, n, n) in {0, 1}, plan[src, dst] = 1 when block src goes to cell dst:
+    each cell receives at most one block, and a cell left empty stays zero (hidden cells mostly).
+    """
+    B, g, _ = mask.shape
+    n = g * g
+    grid = torch.arange(g, device=mask.device)
+    pos = torch.stack(torch.meshgrid(grid, grid, indexing="ij"), -1).reshape(n, 2).float()
+    dist = ((pos[:, None] - pos[None]) ** 2).sum(-1) / max(g - 1, 1) ** 2
+    cost = t_eps * dist - saliency.reshape(B, n, 1).float() * (mask > 0).reshape(B, 1, n).float()
+    cells = torch.arange(n, device=mask.device)
+    win = torch.zeros_like(cost, dtype=torch.bool)
+    for _ in range(g):
+        plan = cells == cost.argmin(-1, keepdim=True)  # (B, src, dst): each block's cheapest cell
+        # per cell, the argmin over all blocks of plan * cost (non-claimants count as 0, as the authors)
+        contest = torch.where(plan, cost, 0.0).argmin(-2, keepdim=True)
+        win = plan & (cells[:, None] == contest)
+        cost += (plan & ~win).float()
+    return win.float()
+
+
+def _cells(x: torch.Tensor, g: int) -> torch.Tensor:
+    B, C, H, W = x.shape
+    return x.reshape(B, C, g, H // g, g, W // g).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, -1)
+
+
+def _uncells(cells: torch.Tensor, shape) -> torch.Tensor:
+    B, C, H, W = shape
+    g = math.isqrt(cells.shape[1])
+    return cells.reshape(B, g, g, C, H // g, W // g).permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
+
+
+def _transport(x: torch.Tensor, plan: torch.Tensor, g: int) -> torch.Tensor:
+    """Cell dst of the result = sum_src plan[src, dst] * block src of x."""
+    moved = torch.einsum("bsd,bsf->bdf", plan.to(x.dtype), _cells(x, g))
+    return _uncells(moved, x.shape)
 
 
 @_tensor_io
@@ -192,24 +278,28 @@ def puzzle_mix(
     eta: float = 0.2,
     n_labels: int = 3,
     grid: int = -1,
+    neigh_size: int = 4,
     transport: bool = True,
     t_eps: float = 0.8,
-    solver: str = "gco_expansion",
+    t_size: int = -1,
+    mean=None,
+    std=None,
+    noise=None,
+    adv_mask: tuple[bool, bool] = (False, False),
+    solver: str = "gco_swap",
     rng=None,
 ):
-    """Puzzle Mix of each x with x[perm]: a saliency-guided mask, then optimal block transport.
+    """Puzzle Mix of each x with x[perm]: a saliency-guided mask by graph cut, then masked transport.
 
-    On a g x g grid (n cells; grid=-1 draws g from {2, 4, 8} dividing H, W), cell k takes the
-    partner weight z_k in {0, 1/(L-1), ..., 1} (L = n_labels) minimising, per pair,
-
-        sum_k -((1 - z_k) s[k] + z_k s'[k]) - eta/n log Binom(z_k (L-1); L-1, 1 - lambda)
-        + sum_{neighbours e = (k,k')} (beta + gamma d_e)/n |z_k - z_k'|
-
-    with s, s' the pooled saliency of x and x[perm] (normalised to sum 1) and d_e the images'
-    mismatch along boundary e (normalised to mean 1): seams go where the two images agree. Solved
-    by alpha-expansion (the label distance is a metric). With `transport`, each image's blocks are
-    then moved by `transport_blocks` towards the cells where it stays visible. y~ by mask area.
-    saliency_maps: (B, H, W) per-pixel saliency of x.
+    lambda ~ Beta(alpha, alpha) and the pairing are drawn once per batch; grid=-1 draws g from
+    {2, 4, 8, 16} (those dividing H and W) as the authors. The mask of each pair minimises
+    `puzzle_costs` (alpha-beta swap: the squared label cost is not a metric); with `transport`, each
+    image's blocks then move by `transport_plan` on the grid of `t_size`-pixel cells (-1, or a size
+    >= the cut's cells: the cut's grid) towards where it stays visible. With `noise` (B, C, H, W, raw
+    pixel units), x (adv_mask[0]) and the partner (adv_mask[1]) get it before the transport, clipped
+    to [0, 1] (the adversarial option). x~ = M x + (1 - M) x', y~ = mean(M) y + (1 - mean(M)) y'.
+    x is the network input; raw pixels are x * std + mean (per channel; None: x is raw).
+    saliency_maps: (B, H, W) per-pixel saliency of x. Everything runs on x's device but the cut.
     """
     _check_batch(x, y)
     _check_choice("solver", solver, SOLVERS)
@@ -218,38 +308,46 @@ def puzzle_mix(
     lam, perm = _pairing(B, alpha, rng)
     if not (isinstance(n_labels, int) and n_labels >= 2):
         raise ValueError(f"n_labels={n_labels}: must be an integer >= 2")
-    if grid == -1:  # 16 x 16 is left out: 256-block assignments per image cost seconds per batch
-        grid = int(rng.choice([c for c in RANDOM_GRIDS[:-1] if H % c == 0 and W % c == 0] or [1]))
-    if not (isinstance(grid, int) and grid >= 1 and H % grid == 0 and W % grid == 0):
-        raise ValueError(f"grid={grid}: must be a positive divisor of the image size {H}x{W}, or -1")
-    s = _as_numpy(saliency_maps).astype(np.float64)
-    if s.shape != (B, H, W) or not np.isfinite(s).all():
-        raise ValueError(f"saliency_maps: expected finite values of shape ({B}, {H}, {W}), got {s.shape}")
-    n = grid * grid
-    s_grid = pool_saliency(s, grid).reshape(B, n)
-    levels = np.linspace(0.0, 1.0, n_labels)
-    prior = scipy.stats.binom.pmf(np.arange(n_labels), n_labels - 1, 1 - lam)  # partner share ~ 1 - lambda
-    log_prior = np.log(prior + 1e-8)
-    unary = -((1 - levels) * s_grid[:, :, None] + levels * s_grid[perm][:, :, None]) - eta / n * log_prior
-    images = _as_numpy(x).astype(np.float64)
-    edge_weight = (beta + gamma * _boundary_mismatch(images, images[perm], grid)) / n if grid > 1 else 0.0
-    pairwise = np.abs(levels[:, None] - levels[None, :])
-    z = levels[_cut(unary, pairwise, edge_weight, grid, solver)]  # (B, n) partner weight per cell
-    cells = x.reshape(B, C, grid, H // grid, grid, W // grid).permute(0, 2, 4, 1, 3, 5).reshape(B, n, -1)
-    partner = cells[torch.as_tensor(perm, device=x.device)]
-    if transport and grid > 1:
-        rows = torch.arange(B, device=x.device)[:, None]
-        own_src = np.stack(
-            [transport_blocks(s_grid[b].reshape(grid, grid), 1 - z[b], t_eps) for b in range(B)]
+    if grid == -1:
+        choices = [c for c in RANDOM_GRIDS if H % c == 0 and W % c == 0]
+        if not choices:
+            raise ValueError(f"grid=-1: none of {RANDOM_GRIDS} divides the image size {H}x{W}")
+        grid = int(rng.choice(choices))
+    if not (isinstance(grid, int) and grid >= 2 and H % grid == 0 and W % grid == 0):
+        raise ValueError(f"grid={grid}: must be a divisor >= 2 of the image size {H}x{W}, or -1")
+    finer = t_size != -1 and t_size < W // grid  # transport cells of t_size pixels, finer than the cut's
+    t_grid = W // t_size if finer and t_size > 0 else grid
+    if transport and (t_size < -1 or t_size == 0 or (finer and (W % t_size or H % t_grid))):
+        raise ValueError(f"t_size={t_size}: the transport cells must tile the {H}x{W} image (or -1)")
+    s = torch.as_tensor(saliency_maps, device=x.device)
+    if s.shape != (B, H, W) or not torch.isfinite(s).all():
+        raise ValueError(
+            f"saliency_maps: expected finite values of shape ({B}, {H}, {W}), got {tuple(s.shape)}"
         )
-        partner_src = np.stack(
-            [transport_blocks(s_grid[p].reshape(grid, grid), z[b], t_eps) for b, p in enumerate(perm)]
-        )
-        cells = cells[rows, torch.as_tensor(own_src, device=x.device)]
-        partner = partner[rows, torch.as_tensor(partner_src, device=x.device)]
-    zt = torch.as_tensor(z, dtype=x.dtype, device=x.device)[:, :, None]
-    mixed = (1 - zt) * cells + zt * partner
-    mixed = (
-        mixed.reshape(B, grid, grid, C, H // grid, W // grid).permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
+    index = torch.as_tensor(perm, device=x.device)
+    shift, scale = (
+        torch.as_tensor(default if v is None else v, dtype=x.dtype, device=x.device).reshape(1, -1, 1, 1)
+        for v, default in ((mean, 0.0), (std, 1.0))
     )
-    return mixed, _mix_targets(y, 1 - z.mean(1), perm)
+    raw = x * scale + shift
+    s_grid = pool_saliency(s, grid)
+    unary, edge_weight, pairwise = puzzle_costs(
+        s_grid, s_grid[index], raw, raw[index], lam, beta, gamma, eta, n_labels, neigh_size
+    )
+    labels = torch.as_tensor(_cut(unary, pairwise, edge_weight, grid, solver), device=x.device)
+    mask = 1 - labels.reshape(B, 1, grid, grid).to(x.dtype) / (n_labels - 1)  # weight of x
+    own, partner = x, x[index]
+    if noise is not None:
+        noise = torch.as_tensor(noise, dtype=x.dtype, device=x.device)
+        if adv_mask[0]:
+            own = ((raw + noise).clamp(0, 1) - shift) / scale
+        if adv_mask[1]:
+            partner = ((raw[index] + noise[index]).clamp(0, 1) - shift) / scale
+    if transport:
+        t_mask, t_sal = mask[:, 0], s_grid
+        if t_grid != grid:  # finer transport cells: the mask upsampled, the saliency pooled anew
+            t_mask, t_sal = F.interpolate(mask, size=t_grid)[:, 0], pool_saliency(s, t_grid)
+        own = _transport(own, transport_plan(t_mask, t_sal, t_eps), t_grid)
+        partner = _transport(partner, transport_plan(1 - t_mask, t_sal[index], t_eps), t_grid)
+    full = F.interpolate(mask, size=(H, W))
+    return full * own + (1 - full) * partner, _mix_targets(y, full.reshape(B, -1).mean(1), perm)

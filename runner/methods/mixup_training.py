@@ -25,7 +25,8 @@ from runner.methods.mixup import cutmix, default_mixup_layers, input_mixup, mani
 from runner.train import soft_cross_entropy
 
 SALIENCY_METHODS = ("comixup", "puzzle_mix")
-PUZZLE_KEYS = ("alpha", "beta", "gamma", "eta", "n_labels", "grid", "transport", "t_eps")
+PUZZLE_KEYS = ("alpha", "beta", "gamma", "eta", "n_labels", "grid", "neigh_size", "transport", "t_eps",
+               "t_size")  # fmt: skip
 
 
 def mixed_loss(logits: torch.Tensor, target: torch.Tensor, kind: str = "ce") -> torch.Tensor:
@@ -38,15 +39,31 @@ def mixed_loss(logits: torch.Tensor, target: torch.Tensor, kind: str = "ce") -> 
     return -(target * log_p + (1 - target) * log_q).mean()
 
 
-class MixupHooks:
-    """Hooks for `fit`: `transform` mixes the batch (after the clean pass), `loss` scores it."""
+class TargetLoss:
+    """The loss hook of plain training with `mixed_loss` of kind `kind` (ERM with the authors' BCE)."""
 
-    def __init__(self, cfg, num_classes: int, ctx, seed: int):
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def loss(self, model, x, y_soft, idx, epoch):
+        return mixed_loss(model(x), y_soft, self.kind)
+
+
+class MixupHooks:
+    """Hooks for `fit`: `transform` mixes the batch (after the clean pass), `loss` scores it.
+
+    normalize: the data's per-channel (mean, std), so that raw pixels are x * std + mean (Puzzle Mix's
+    seam cost and adversarial noise live in raw pixels); None when x is raw.
+    """
+
+    def __init__(self, cfg, num_classes: int, ctx, seed: int, normalize=None):
         self.cfg, self.num_classes, self.ctx = cfg, num_classes, ctx
         self.rng = np.random.default_rng(seed)
+        self.mean, self.std = normalize if normalize is not None else (None, None)
         workers = cfg.get("workers", 0)
         self.pool = ComixupPool(workers) if cfg.name == "comixup" and workers > 0 else None
         self._clean = None  # (loss value, [(param, grad)]) of the current step's clean pass
+        self._adv = None  # Puzzle Mix's adversarial option: (noise in raw pixels, (mask x, mask partner))
         self._preview = False
 
     def on_epoch_start(self, epoch, model, data):
@@ -86,6 +103,7 @@ class MixupHooks:
         was_training = model.training
         if lam == 0:
             model.eval()
+        x = self._adversarial_start(x)
         x = x.detach().requires_grad_(needs_saliency)
         ce = soft_cross_entropy(model(x), y_soft)
         wrt = [x] if needs_saliency else []
@@ -100,7 +118,30 @@ class MixupHooks:
         else:
             grads = torch.autograd.grad(ce, wrt)
         model.train(was_training)
+        if self._adv is not None:  # one signed-gradient step from the random start, then a random scale
+            eps = self.cfg.adv_eps / 255
+            noise = (self._adv[0] + (self.cfg.adv_eps + 2) / 255 * grads[0].sign()).clamp(-eps, eps)
+            self._adv = (noise * self.rng.uniform(0, 1), self._adv[1])
         return grads[0].pow(2).mean(1).sqrt() if needs_saliency else None
+
+    def _adversarial_start(self, x):
+        """Puzzle Mix with adv_p > 0: per batch, x and the partner each get noise with probability
+        adv_p; the saliency is then taken at a uniform random start in the adv_eps / 255 ball (raw
+        pixels, clipped to [0, 1]), as the authors."""
+        self._adv = None
+        if self.cfg.name != "puzzle_mix" or self.cfg.adv_p == 0:
+            return x
+        masks = tuple(bool(self.rng.binomial(1, self.cfg.adv_p)) for _ in range(2))
+        if not any(masks):
+            return x
+        shape = (1, -1, 1, 1)
+        mean = torch.as_tensor(0.0 if self.mean is None else self.mean, device=x.device).reshape(shape)
+        std = torch.as_tensor(1.0 if self.std is None else self.std, device=x.device).reshape(shape)
+        raw = x * std + mean
+        eps = self.cfg.adv_eps / 255
+        noisy = (raw + torch.empty_like(raw).uniform_(-eps, eps)).clamp(0, 1)
+        self._adv = (noisy - raw, masks)
+        return (noisy - mean) / std
 
     def _mix(self, x, y_soft, saliency_maps):
         cfg, name = self.cfg, self.cfg.name
@@ -111,7 +152,9 @@ class MixupHooks:
         if name == "manifold_mixup":  # mixed inside the forward, in `loss`
             return x, y_soft
         if name == "puzzle_mix":
-            return puzzle_mix(x, y_soft, saliency_maps, **{k: cfg[k] for k in PUZZLE_KEYS}, rng=self.rng)
+            noise, adv_mask = self._adv if self._adv is not None else (None, (False, False))
+            return puzzle_mix(x, y_soft, saliency_maps, **{k: cfg[k] for k in PUZZLE_KEYS}, mean=self.mean,
+                              std=self.std, noise=noise, adv_mask=adv_mask, rng=self.rng)  # fmt: skip
         kwargs = {k: cfg[k] for k in COMIXUP_OPTIONS}
         if self.pool is not None:
             x_mix, y_mix, _ = self.pool.submit(x, y_soft, saliency_maps, rng=self.rng, **kwargs).result()

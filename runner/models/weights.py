@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import pickle
 
 import torch
 from torch import nn
@@ -34,18 +33,25 @@ def _few(keys) -> str:
 def load_weights(model: nn.Module, path: str) -> None:
     """Load the weights file `path` into `model` in place.
 
-    The file holds a state_dict, or a checkpoint dict with it under 'state_dict' or 'model' (the
-    runner's own checkpoints). Keys may carry DDP's `module.` prefix or the source library's names
-    (`model.checkpoint_aliases`). The classifier is left as initialised when the file has none or
-    its shape differs (another class count); any other missing, unexpected or mis-shaped tensor is
+    The file (torch.save, or .safetensors) holds a state_dict, or a checkpoint dict with it under
+    'state_dict' or 'model' (the runner's own checkpoints). Keys may carry DDP's `module.` prefix or
+    the source library's names (`model.checkpoint_aliases`). The classifier is left as initialised
+    when the file has none or its shape differs (another class count); any other missing, unexpected
+    or mis-shaped tensor, or an unreadable file (pickled objects other than tensors are refused), is
     a ConfigError.
     """
     where = f"model.pretrained={path!r}"
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
+        if path.endswith(".safetensors"):  # the format of timm's released weights
+            from safetensors.torch import load_file
+
+            state = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # whatever makes the file unreadable, one line for the user
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
         raise ConfigError(
-            f"{where}: holds more than tensors ({str(e).splitlines()[0][:80]}...); re-save its state_dict"
+            f"{where}: not a readable weights file (torch.save of tensors only, or .safetensors): {reason}"
         ) from None
     if isinstance(state, dict):
         state = next((state[k] for k in ("state_dict", "model") if isinstance(state.get(k), dict)), state)

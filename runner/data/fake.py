@@ -1,0 +1,81 @@
+"""`dataset=fake`: random images of a real dataset's shape, generated on the fly (benchmarks, GPU smoke
+checks without files). `dataset.like` names the shape: classes, image side and split sizes.
+
+    runner dataset=fake dataset.like=imagenet model=resnet50 hardware=gpu +debug=smoke
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runner.data import Data, register_dataset
+from runner.schema import DatasetConfig, check_choice, check_range
+
+# like -> (classes, image side, train size, test size) of the real dataset
+SHAPES = {
+    "cifar10": (10, 32, 50_000, 10_000),
+    "cifar100": (100, 32, 50_000, 10_000),
+    "tiny_imagenet": (200, 64, 100_000, 10_000),
+    "imagenet": (1000, 224, 1_281_167, 50_000),
+}
+
+
+@dataclass
+class FakeConfig(DatasetConfig):
+    like: str = "cifar100"
+    train_size: int = 0  # 0: the real dataset's
+    test_size: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_choice("dataset.like", self.like, tuple(SHAPES))
+        check_range("dataset.train_size", self.train_size, 0)
+        check_range("dataset.test_size", self.test_size, 0)
+
+
+class FakeImages(torch.utils.data.Dataset):
+    """Sample i: N(0, 1) pixels from a generator seeded by (seed, id i), so every read is the same."""
+
+    def __init__(self, ids: np.ndarray, shape: tuple[int, ...], seed: int):
+        self.ids, self.shape, self.seed = ids, shape, seed
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int):
+        g = torch.Generator().manual_seed(self.seed * 10_000_019 + int(self.ids[i]))
+        return torch.randn(self.shape, generator=g), i
+
+
+class FakeSplit:
+    """A split of `len(ids)` generated images with labels id mod classes (read through a DataLoader)."""
+
+    def __init__(self, ids, num_classes: int, shape: tuple[int, ...], seed: int):
+        self.ids, self.shape, self.seed = np.asarray(ids), shape, seed
+        self.num_classes = num_classes
+        self.y = torch.as_tensor(self.ids % num_classes, dtype=torch.long)
+        self.y_clean = self.y.clone()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def subset(self, idx) -> FakeSplit:
+        return FakeSplit(self.ids[np.asarray(idx, dtype=np.int64)], self.num_classes, self.shape, self.seed)
+
+    def dataset(self, train: bool) -> FakeImages:
+        return FakeImages(self.ids, self.shape, self.seed)
+
+
+@register_dataset("fake", schema=FakeConfig)
+def fake(cfg, rng) -> Data:
+    classes, side, n_train, n_test = SHAPES[cfg.like]
+    side = cfg.image_size or side
+    n_train, n_test = cfg.train_size or n_train, cfg.test_size or n_test
+    seed = int(rng.integers(2**31))
+    shape = (3, side, side)
+    train = FakeSplit(np.arange(n_train), classes, shape, seed)
+    test = FakeSplit(np.arange(n_train, n_train + n_test), classes, shape, seed)
+    return Data(train, test.subset([]), test, classes, shape)

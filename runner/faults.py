@@ -1,0 +1,72 @@
+"""What stops a run before its end, other than a bad config (`runner.schema.ConfigError`), and the stop
+signals the training loop turns into a checkpoint.
+
+The CLI reports each in one line: `Interrupted` with the command that resumes the run, the others with
+what went wrong and where (exit 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+log = logging.getLogger(__name__)
+
+
+class Interrupted(BaseException):
+    """A stop signal (SIGINT, SIGTERM, SIGUSR1) ended the run after a checkpoint. A BaseException, like
+    KeyboardInterrupt, so that a sweep stops too instead of launching its next job."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Diverged(RuntimeError):
+    """A non-finite loss, parameter or main metric."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read, or written (full disk, unwritable run dir)."""
+
+
+class StopSignals:
+    """While active, SIGINT, SIGTERM and SIGUSR1 only record a request to stop, which the training loop
+    honours after its current step: it writes a checkpoint, then calls `stop()`. SIGUSR2 too where a
+    Python handler holds it already (submitit's, which requeues a Slurm job): `stop()` hands the signal
+    on to it. A second Ctrl-C stops at once. Outside the main thread (no signals there) it does nothing.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+    def __enter__(self) -> StopSignals:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in self.SIGNALS:
+                previous = signal.getsignal(signum)
+                if signum == signal.SIGUSR2 and not callable(previous):
+                    continue
+                self._previous[signum] = previous
+                signal.signal(signum, self._request)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+    def _request(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if self.signum is None:
+            self.signum = signum
+            log.warning("%s: stopping after this step, with a checkpoint", signal.Signals(signum).name)
+
+    def stop(self):
+        """End the run for the recorded signal: the handler it replaced first (if a Python one other
+        than Ctrl-C's), then `Interrupted`."""
+        previous = self._previous.get(self.signum)
+        if callable(previous) and previous is not signal.default_int_handler:
+            previous(self.signum, None)
+        raise Interrupted(self.signum)
