@@ -248,12 +248,13 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     summary = dict(module.run(cfg, ctx))
     summary["time/total_s"] = time.perf_counter() - t0
     metric = module.METRIC[0]
-    value = summary.get(metric)
-    if isinstance(value, float) and not math.isfinite(value):  # failed, for the report and for Optuna
-        summary["error"] = f"Diverged: {metric}={value}"
+    # A non-finite main metric or search objective fails the run (for the report, and for Optuna).
+    bad = [f"{k}={summary[k]}" for k in {metric, _objective_key(metric)} if _non_finite(summary.get(k))]
+    if bad:
+        summary["error"] = f"Diverged: {', '.join(sorted(bad))}"
     tracker.finish(summary)
-    if "error" in summary:
-        raise Diverged(f"{metric}={value} in {run_dir / 'summary.json'}")
+    if bad:
+        raise Diverged(f"{', '.join(sorted(bad))} in {run_dir / 'summary.json'}")
     if rank == 0:
         shown = [k for k in summary if k == metric or k.startswith("test/")][:6]
         print(
@@ -265,6 +266,10 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     return float(score) if score is not None else None
 
 
+def _non_finite(value) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
 def _objective_key(metric: str) -> str:
     """The validation twin of a task's METRIC (`test/acc` -> `val/acc`); an unsupervised score as is."""
     return "val/" + metric.removeprefix("test/") if metric.startswith("test/") else metric
@@ -274,7 +279,7 @@ def objective(module, cfg) -> str:
     """The summary key an Optuna search optimises for `cfg`: `_objective_key` of the task's METRIC.
     A ConfigError (one line, before any trial) when that needs a validation split `cfg` lacks."""
     key = _objective_key(module.METRIC[0])
-    dataset = validate(cfg)["dataset"]
+    dataset = validate(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))["dataset"]
     share = "val_per_class" if hasattr(dataset, "val_per_class") else "val_fraction"  # per-class sized sets
     if key.startswith("val/") and not getattr(dataset, share) > 0:
         example = "10" if share == "val_per_class" else "0.1"

@@ -324,7 +324,9 @@ def _position(epoch: int, step: int | None) -> str:
 
 
 def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
+    """An exception's message on one line, cut to its first sentence (torch's run on for lines)."""
+    text = " ".join(str(error).split())
+    return text[: text.find(". ", 40) + 1 or None][:300]
 
 
 def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "none") -> dict:

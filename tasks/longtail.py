@@ -10,7 +10,14 @@ is trained through `runner.train.fit` with `method.loss` as the loss hook:
     balanced_softmax   CE(l + log pi_train)                                   (Ren et al. 2020)
     logit_adjust       CE(l + la_tau log pi_train)    (Menon et al. 2021; = balanced_softmax at la_tau = 1)
     focal              -sum_j y_j (1 - p_j)^gamma log p_j                     (Lin et al. 2017)
+    cb_ce, cb_focal    CE / focal, class-balanced weights (1 - beta)/(1 - beta^n_j)  (Cui et al. 2019)
+    ldam               LDAM (Cao et al. 2019): margins ~ n_j^(-1/4) on a cosine classifier of scale
+                       `ldam_scale`, deferred re-weighting (DRW, class-balanced weights) from the fraction
+                       `drw_start` of the epochs on
     dbot               the DB-OT loss, `loss_mode` paper | official            (runner.methods.dbot.dbot_loss)
+
+`augment=autoaugment_cutout` adds the CIFAR-LT recipe of the DB-OT code base (BALMS) on top of the
+dataset's crop + flip: AutoAugment (CIFAR-10 policy) and Cutout (16 px), per batch on the device.
 
 Three test sets are resampled from the test split: `lt` (the training profile, imbalance
 `test_imbalance`), `uniform` (n_min per class) and `reversed` (the profile reversed), at least one
@@ -26,8 +33,10 @@ sample per class each, shuffled. On each, every rule in `method.inference` predi
 where pi_test is the `prior` (oracle_test: the test set's true label frequencies, as the official code;
 train; uniform), and DB-OT runs on the whole test set (`scope=all`) or on each batch of `batch_size`.
 Accuracies are reported per test set, rule and class group (by training count: many >= many_min,
-few <= few_max, medium between) as `<test set>/<rule>/<all|many|medium|few>`; `test/acc` is the
-uniform-test All accuracy of the rule `method.predict`.
+few <= few_max, medium between) as `<test set>/<rule>/<all|many|medium|few>`. `test/acc` is the plain
+argmax accuracy on the uniform (balanced) test set, what the paper's Table 1 reports; `test/acc_<predict>`
+is the uniform-test accuracy of the rule `method.predict` (e.g. `test/acc_dbot`). The training run's own
+metrics (whole test split, best / last epoch) are under `fit/`.
 """
 
 from __future__ import annotations
@@ -38,14 +47,25 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runner.augment import PolicyAugment, cutout
 from runner.data import load_data, longtail_counts
-from runner.methods.dbot import LOSS_MODES, SOLVERS, dbot_loss, dbot_predict
+from runner.methods.dbot import (
+    LOSS_MODES,
+    SOLVERS,
+    CosineClassifier,
+    class_balanced_weights,
+    dbot_loss,
+    dbot_predict,
+    ldam_loss,
+    ldam_margins,
+    weighted_focal_loss,
+)
 from runner.models import build_model
 from runner.schema import ConfigError, check_choice, check_range
 from runner.train import fit, predict, soft_cross_entropy
 
 METRIC = ("test/acc", "max")
-LOSSES = ("ce", "balanced_softmax", "logit_adjust", "focal", "dbot")
+LOSSES = ("ce", "balanced_softmax", "logit_adjust", "focal", "cb_ce", "cb_focal", "ldam", "dbot")
 RULES = ("argmax", "cls_norm", "class_bias", "posthoc_la", "sinkhorn", "dbot")
 TEST_SETS = ("lt", "uniform", "reversed")
 PRIORS = ("oracle_test", "train", "uniform")
@@ -61,7 +81,12 @@ class LongTailConfig:
     k_train: int = 1  # dbot loss: unrolled solver-I sweeps
     train_delta: float = 0.1  # dbot loss: bounds (1 -/+ train_delta) pi_train
     la_tau: float = 1.0
-    focal_gamma: float = 2.0
+    focal_gamma: float = 2.0  # focal, cb_focal
+    cb_beta: float = 0.9999  # cb_ce, cb_focal, ldam's DRW: class-balanced weights
+    ldam_max_margin: float = 0.5  # ldam: the rarest class's margin (cosine units)
+    ldam_scale: float = 30.0  # ldam: the cosine classifier's scale s
+    drw_start: float = 0.8  # ldam: class-balanced re-weighting from this fraction of the epochs (1: never)
+    augment: str = "none"  # none | autoaugment_cutout (on top of dataset.augment)
     # inference
     inference: list[str] = field(default_factory=lambda: list(RULES))
     predict: str = "dbot"  # the rule behind test/acc
@@ -88,6 +113,16 @@ class LongTailConfig:
         check_range("method.train_delta", self.train_delta, 0.0, 1.0, hi_open=True)
         check_range("method.la_tau", self.la_tau, 0.0)
         check_range("method.focal_gamma", self.focal_gamma, 0.0)
+        check_range("method.cb_beta", self.cb_beta, 0.0, 1.0, hi_open=True)
+        check_range("method.ldam_max_margin", self.ldam_max_margin, 0.0)
+        check_range("method.ldam_scale", self.ldam_scale, 0.0, lo_open=True)
+        check_range("method.drw_start", self.drw_start, 0.0, 1.0)
+        check_choice("method.augment", self.augment, ("none", "autoaugment_cutout"))
+        if self.loss == "dbot" and self.loss_mode == "paper" and self.k_train == 1 and self.train_delta > 0:
+            raise ConfigError(
+                f"method.train_delta={self.train_delta} has no effect with method.loss_mode=paper and "
+                "method.k_train=1 (that loss is Balanced Softmax); set method.k_train >= 2 or train_delta=0"
+            )
         for rule in self.inference:
             check_choice("method.inference", rule, RULES)
         if self.predict not in self.inference:
@@ -112,14 +147,18 @@ class LongTailConfig:
             raise ConfigError(f"method.few_max={self.few_max} must be < method.many_min={self.many_min}")
 
 
-METHODS = {name: LongTailConfig for name in ("dbot", "lt_ce", "balanced_softmax", "logit_adjust", "focal")}
+METHODS = {
+    name: LongTailConfig
+    for name in ("dbot", "lt_ce", "balanced_softmax", "logit_adjust", "focal", "cb_ce", "cb_focal", "ldam")
+}
 
 
 # ----------------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------------
-def longtail_loss(logits, y_soft, m, prior: torch.Tensor) -> torch.Tensor:
-    """The loss `m.loss` of (B, K) logits against soft labels, given the training prior (K,)."""
+def longtail_loss(logits, y_soft, m, prior: torch.Tensor, class_weights=None, margins=None) -> torch.Tensor:
+    """The loss `m.loss` of (B, K) logits against soft labels, given the training prior (K,); the
+    class-balanced weights (cb_ce, cb_focal, ldam under DRW) and LDAM margins in logit units."""
     if m.loss == "ce":
         return soft_cross_entropy(logits, y_soft)
     if m.loss in ("balanced_softmax", "logit_adjust"):
@@ -128,18 +167,40 @@ def longtail_loss(logits, y_soft, m, prior: torch.Tensor) -> torch.Tensor:
     if m.loss == "focal":
         log_p = F.log_softmax(logits, dim=1)
         return -(y_soft * (1 - log_p.exp()) ** m.focal_gamma * log_p).sum(dim=1).mean()
+    labels = y_soft.argmax(1)
+    if m.loss in ("cb_ce", "cb_focal"):
+        return weighted_focal_loss(
+            logits, labels, m.focal_gamma if m.loss == "cb_focal" else 0.0, class_weights
+        )
+    if m.loss == "ldam":
+        return ldam_loss(logits, labels, margins, class_weights)
     return dbot_loss(logits, y_soft, prior, m.train_delta, m.k_train, m.loss_mode)
 
 
 class LossHook:
-    """`fit` hook: replaces the soft cross-entropy with the configured long-tail loss."""
+    """`fit` hooks: the configured long-tail loss, and the CIFAR-LT batch augmentation."""
 
-    def __init__(self, method_cfg, train_counts: np.ndarray, device):
+    def __init__(self, method_cfg, train_counts: np.ndarray, device, epochs: int, stats=None):
         self.m = method_cfg
         self.prior = torch.as_tensor(train_counts / train_counts.sum(), dtype=torch.float32, device=device)
+        weights = torch.as_tensor(
+            class_balanced_weights(train_counts, method_cfg.cb_beta), dtype=torch.float32
+        )
+        self.class_weights = weights.to(device)
+        self.margins = method_cfg.ldam_scale * ldam_margins(train_counts, method_cfg.ldam_max_margin)
+        self.drw_epoch = round(method_cfg.drw_start * epochs)
+        self.policy = PolicyAugment("autoaugment_cifar10", *stats) if method_cfg.augment != "none" else None
+
+    def transform(self, x, y_soft, idx, model):
+        if self.policy is None:
+            return x, y_soft
+        return cutout(self.policy(x), 16), y_soft
 
     def loss(self, model, x, y_soft, idx, epoch):
-        return longtail_loss(model(x).float(), y_soft, self.m, self.prior)
+        weights = self.class_weights
+        if self.m.loss == "ldam" and epoch < self.drw_epoch:  # DRW: plain LDAM before the re-weighting
+            weights = None
+        return longtail_loss(model(x).float(), y_soft, self.m, self.prior, weights, self.margins)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -203,21 +264,38 @@ def run(cfg, ctx) -> dict:
             f"dataset.imbalance={cfg.dataset.imbalance} leaves a class without training samples"
         )
     model = build_model(cfg.model, data.input_shape, k)
-    fitted = fit(
-        model, data, cfg.train, ctx, LossHook(m, train_counts, ctx.device), augment=cfg.dataset.augment
-    )
+    if m.loss == "ldam":  # Cao et al. train LDAM on a normalised classifier
+        model.classifier = CosineClassifier(model.feature_dim, k, m.ldam_scale)
+    stats = None
+    if m.augment != "none":
+        from runner.data.builtin import CIFAR_STATS
+        from runner.data.files import IMAGENET_STATS
 
-    logits = predict(model, data.test.x, ctx).double().numpy()
-    feats = predict(model, data.test.x, ctx, features=True).double().numpy()
+        if len(data.input_shape) != 3:
+            raise ConfigError(f"method.augment={m.augment} needs images; {cfg.dataset.name} gives vectors")
+        stats = CIFAR_STATS.get(cfg.dataset.name, IMAGENET_STATS)
+    hooks = LossHook(m, train_counts, ctx.device, cfg.train.epochs, stats)
+    fitted = fit(model, data, cfg.train, ctx, hooks, augment=cfg.dataset.augment)
+
+    logits = predict(model, data.test, ctx).double().numpy()
+    feats = predict(model, data.test, ctx, features=True).double().numpy()
     weight = model.classifier.weight.detach().double().cpu().numpy()
     y_test = data.test.y_clean.numpy()
     rng = np.random.default_rng(cfg.seed + 1)
-    imbalance = m.test_imbalance or cfg.dataset.imbalance
+    imbalance = m.test_imbalance or data.meta.get("imbalance", cfg.dataset.imbalance)
     test_sets = resampled_test_sets(y_test, k, imbalance, m.test_sets, rng)
 
-    train_prior = train_counts / train_counts.sum()
-    summary: dict = {f"fit/{key}": v for key, v in fitted.items()}
+    summary = {f"fit/{key}": v for key, v in fitted.items()}
     summary["train/counts"] = [int(c) for c in train_counts]
+    return {**summary, **evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets)}
+
+
+def evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets) -> dict:
+    """Every rule of `m.inference` on every test set (index arrays into the test split), by class group,
+    and the headline: `test/acc` (argmax on the uniform test set) and `test/acc_<m.predict>`."""
+    k = len(train_counts)
+    train_prior = train_counts / train_counts.sum()
+    summary: dict = {}
     for name, idx in test_sets.items():
         y = y_test[idx]
         test_prior = {
@@ -231,4 +309,9 @@ def run(cfg, ctx) -> dict:
             accs = group_accuracies(pred == y, y, train_counts, m)
             summary |= {f"{name}/{rule}/{group}": acc for group, acc in accs.items()}
     main_set = "uniform" if "uniform" in test_sets else m.test_sets[0]
-    return {"test/acc": summary[f"{main_set}/{m.predict}/all"], **summary}
+    idx = test_sets[main_set]
+    return {
+        "test/acc": float((logits[idx].argmax(1) == y_test[idx]).mean()),  # Table 1: plain argmax
+        f"test/acc_{m.predict}": summary[f"{main_set}/{m.predict}/all"],
+        **summary,
+    }

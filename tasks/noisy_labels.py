@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner.augment import POLICIES, PolicyAugment, cutout, shift
 from runner.data import load_data
 from runner.methods.csot import BUDGET_RULES, allocate, curriculum_budget
 from runner.models import build_model
@@ -73,7 +74,6 @@ from runner.train import augment_crop_flip, batches, fit, predict, soft_cross_en
 
 METRIC = ("test/acc", "max")
 SELECTIONS = ("csot", "cot", "ot", "small_loss", "none")
-STRONG_AUGS = ("autoaugment_cifar10", "autoaugment_imagenet", "randaugment")
 
 
 @dataclass
@@ -118,7 +118,7 @@ class NoisyLabelConfig:
         check_choice("method.omega_p_input", self.omega_p_input, ("softmax", "log_softmax"))
         check_choice("method.budget", self.budget, BUDGET_RULES)
         check_choice("method.correction", self.correction, ("ot", "threshold"))
-        check_choice("method.strong_aug", self.strong_aug, STRONG_AUGS)
+        check_choice("method.strong_aug", self.strong_aug, POLICIES)
         check_choice("method.stage_switch", self.stage_switch, ("data", "epoch", "never"))
         check_range("method.warmup", self.warmup, 0)
         check_range("method.eps", self.eps, 0.0, lo_open=True)
@@ -223,68 +223,33 @@ class Views:
     """Weak and strong augmentations of a batch on its device.
 
     Images of side >= 16: weak = crop (zero padding `pad`) + flip; strong = weak + `policy`
-    (AutoAugment's CIFAR-10 or ImageNet policy, or RandAugment) drawn once per group of `groups` on the
-    de-normalised image. Smaller images (digits):
-    weak = shift by up to one pixel; strong = weak + a 3x3 cutout + Gaussian noise (0.1).
-    Flat inputs: weak = Gaussian noise (0.05), strong = noise (0.2) and 20% feature dropout.
+    (`runner.augment.PolicyAugment`: AutoAugment's CIFAR-10 or ImageNet policy, or RandAugment, one draw
+    per group of `groups`). Smaller images (digits): weak = shift by up to one pixel; strong = weak + a
+    3x3 cutout + Gaussian noise (0.1). Flat inputs: weak = Gaussian noise (0.05), strong = noise (0.2)
+    and 20% feature dropout.
     """
 
     def __init__(self, input_shape, groups=8, mean=None, std=None, pad=4, policy="autoaugment_cifar10"):
         self.kind = "flat" if len(input_shape) != 3 else ("large" if input_shape[1] >= 16 else "small")
-        self.groups, self.pad = groups, pad
+        self.pad = pad
         if self.kind == "large":
-            from torchvision.transforms import v2
-
-            self.policy = {
-                "autoaugment_cifar10": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.CIFAR10),
-                "autoaugment_imagenet": lambda: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET),
-                "randaugment": v2.RandAugment,
-            }[policy]()
             c = input_shape[0]
-            self.mean = torch.tensor(mean if mean is not None else [0.0] * c).view(1, c, 1, 1)
-            self.std = torch.tensor(std if std is not None else [1.0] * c).view(1, c, 1, 1)
+            self.policy = PolicyAugment(policy, mean or [0.0] * c, std or [1.0] * c, groups)
 
     def weak(self, x):
         if self.kind == "large":
             return augment_crop_flip(x, self.pad)
         if self.kind == "small":
-            return _shift(x, 1)
+            return shift(x, 1)
         return x + 0.05 * torch.randn_like(x)
 
     def strong(self, x):
         x = self.weak(x)
         if self.kind == "large":
-            mean, std = self.mean.to(x.device), self.std.to(x.device)
-            images = (x * std + mean).clamp(0, 1)
-            parts = [self.policy(part) for part in images.chunk(self.groups)]
-            return (torch.cat(parts) - mean) / std
+            return self.policy(x)
         if self.kind == "small":
-            return _cutout(x, 3) + 0.1 * torch.randn_like(x)
+            return cutout(x, 3) + 0.1 * torch.randn_like(x)
         return (x + 0.2 * torch.randn_like(x)) * (torch.rand_like(x) > 0.2)
-
-
-def _shift(x, pad):
-    """Random translation by up to `pad` pixels (zero fill), per sample."""
-    b, _, h, w = x.shape
-    padded = F.pad(x, (pad, pad, pad, pad))
-    dy = torch.randint(0, 2 * pad + 1, (b,), device=x.device)
-    dx = torch.randint(0, 2 * pad + 1, (b,), device=x.device)
-    rows = (torch.arange(h, device=x.device)[None, :] + dy[:, None])[:, None, :, None]
-    cols = (torch.arange(w, device=x.device)[None, :] + dx[:, None])[:, None, None, :]
-    batch = torch.arange(b, device=x.device)[:, None, None, None]
-    chans = torch.arange(x.shape[1], device=x.device)[None, :, None, None]
-    return padded[batch, chans, rows, cols]
-
-
-def _cutout(x, size):
-    """Zero a random size x size square per sample."""
-    b, _, h, w = x.shape
-    cy = torch.randint(0, h, (b, 1, 1), device=x.device)
-    cx = torch.randint(0, w, (b, 1, 1), device=x.device)
-    ys = torch.arange(h, device=x.device).view(1, h, 1)
-    xs = torch.arange(w, device=x.device).view(1, 1, w)
-    hole = ((ys - cy).abs() <= size // 2) & ((xs - cx).abs() <= size // 2)
-    return x * (~hole).unsqueeze(1)
 
 
 # ----------------------------------------------------------------------------- two loaders
@@ -385,7 +350,8 @@ class NoisyLabelHooks:
         self.weight = torch.as_tensor(weight, dtype=torch.float32, device=device)
         self.selecting = True
         self.loaders = self._loaders(epoch)
-        stats = selection_stats(clean, corrected, pseudo, y, data.train.y_clean.numpy())
+        y_clean = data.train.y_clean.numpy() if data.meta.get("clean_train_labels", True) else None
+        stats = selection_stats(clean, corrected, pseudo, y, y_clean)
         stats |= {"select/m": m, "select/solver_s": solver_s, "select/stage2": float(self.stage2)}
         self.last_stats = stats
         self.ctx.tracker.log(stats, step=epoch)
@@ -523,19 +489,24 @@ def _gmm_clean_probability(losses):
     return gmm.predict_proba(z[:, None])[:, int(np.argmin(gmm.means_[:, 0]))]
 
 
-def selection_stats(clean, corrected, pseudo, y, y_clean) -> dict:
-    """Clean-set precision / recall against the truly clean samples, corrected-label accuracy."""
-    truly_clean = y == y_clean
-    hits = (clean & truly_clean).sum()
-    corrected_acc = (pseudo[corrected] == y_clean[corrected]).mean() if corrected.any() else float("nan")
-    return {
-        "select/precision": float(hits / max(clean.sum(), 1)),
-        "select/recall": float(hits / max(truly_clean.sum(), 1)),
-        "select/corrected_acc": float(corrected_acc),
+def selection_stats(clean, corrected, pseudo, y, y_clean=None) -> dict:
+    """Set sizes; with the true labels `y_clean`, also the clean-set precision / recall against the truly
+    clean samples and the corrected-label accuracy."""
+    stats = {
         "select/n_clean": int(clean.sum()),
         "select/n_corrected": int(corrected.sum()),
         "select/n_unselected": int((~(clean | corrected)).sum()),
-    }  # fmt: skip
+    }
+    if y_clean is None:
+        return stats
+    truly_clean = y == y_clean
+    hits = (clean & truly_clean).sum()
+    corrected_acc = (pseudo[corrected] == y_clean[corrected]).mean() if corrected.any() else float("nan")
+    return stats | {
+        "select/precision": float(hits / max(clean.sum(), 1)),
+        "select/recall": float(hits / max(truly_clean.sum(), 1)),
+        "select/corrected_acc": float(corrected_acc),
+    }
 
 
 def run(cfg, ctx) -> dict:

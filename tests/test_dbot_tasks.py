@@ -1,19 +1,31 @@
 """DB-OT tasks: the long-tail task's pieces, the clustering task, the `blobs` dataset, the CLI end to end."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import summaries
 from omegaconf import OmegaConf
 
 from runner.cli import preflight
 from runner.data import load_data, longtail_counts
 from runner.data.blobs import BlobsConfig
-from runner.methods.dbot import dbot_loss
+from runner.methods.dbot import (
+    CosineClassifier,
+    class_balanced_weights,
+    dbot_loss,
+    ldam_loss,
+    ldam_margins,
+    weighted_focal_loss,
+)
 from runner.schema import ConfigError
 from tasks.clustering import BalancedClusterConfig, DBOTClusterConfig, cluster_scores
 from tasks.longtail import (
     LongTailConfig,
+    LossHook,
+    evaluate_rules,
     group_accuracies,
     infer,
     longtail_loss,
@@ -61,9 +73,86 @@ def test_baseline_losses_reduce_to_each_other():
     assert loss("logit_adjust", la_tau=0.0) == pytest.approx(loss("ce"), abs=1e-12)
     assert loss("focal", focal_gamma=0.0) == pytest.approx(loss("ce"), abs=1e-12)
     assert loss("focal", focal_gamma=2.0) < loss("ce")
-    assert loss("dbot", loss_mode="paper", train_delta=0.3) == pytest.approx(balanced, abs=1e-12)
+    assert loss("dbot", loss_mode="paper", train_delta=0.0) == pytest.approx(balanced, abs=1e-12)
+    with pytest.raises(ConfigError, match="method.train_delta=0.3 has no effect"):  # paper, K=1: = BS
+        loss("dbot", loss_mode="paper", train_delta=0.3)
+    assert loss("dbot", loss_mode="paper", train_delta=0.3, k_train=2) != pytest.approx(balanced, abs=1e-6)
     for mode in ("paper", "official"):
         assert loss("dbot", loss_mode=mode, k_train=3) != pytest.approx(balanced, abs=1e-6)
+
+
+# Two samples, two classes with 100 and 10 training images; logits z, labels y.
+Z = torch.tensor([[2.0, 0.0], [0.5, 1.0]], dtype=torch.float64)
+Y = torch.tensor([0, 1])
+CE = (math.log(1 + math.exp(-2.0)), math.log(1 + math.exp(-0.5)))  # per-sample cross-entropy
+
+
+def test_class_balanced_weights_hand_values():
+    raw = [(1 - 0.9) / (1 - 0.9**100), (1 - 0.9) / (1 - 0.9**10)]  # (1 - beta) / (1 - beta^n)
+    np.testing.assert_allclose(
+        class_balanced_weights([100, 10], 0.9), [0.7888615425968192, 1.2111384574031807]
+    )
+    np.testing.assert_allclose(class_balanced_weights([100, 10], 0.9), np.array(raw) * 2 / sum(raw))
+    np.testing.assert_allclose(class_balanced_weights([100, 10, 3], 0.0), [1, 1, 1])
+    with pytest.raises(ValueError, match="beta"):
+        class_balanced_weights([5, 2], 1.0)
+
+
+def test_class_balanced_ce_and_focal_hand_values():
+    w = (0.7888615425968192, 1.2111384574031807)
+    cb_ce = (w[0] * CE[0] + w[1] * CE[1]) / (w[0] + w[1])  # PyTorch's weighted mean
+    assert weighted_focal_loss(Z, Y, 0.0, w).item() == pytest.approx(cb_ce, rel=1e-12)
+    assert weighted_focal_loss(Z, Y).item() == pytest.approx((CE[0] + CE[1]) / 2, rel=1e-12)
+    p = (1 / (1 + math.exp(-2.0)), 1 / (1 + math.exp(-0.5)))  # p of the true class
+    focal = [(1 - p[i]) ** 2 * CE[i] for i in (0, 1)]
+    cb_focal = (w[0] * focal[0] + w[1] * focal[1]) / (w[0] + w[1])
+    assert weighted_focal_loss(Z, Y, 2.0, w).item() == pytest.approx(cb_focal, rel=1e-12)
+    m = LongTailConfig(loss="cb_focal", cb_beta=0.9, focal_gamma=2.0)
+    hook = LossHook(m, np.array([100.0, 10.0]), torch.device("cpu"), epochs=10)
+    assert hook.loss(lambda x: x, Z, F.one_hot(Y, 2).double(), None, 0).item() == pytest.approx(
+        cb_focal, rel=1e-6
+    )
+
+
+def test_ldam_hand_values_and_drw():
+    margins = ldam_margins([100, 10], max_margin=0.5)  # 0.5 * (n_j / n_min)^(-1/4)
+    np.testing.assert_allclose(margins, [0.5 * 10**-0.25, 0.5])
+    # sample 0: z_0 - 0.5 * 10^(-1/4) against 0; sample 1: 0.5 against 1 - 0.5 (a tie: log 2)
+    expected = (math.log(1 + math.exp(-(2.0 - 0.5 * 10**-0.25))) + math.log(2.0)) / 2
+    assert ldam_loss(Z, Y, margins).item() == pytest.approx(expected, rel=1e-12)
+    assert ldam_loss(Z, Y, [0.0, 0.0]).item() == pytest.approx((CE[0] + CE[1]) / 2, rel=1e-12)
+    # the task: margins in logit units (scale s), class-balanced weights from drw_start * epochs on
+    m = LongTailConfig(loss="ldam", cb_beta=0.9, ldam_scale=2.0, drw_start=0.5)
+    hook = LossHook(m, np.array([100.0, 10.0]), torch.device("cpu"), epochs=10)
+    y_soft = F.one_hot(Y, 2).double()
+    plain = ldam_loss(Z, Y, 2.0 * margins).item()
+    weighted = ldam_loss(Z, Y, 2.0 * margins, [0.7888615425968192, 1.2111384574031807]).item()
+    assert hook.loss(lambda x: x, Z, y_soft, None, 4).item() == pytest.approx(plain, rel=1e-6)
+    assert hook.loss(lambda x: x, Z, y_soft, None, 5).item() == pytest.approx(weighted, rel=1e-6)
+    assert plain != pytest.approx(weighted, rel=1e-3)
+
+
+def test_cosine_classifier():
+    torch.manual_seed(0)
+    head = CosineClassifier(3, 4, scale=30.0)
+    x = torch.randn(5, 3)
+    w = head.weight.detach()
+    cos = (x @ w.T) / x.norm(dim=1, keepdim=True) / w.norm(dim=1)[None, :]
+    torch.testing.assert_close(head(x), 30.0 * cos)
+    torch.testing.assert_close(head(7.0 * x), head(x))  # scale-free in the features
+
+
+def test_test_acc_is_argmax_on_the_uniform_set():
+    """A model that calls everything class 0: argmax is right on half of a balanced test set; DB-OT with
+    the oracle prior re-balances the predictions and gets all of them (reported as test/acc_dbot)."""
+    y_test = np.array([0, 0, 0, 1, 1, 1, 1])  # the uniform set keeps 3 of each
+    logits = np.array([[2.0, 0.0], [2.0, 0.5], [2.0, 0.2], [2.0, 1.9], [2.0, 1.8], [2.0, 1.7], [2.0, 1.6]])
+    m = LongTailConfig(delta=0.0, eps=0.01, test_sets=["uniform"], inference=["argmax", "dbot"])
+    test_sets = {"uniform": np.array([0, 1, 2, 3, 4, 5])}
+    feats = np.zeros((7, 1))
+    out = evaluate_rules(m, logits, feats, None, y_test, np.array([50.0, 5.0]), test_sets)
+    assert out["test/acc"] == 0.5 and out["uniform/argmax/all"] == 0.5
+    assert out["test/acc_dbot"] == 1.0 and out["uniform/dbot/all"] == 1.0
 
 
 def test_inference_rules_reduce_to_argmax_where_they_should():
@@ -97,6 +186,9 @@ def test_inference_rules_reduce_to_argmax_where_they_should():
         (dict(prior="file"), "method.prior"),
         (dict(few_max=50, many_min=40), "method.few_max"),
         (dict(test_imbalance=0.5), "method.test_imbalance"),
+        (dict(cb_beta=1.0), "method.cb_beta"),
+        (dict(drw_start=1.5), "method.drw_start"),
+        (dict(augment="mixup"), "method.augment"),
     ],
 )
 def test_longtail_config_errors_name_the_key(kwargs, match):
@@ -151,7 +243,7 @@ def test_longtail_cli_reports_every_rule_on_every_test_set(cli, tmp_path):
         for rule in ("argmax", "cls_norm", "class_bias", "posthoc_la", "sinkhorn", "dbot"):
             for group in ("all", "many", "medium", "few"):
                 assert 0.0 <= s[f"{test_set}/{rule}/{group}"] <= 1.0
-    assert s["test/acc"] == s["uniform/dbot/all"]
+    assert s["test/acc"] == s["uniform/argmax/all"] and s["test/acc_dbot"] == s["uniform/dbot/all"]
     assert s["lt/n"] < s["uniform/n"] and s["lt/n"] == s["reversed/n"]
     counts = s["train/counts"]
     assert counts == sorted(counts, reverse=True) and counts[-1] == int(counts[0] / 10)

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runner.augment import cutout, shift
 from runner.data import Data, Split
 from runner.hardware import RunContext
 from runner.methods.csot import allocate
@@ -19,9 +20,7 @@ from tasks.noisy_labels import (
     NoisyLabelNet,
     PoolBatches,
     Views,
-    _cutout,
     _gmm_clean_probability,
-    _shift,
     pool_batches,
     selection_stats,
 )
@@ -113,7 +112,7 @@ def test_selection_stats():
 
 def test_views_keep_shapes_and_content():
     x = torch.rand(5, 1, 8, 8)
-    shifted = _shift(x, 1)
+    shifted = shift(x, 1)
     assert shifted.shape == x.shape
     # a shift by at most one pixel: every output pixel is an input pixel of the same image or zero fill
     for b in range(5):
@@ -125,7 +124,7 @@ def test_views_keep_shapes_and_content():
             for dy in (-1, 0, 1)
             for dx in (-1, 0, 1)
         )
-    holes = (_cutout(torch.ones(4, 1, 8, 8), 3) == 0).sum(dim=(1, 2, 3))
+    holes = (cutout(torch.ones(4, 1, 8, 8), 3) == 0).sum(dim=(1, 2, 3))
     assert holes.min() >= 4 and holes.max() <= 9  # a 3x3 square, clipped at the border
     views = Views((3, 32, 32), groups=2, mean=[0.5] * 3, std=[0.25] * 3)
     assert views.strong(torch.randn(6, 3, 32, 32)).shape == (6, 3, 32, 32)

@@ -481,6 +481,83 @@ def dbot_loss(logits, target, prior, delta: float = 0.0, n_sweeps: int = 1, mode
     return balanced_ce - (clipped * torch.log_softmax(col_sums, dim=0)).sum()
 
 
+# ----------------------------------------------------------------------------------------------------
+# The baseline losses of the paper's Tables 1 and 3 (each a torch scalar of (B, K) logits, int labels)
+# ----------------------------------------------------------------------------------------------------
+def _counts(counts) -> np.ndarray:
+    counts = np.asarray(counts, dtype=np.float64)
+    if counts.ndim != 1 or not (counts > 0).all():
+        raise ValueError(f"counts must be a 1-d array of per-class training counts > 0, got {counts}")
+    return counts
+
+
+def class_balanced_weights(counts, beta: float = 0.9999) -> np.ndarray:
+    r"""Class-balanced weights (Cui et al., CVPR 2019): the inverse effective number of samples,
+
+    .. math:: w_j = \frac{1 - \beta}{1 - \beta^{n_j}}, \quad \text{scaled so that } \sum_j w_j = K.
+
+    ``beta = 0`` weighs every class 1; ``beta -> 1`` approaches inverse class frequency.
+    """
+    counts = _counts(counts)
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"beta={beta}: must be in [0, 1)")
+    weights = (1.0 - beta) / (1.0 - np.power(beta, counts))
+    return weights / weights.sum() * len(counts)
+
+
+def weighted_focal_loss(logits, target, gamma: float = 0.0, weight=None):
+    r"""Softmax focal loss with class weights, averaged as PyTorch's ``cross_entropy(weight=...)``:
+
+    .. math:: L = \frac{\sum_i w_{y_i} (1 - p_{i y_i})^\gamma (-\log p_{i y_i})}{\sum_i w_{y_i}}
+
+    ``gamma = 0`` is (weighted) cross-entropy: class-balanced CE with ``weight = class_balanced_weights``;
+    ``gamma > 0`` with those weights is class-balanced focal (Cui et al. apply it to sigmoid outputs;
+    here, as the focal baseline of the long-tail task, to the softmax).
+    """
+    log_p = torch.log_softmax(logits, dim=1).gather(1, target[:, None])[:, 0]
+    per_sample = -((1.0 - log_p.exp()) ** gamma) * log_p if gamma else -log_p
+    if weight is None:
+        return per_sample.mean()
+    w = torch.as_tensor(weight, dtype=logits.dtype, device=logits.device)[target]
+    return (w * per_sample).sum() / w.sum()
+
+
+def ldam_margins(counts, max_margin: float = 0.5) -> np.ndarray:
+    r"""LDAM margins (Cao et al., NeurIPS 2019): :math:`\Delta_j \propto n_j^{-1/4}`, the largest
+    (rarest class) equal to ``max_margin``."""
+    margins = _counts(counts) ** -0.25
+    return margins * (max_margin / margins.max())
+
+
+def ldam_loss(logits, target, margins, weight=None):
+    r"""Label-distribution-aware margin loss: cross-entropy after subtracting the true class's margin,
+
+    .. math:: L_i = -\log \frac{e^{z_{i y_i} - \Delta_{y_i}}}
+                             {e^{z_{i y_i} - \Delta_{y_i}} + \sum_{j \ne y_i} e^{z_{ij}}},
+
+    averaged with class weights as :func:`weighted_focal_loss` (DRW: ``weight = class_balanced_weights``
+    from the re-weighting epoch on). Cao et al. feed it ``s`` times cosine logits with margins in cosine
+    units; give ``logits = s cos`` and ``margins = s * ldam_margins(...)`` (see :class:`CosineClassifier`).
+    """
+    shift = torch.as_tensor(margins, dtype=logits.dtype, device=logits.device)[target]
+    adjusted = logits.scatter_add(1, target[:, None], -shift[:, None])
+    return weighted_focal_loss(adjusted, target, 0.0, weight)
+
+
+class CosineClassifier(torch.nn.Module):
+    """``scale * cos(f(x), w_j)``: the normalised linear classifier LDAM trains (Cao et al.'s NormedLinear,
+    with their scale s folded into the logits); ``weight`` is (K, D) like ``nn.Linear``'s."""
+
+    def __init__(self, in_features: int, num_classes: int, scale: float = 30.0):
+        super().__init__()
+        self.scale = scale
+        self.weight = torch.nn.Parameter(torch.empty(num_classes, in_features).uniform_(-1, 1))
+
+    def forward(self, x):
+        cos = torch.nn.functional.normalize(x, dim=1) @ torch.nn.functional.normalize(self.weight, dim=1).T
+        return self.scale * cos
+
+
 def dbot_predict(
     logits,
     prior,

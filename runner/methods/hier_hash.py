@@ -393,6 +393,23 @@ def bucket_ids(activations, d, k, ks) -> np.ndarray:
     return probe_buckets(activations, d, k, 0, ks)
 
 
+def lsh_activations(embedding, n_bits, seed=0) -> np.ndarray:
+    """Random-hyperplane LSH codes of an embedding (N, e) as single-level activations (N, 2^n_bits).
+
+    The paper's LSH baseline ([10], Jain, Kulis & Grauman 2008: Charikar's sign hashes on a learned
+    metric): p = embedding @ R with R ~ N(0, 1)^(e x n) drawn from `seed`, and item i goes to the bucket
+    of its sign pattern. act[i, b] = sum_j p_ij S_bj with S_b in {-1, +1}^n the pattern of bucket b
+    (bit j of b set <=> +1), so the argmax is the sign bucket and lower ranks flip the bits of smallest
+    |p_ij| first: with `HashIndex(act, emb, d=2^n, k=1, ks)` the extra probes are multi-probe LSH.
+    """
+    embedding = np.asarray(embedding, dtype=np.float64)
+    if embedding.ndim != 2 or not 1 <= n_bits <= 20:
+        raise ValueError(f"embedding {embedding.shape}, n_bits={n_bits}: need (N, e) and 1 <= n_bits <= 20")
+    planes = np.random.default_rng(seed).standard_normal((embedding.shape[1], n_bits))
+    signs = 2.0 * ((np.arange(2**n_bits)[:, None] >> np.arange(n_bits)) & 1) - 1  # (2^n, n)
+    return (embedding @ planes) @ signs.T
+
+
 # --------------------------------------------------------------------------------------------
 # Hash index and retrieval metrics
 # --------------------------------------------------------------------------------------------
