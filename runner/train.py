@@ -361,13 +361,13 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
     state = Resumable(ctx.dir / CHECKPOINT, ctx, model, optimizer, scheduler, scaler, hooks)
     resumed = state.resume() if cfg.checkpoint else None
     start, first, extra = (0, 0, {}) if resumed is None else resumed
-    if resumed is None:
-        ctx.tracker.truncate(-1)  # records of an earlier attempt that died before its first checkpoint
-    elif first is None:  # an epoch-end checkpoint
+    if first is None:  # an epoch-end checkpoint
         start, first = start + 1, 0
-        ctx.tracker.truncate(start - 1)
-    else:
-        ctx.tracker.truncate(start - 1)  # the interrupted epoch is logged when it completes
+    # Epochs before `start` are logged; an interrupted one is when it completes. Without a checkpoint
+    # this drops the records of an earlier attempt that died before its first one.
+    ctx.tracker.truncate(start - 1)
+    if resumed is not None:
+        _follow_config(optimizer, scheduler, cfg)
     history = extra.get("history", [])
 
     # After the resume: the data order is seeded by the run's seed, which the restored RNG state carries.
@@ -459,6 +459,30 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
     if ctx.is_main and "test" in calibration:
         reliability_plot(ctx.dir / "reliability.png", calibration["test"], "test")
     return metrics
+
+
+def _follow_config(optimizer, scheduler, cfg) -> None:
+    """After a resume, the optimizer settings and lr schedule of `cfg` rather than the checkpoint's,
+    from the restored epoch on: a run extended by `train.epochs`, or resumed with a changed lr under
+    `train.resume=force`, trains as its config.yaml says. Nothing changes when they agree (so a plain
+    resume stays exact)."""
+    epoch = scheduler.last_epoch
+    stand_in = make_optimizer(torch.nn.Linear(1, 1), cfg)  # the config's settings and schedule,
+    reference = make_scheduler(stand_in, cfg)  # stepped to the restored epoch
+    for _ in range(epoch):
+        stand_in.step()
+        reference.step()
+    keys = ("base_lrs", "T_max", "eta_min", "milestones", "gamma")
+    wanted = {**stand_in.defaults, "initial_lr": cfg.lr}
+    wanted.pop("lr")
+    same = all(g.get(k) == v for g in optimizer.param_groups for k, v in wanted.items())
+    if same and all(scheduler.state_dict().get(k) == reference.state_dict().get(k) for k in keys):
+        return
+    for group in optimizer.param_groups:
+        group.update(wanted, lr=reference.get_last_lr()[0])
+    scheduler.load_state_dict(reference.state_dict())
+    log.info("resumed with the config's optimizer settings and schedule: lr %g at epoch %d",
+             reference.get_last_lr()[0], epoch + 1)  # fmt: skip
 
 
 def _check_finite(pending, epoch: int, steps: int, state: Resumable) -> None:

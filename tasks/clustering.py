@@ -100,28 +100,37 @@ METHODS = {
 
 def _samples(cfg, ctx, data):
     """(x (N, d) float64, y (N,) int64) to cluster, per `method.split`, `per_class` and `features`."""
+    from runner.distributed_passes import decoded_inputs, predict_all, rows_of
+
     m = cfg.method
     parts = {"train": [data.train], "test": [data.test], "all": [data.train, data.val, data.test]}[m.split]
-    x = torch.cat([p.x for p in parts if len(p)])
-    y = torch.cat([p.y_clean for p in parts if len(p)])
+    parts = [p for p in parts if len(p)]
+    if m.features == "raw" and not all(hasattr(p, "x") for p in parts):
+        raise ConfigError(
+            f"method.features=raw: dataset={cfg.dataset.name} is read from files; cluster network features "
+            "instead (method.features=net)"
+        )
+    y = torch.cat([p.y_clean for p in parts])
+    keep = torch.arange(len(y))
     if m.per_class > 0:
         keep = (
             torch.cat([torch.nonzero(y == c)[: m.per_class, 0] for c in range(data.num_classes)])
             .sort()
             .values
         )
-        x, y = x[keep], y[keep]
     if m.features == "net":
         from runner.models import build_model
-        from runner.train import fit, predict
+        from runner.train import fit
 
         model = build_model(cfg.model, data.input_shape, data.num_classes)
         fit(model, data, cfg.train, ctx, augment=cfg.dataset.augment)
-        x = predict(model, x, ctx, features=True)
+        x = rows_of(parts, keep, lambda split: predict_all(model, split, ctx, features=True))
+    else:
+        x = rows_of(parts, keep, lambda split: decoded_inputs(split, ctx))
     x = x.reshape(len(x), -1).double().numpy()
     if m.standardize:
         x = (x - x.mean(0)) / np.maximum(x.std(0), 1e-12)
-    return x, y.numpy()
+    return x, y[keep].numpy()
 
 
 def cluster_scores(y, labels, k: int, outlier_label=None) -> dict:
@@ -170,6 +179,8 @@ def run(cfg, ctx) -> dict:
     m = cfg.method
     data = load_data(cfg.dataset, cfg.seed)
     x, y = _samples(cfg, ctx, data)
+    if not ctx.is_main:  # under DDP the clustering runs on rank 0, which writes the summary
+        return {}
     k = m.k or data.meta.get("n_clusters", data.num_classes)
     if k > len(x):
         raise ConfigError(f"method.k={k}: more clusters than the {len(x)} samples to cluster")
@@ -196,7 +207,7 @@ def run(cfg, ctx) -> dict:
                 {"cluster/mass_min": float(row.min()), "cluster/mass_max": float(row.max())}, step=t
             )
     summary |= cluster_scores(y, labels, k, data.meta.get("outlier_label"))
-    if m.plot and ctx.is_main:
+    if m.plot:
         path = ctx.dir / "clusters.png"
         sizes, nmi = summary["cluster/sizes"], summary["cluster/nmi"]
         title = f"{m.name} on {cfg.dataset.name}: NMI {nmi:.3f}\ncluster sizes {sizes}"

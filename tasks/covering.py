@@ -6,7 +6,10 @@
     runner -m +method=pwc method.selector=ctrans,random,kcenter seed=0,1,2,3,4
 
 Selectors (`method.selector`): the PWC algorithms greedy | sensitivity | ctrans | entropic | milp and
-the baselines random | kcenter | lof of `runner.methods.pwc.cover`.
+the baselines random | kcenter | lof | entropy of `runner.methods.pwc.cover`. `entropy` is the paper's
+active-learning baseline: the K application samples on which a classifier (`model`, trained here as for
+`features=net`) is least certain, by the entropy of its softmax. The entropic selector's eps is `reg` in
+cost units (the paper: 0.01, with at most 50,000 sweeps), or `reg` x PW({}) with `reg_relative=true`.
 
 Sets (`method.scenario`):
   dataset    `n_app` application samples with every class in equal shares (the paper's 10% each) and,
@@ -67,8 +70,9 @@ class CoverConfig:
     checkpoint: str = ""  # features=net: embed with this runner checkpoint instead of training
     batch: int = 1  # picks per LP (> 1: an extension beyond the paper)
     eta: float = 1e-6  # sensitivity / entropic: relative mass of unselected candidates
-    reg: float = 1.0  # entropic: eps / PW({})
-    max_iter: int = 100_000  # entropic sweeps
+    reg: float = 0.01  # entropic: eps in cost units (the paper's), or a fraction of PW({}) (reg_relative)
+    reg_relative: bool = False
+    max_iter: int = 50_000  # entropic sweeps (the paper's cap)
     tol: float = 1e-6  # entropic L1 row-marginal tolerance
     mip_gap: float = 1e-6  # milp: HiGHS relative gap
     plot: bool = True
@@ -84,6 +88,10 @@ class CoverConfig:
         check_range("method.app_share", self.app_share, 0.0, 1.0, hi_open=True)
         check_range("method.outliers", self.outliers, 0.0, 1.0, hi_open=True)
         check_choice("method.features", self.features, ("raw", "net"))
+        if self.selector == "entropy" and self.scenario == "mixture2d":
+            raise ConfigError(
+                "method.selector=entropy needs a dataset to train a classifier on; not mixture2d"
+            )
         check_range("method.batch", self.batch, 1)
         if self.batch > 1 and self.selector not in BATCHED:
             raise ConfigError(f"method.batch={self.batch}: only {', '.join(BATCHED)} pick in batches")
@@ -154,12 +162,12 @@ def mixture2d_sets(m, rng: np.random.Generator):
     return x_app[shuffle_app], y_app[shuffle_app], x_dev[shuffle_dev], y_dev[shuffle_dev]
 
 
-def _embed(cfg, ctx, data, x: torch.Tensor) -> np.ndarray:
-    """`forward_features` of `cfg.model`, loaded from method.checkpoint or trained on the train split
-    with the missing class cut to dev_share of it."""
+def _trained_model(cfg, ctx, data):
+    """`cfg.model` loaded from method.checkpoint, or trained on the train split with the missing class cut
+    to dev_share of it (as the development data would be)."""
     from runner.data import Data
     from runner.models import build_model
-    from runner.train import fit, predict
+    from runner.train import fit
 
     m = cfg.method
     model = build_model(cfg.model, data.input_shape, data.num_classes)
@@ -180,34 +188,64 @@ def _embed(cfg, ctx, data, x: torch.Tensor) -> np.ndarray:
         train = data.train.subset(np.sort(np.r_[others, missing]))
         fit(model, Data(train, data.val, data.test, data.num_classes, data.input_shape, data.meta), cfg.train,
             ctx, augment=cfg.dataset.augment)  # fmt: skip
-    return predict(model.to(ctx.device), x, ctx, features=True).double().numpy()
+    return model.to(ctx.device)
+
+
+def predictive_entropy(logits: torch.Tensor) -> np.ndarray:
+    """-sum_j p_j log p_j of softmax(logits), per row (nats)."""
+    log_p = torch.log_softmax(logits.double(), dim=1)
+    return -(log_p.exp() * log_p).sum(1).numpy()
 
 
 def build_sets(cfg, ctx):
-    """X_app, labels_app, X_dev, labels_dev, the missing label, the app images (or None), class names."""
+    """X_app, labels_app, X_dev, labels_dev, the missing label, `app_images(picks)` (the decoded app images
+    of the picks, or None), class names, and the entropy scores of the app samples (selector=entropy)."""
     m = cfg.method
     if m.scenario == "mixture2d":
         x_app, y_app, x_dev, y_dev = mixture2d_sets(m, np.random.default_rng(cfg.seed))
-        return x_app, y_app, x_dev, y_dev, MISSING, None, ["A", "B", "C", "outlier"]
+        return x_app, y_app, x_dev, y_dev, MISSING, lambda picks: None, ["A", "B", "C", "outlier"], None
     from runner.data import load_data
+    from runner.distributed_passes import decoded_inputs, predict_all, rows_of
 
     data = load_data(cfg.dataset, cfg.seed)
     if m.missing_class >= data.num_classes:
         raise ConfigError(
             f"method.missing_class={m.missing_class}: {cfg.dataset.name} has {data.num_classes} classes"
         )
-    splits = [data.val, data.test] if m.features == "net" else [data.train, data.val, data.test]
-    x = torch.cat([s.x for s in splits if len(s)])
-    y = torch.cat([s.y_clean for s in splits if len(s)]).numpy()
+    trains = m.features == "net" or m.selector == "entropy"
+    splits = [s for s in ([data.val, data.test] if trains else [data.train, data.val, data.test]) if len(s)]
+    if m.features == "raw" and not all(hasattr(s, "x") for s in splits):
+        raise ConfigError(
+            f"method.features=raw: dataset={cfg.dataset.name} is read from files; cover with network "
+            "features instead (method.features=net)"
+        )
+    y = torch.cat([s.y_clean for s in splits]).numpy()
     app, dev = dataset_sets(y, m, data.num_classes, np.random.default_rng(cfg.seed))
-    x = x[np.r_[app, dev]]
-    feats = _embed(cfg, ctx, data, x) if m.features == "net" else x.reshape(len(x), -1).double().numpy()
-    images = x[: len(app)] if len(data.input_shape) == 3 else None
+    chosen = np.r_[app, dev]
+    model = _trained_model(cfg, ctx, data) if trains else None
+    if m.features == "net":
+        feats = rows_of(splits, chosen, lambda split: predict_all(model, split, ctx, features=True))
+    else:
+        feats = rows_of(splits, chosen, lambda split: decoded_inputs(split, ctx))
+    feats = feats.reshape(len(chosen), -1).double().numpy()
+    scores = None
+    if m.selector == "entropy":
+        scores = predictive_entropy(rows_of(splits, app, lambda split: predict_all(model, split, ctx)))
+
+    def app_images(picks):
+        if len(data.input_shape) != 3:
+            return None
+        return rows_of(
+            splits, app[np.asarray(picks, dtype=np.int64)], lambda split: decoded_inputs(split, ctx)
+        )
+
     names = [str(c) for c in range(data.num_classes)]
-    return feats[: len(app)], y[app], feats[len(app) :], y[dev], m.missing_class, images, names
+    return feats[: len(app)], y[app], feats[len(app) :], y[dev], m.missing_class, app_images, names, scores
 
 
 def plot_picks(path, title, x_app, x_dev, picks, labels_app, names, images=None) -> None:
+    """The 2-D scatter (PCA for other vectors) with the picks circled, or with `images` (those of the
+    picks, in pick order) a labelled grid of them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -219,8 +257,8 @@ def plot_picks(path, title, x_app, x_dev, picks, labels_app, names, images=None)
         fig, axes = plt.subplots(rows, cols, figsize=(1.1 * cols, 1.25 * rows + 0.5), squeeze=False)
         for ax in axes.ravel():
             ax.axis("off")
-        for ax, j in zip(axes.ravel(), picks):
-            img = images[j].float()
+        for ax, j, img in zip(axes.ravel(), picks, images):
+            img = img.float()
             img = (img - img.min()) / max(float(img.max() - img.min()), 1e-12)
             ax.imshow(img.permute(1, 2, 0).squeeze(-1).numpy(), cmap="gray")
             ax.set_title(names[labels_app[j]], fontsize=8)
@@ -247,10 +285,13 @@ def plot_picks(path, title, x_app, x_dev, picks, labels_app, names, images=None)
 
 def run(cfg, ctx) -> dict:
     m = cfg.method
-    x_app, y_app, x_dev, y_dev, missing, images, names = build_sets(cfg, ctx)
+    x_app, y_app, x_dev, y_dev, missing, app_images, names, scores = build_sets(cfg, ctx)
+    if not ctx.is_main:  # under DDP the selection runs on rank 0, which writes the summary
+        return {}
     start = time.perf_counter()
-    result = cover(x_app, x_dev, m.k, m.selector, batch=m.batch, eta=m.eta, reg=m.reg, max_iter=m.max_iter,
-                   tol=m.tol, mip_gap=m.mip_gap, seed=cfg.seed)  # fmt: skip
+    result = cover(x_app, x_dev, m.k, m.selector, batch=m.batch, eta=m.eta, reg=m.reg,
+                   reg_relative=m.reg_relative, max_iter=m.max_iter, tol=m.tol, mip_gap=m.mip_gap,
+                   seed=cfg.seed, scores=scores)  # fmt: skip
     seconds = time.perf_counter() - start
     picked = y_app[result.indices]
     hits = np.cumsum(picked == missing)
@@ -272,11 +313,11 @@ def run(cfg, ctx) -> dict:
     }
     if m.scenario == "mixture2d":
         summary["cover/outlier_share"] = float(np.mean(picked == OUTLIER)) if m.k else 0.0
-    if m.plot and ctx.is_main:
+    if m.plot:
         path = ctx.dir / "covering.png"
         title = (f"{m.selector}: {summary['cover/missing_share']:.0%} of {m.k} picks from "
                  f"{names[missing]} (app {summary['cover/app_missing_share']:.0%}, dev "
                  f"{summary['cover/dev_missing_share']:.1%})\nPW {pw0:.4g} -> {pwk:.4g}")  # fmt: skip
-        plot_picks(path, title, x_app, x_dev, result.indices, y_app, names, images)
+        plot_picks(path, title, x_app, x_dev, result.indices, y_app, names, app_images(result.indices))
         ctx.tracker.image("covering", path)
     return summary

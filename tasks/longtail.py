@@ -36,7 +36,8 @@ Accuracies are reported per test set, rule and class group (by training count: m
 few <= few_max, medium between) as `<test set>/<rule>/<all|many|medium|few>`. `test/acc` is the plain
 argmax accuracy on the uniform (balanced) test set, what the paper's Table 1 reports; `test/acc_<predict>`
 is the uniform-test accuracy of the rule `method.predict` (e.g. `test/acc_dbot`). The training run's own
-metrics (whole test split, best / last epoch) are under `fit/`.
+metrics are kept (`val/acc`, the objective of a search; `test/acc_best`, `test/acc_last` over the whole
+test split), its last-epoch accuracy on the whole test split as `fit/test/acc`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 
 from runner.augment import PolicyAugment, cutout
 from runner.data import load_data, longtail_counts
+from runner.distributed_passes import global_batch, predict_all
 from runner.methods.dbot import (
     LOSS_MODES,
     SOLVERS,
@@ -62,7 +64,7 @@ from runner.methods.dbot import (
 )
 from runner.models import build_model
 from runner.schema import ConfigError, check_choice, check_range
-from runner.train import fit, predict, soft_cross_entropy
+from runner.train import fit, soft_cross_entropy
 
 METRIC = ("test/acc", "max")
 LOSSES = ("ce", "balanced_softmax", "logit_adjust", "focal", "cb_ce", "cb_focal", "ldam", "dbot")
@@ -200,7 +202,9 @@ class LossHook:
         weights = self.class_weights
         if self.m.loss == "ldam" and epoch < self.drw_epoch:  # DRW: plain LDAM before the re-weighting
             weights = None
-        return longtail_loss(model(x).float(), y_soft, self.m, self.prior, weights, self.margins)
+        # Under DDP on the global batch: the DB-OT losses and the weighted means couple the samples.
+        logits, y_soft = global_batch(model(x).float(), y_soft)
+        return longtail_loss(logits, y_soft, self.m, self.prior, weights, self.margins)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -277,15 +281,17 @@ def run(cfg, ctx) -> dict:
     hooks = LossHook(m, train_counts, ctx.device, cfg.train.epochs, stats)
     fitted = fit(model, data, cfg.train, ctx, hooks, augment=cfg.dataset.augment)
 
-    logits = predict(model, data.test, ctx).double().numpy()
-    feats = predict(model, data.test, ctx, features=True).double().numpy()
+    logits = predict_all(model, data.test, ctx).double().numpy()
+    feats = predict_all(model, data.test, ctx, features=True).double().numpy()
+    if not ctx.is_main:  # the inference rules run on rank 0, which writes the summary
+        return {}
     weight = model.classifier.weight.detach().double().cpu().numpy()
     y_test = data.test.y_clean.numpy()
     rng = np.random.default_rng(cfg.seed + 1)
     imbalance = m.test_imbalance or data.meta.get("imbalance", cfg.dataset.imbalance)
     test_sets = resampled_test_sets(y_test, k, imbalance, m.test_sets, rng)
 
-    summary = {f"fit/{key}": v for key, v in fitted.items()}
+    summary = {**fitted, "fit/test/acc": fitted.get("test/acc")}
     summary["train/counts"] = [int(c) for c in train_counts]
     return {**summary, **evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets)}
 

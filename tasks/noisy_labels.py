@@ -51,7 +51,9 @@ Table 4 ablations: (a) `+method=ot`, (b) `+method=sot`, (c) `+method=cot`, (d)/(
 
 Logged per epoch: `select/precision`, `select/recall` (clean set against the true clean labels),
 `select/corrected_acc`, `select/m`, set sizes, `select/solver_s`; plus train/val/test accuracy.
-Under DDP every rank runs the same selection (same outputs, same seed) and takes its shard of each batch.
+Under DDP (`hardware=ddp`) the losses forward through the DDP-wrapped network, the selection pass is
+sharded over the ranks and gathered, rank 0 selects and broadcasts its selection, and every rank takes
+its shard of each global batch of the two loaders.
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ from torch import nn
 
 from runner.augment import POLICIES, PolicyAugment, cutout, shift
 from runner.data import load_data
+from runner.distributed_passes import broadcast_from_main, predict_all
 from runner.methods.csot import BUDGET_RULES, allocate, curriculum_budget
 from runner.models import build_model
 from runner.schema import ConfigError, check_choice, check_range
-from runner.train import augment_crop_flip, batches, fit, predict, soft_cross_entropy
+from runner.train import augment_crop_flip, batches, fit, soft_cross_entropy
 
 METRIC = ("test/acc", "max")
 SELECTIONS = ("csot", "cot", "ot", "small_loss", "none")
@@ -312,29 +315,11 @@ class NoisyLabelHooks:
         cfg = self.cfg
         if cfg.selection == "none" or epoch < cfg.warmup:
             return
-        probs, feats = self._outputs(data.train)
+        probs, feats = self._outputs(data.train)  # every rank: its shard, gathered
         y = data.train.y.numpy()
-        start = time.perf_counter()
-        if cfg.selection == "small_loss":
-            m = float("nan")
-            p_true = _numpy(probs)[np.arange(len(y)), y]
-            p_clean = _gmm_clean_probability(-np.log(np.maximum(p_true, 1e-12)))
-            clean, weight = p_clean > cfg.gmm_threshold, p_clean
-            pseudo, corrected = y.copy(), np.zeros(len(y), dtype=bool)
-        else:
-            m = (
-                1.0
-                if cfg.selection == "ot"
-                else curriculum_budget(epoch, cfg.warmup, cfg.curriculum_end, cfg.m0, cfg.budget)
-            )
-            labels = y if isinstance(probs, np.ndarray) else self.labels
-            pseudo, weight, selected = map(_numpy, allocate(
-                probs, feats, labels, m, solve_batch=cfg.solve_batch, seed=self.seed * 100_003 + epoch,
-                eps=cfg.eps, kappa_p=cfg.kappa_p, kappa_l=cfg.kappa_l, outer_iters=cfg.outer_iters,
-                inner_iters=cfg.inner_iters, omega_p_input=cfg.omega_p_input,
-            ))  # fmt: skip
-            clean, corrected = selected & (pseudo == y), selected & (pseudo != y)
-        solver_s = time.perf_counter() - start
+        # Rank 0 selects, every rank trains on its selection.
+        selection = self._select(epoch, probs, feats, y) if self.ctx.is_main else None
+        clean, corrected, pseudo, weight, m, solver_s = broadcast_from_main(selection)
         unselected = ~(clean | corrected)
         at_t_sup = epoch + 1 >= cfg.curriculum_end  # the paper's t = epoch + 1 reaches T_sup
         if cfg.stage_switch == "never":
@@ -356,6 +341,32 @@ class NoisyLabelHooks:
         self.last_stats = stats
         self.ctx.tracker.log(stats, step=epoch)
 
+    @torch.no_grad()
+    def _select(self, epoch, probs, feats, y):
+        """(clean, corrected, pseudo-labels, confidences w, budget m, solver seconds), numpy arrays."""
+        cfg = self.cfg
+        start = time.perf_counter()
+        if cfg.selection == "small_loss":
+            m = float("nan")
+            p_true = _numpy(probs)[np.arange(len(y)), y]
+            p_clean = _gmm_clean_probability(-np.log(np.maximum(p_true, 1e-12)))
+            clean, weight = p_clean > cfg.gmm_threshold, p_clean
+            pseudo, corrected = y.copy(), np.zeros(len(y), dtype=bool)
+        else:
+            m = (
+                1.0
+                if cfg.selection == "ot"
+                else curriculum_budget(epoch, cfg.warmup, cfg.curriculum_end, cfg.m0, cfg.budget)
+            )
+            labels = y if isinstance(probs, np.ndarray) else self.labels
+            pseudo, weight, selected = map(_numpy, allocate(
+                probs, feats, labels, m, solve_batch=cfg.solve_batch, seed=self.seed * 100_003 + epoch,
+                eps=cfg.eps, kappa_p=cfg.kappa_p, kappa_l=cfg.kappa_l, outer_iters=cfg.outer_iters,
+                inner_iters=cfg.inner_iters, omega_p_input=cfg.omega_p_input,
+            ))  # fmt: skip
+            clean, corrected = selected & (pseudo == y), selected & (pseudo != y)
+        return clean, corrected, pseudo, weight, m, time.perf_counter() - start
+
     def _loaders(self, epoch):
         """The epoch's labeled (clean) and unlabeled (the rest) loaders: len(train) // batch_size steps
         (fit's epoch), the same global batches on every rank."""
@@ -373,7 +384,7 @@ class NoisyLabelHooks:
     def _outputs(self, split):
         """Softmax outputs and structure features (float64) of the training set, no augmentation:
         numpy on CPU, tensors on the device otherwise (the CSOT solver runs on either)."""
-        feats = predict(self.model, split, self.ctx, features=True)
+        feats = predict_all(self.model, split, self.ctx, features=True)
         classifier, device = self.model.classifier, self.ctx.device
         probs = torch.cat([
             F.softmax(classifier(part.to(device)).double(), dim=1) for part in feats.split(65_536)

@@ -11,7 +11,17 @@ from runner.cli import _compose, _typed, preflight
 from runner.hardware import RunContext, seed_everything
 from runner.schema import ConfigError, validate
 from runner.track import Tracker
-from tasks.covering import MISSING, OUTLIER, CoverConfig, dataset_sets, largest_remainder, mixture2d_sets, run
+from tasks.covering import (
+    MISSING,
+    OUTLIER,
+    CoverConfig,
+    build_sets,
+    dataset_sets,
+    largest_remainder,
+    mixture2d_sets,
+    predictive_entropy,
+    run,
+)
 
 
 def run_here(tmp_path, *overrides):
@@ -68,6 +78,7 @@ def test_mixture2d_sets():
         (["method.scenario=blobs"], "method.scenario='blobs'"),
         (["method.features=pixels"], "method.features='pixels'"),
         (["method.reg=0"], "method.reg=0"),
+        (["method.scenario=mixture2d", "method.selector=entropy"], "method.selector=entropy needs a dataset"),
     ],
 )
 def test_bad_config_is_one_line(overrides, match):
@@ -107,6 +118,33 @@ def test_net_features_train_then_load_from_checkpoint(tmp_path):
     assert loaded["cover/pw_empty"] == pytest.approx(trained["cover/pw_empty"], rel=1e-9)
     with pytest.raises(ConfigError, match="method.checkpoint"):
         run_here(tmp_path / "c", *args, f"method.checkpoint={tmp_path / 'missing.pt'}")
+
+
+def test_predictive_entropy():
+    h = predictive_entropy(torch.tensor([[0.0, 0.0], [100.0, 0.0], [1.0, 1.0], [0.0, np.log(3.0)]]))
+    np.testing.assert_allclose(h[:3], [np.log(2), 0.0, np.log(2)], atol=1e-12)
+    assert h[3] == pytest.approx(-(0.25 * np.log(0.25) + 0.75 * np.log(0.75)))
+
+
+def test_entropy_baseline_picks_the_least_certain_app_samples(tmp_path):
+    args = ["method.selector=entropy", "method.n_app=60", "method.n_dev=60", "method.k=5", "train.epochs=1",
+            "train.progress=false", "method.plot=false"]  # fmt: skip
+    s = run_here(tmp_path / "a", *args)
+    assert len(set(s["cover/picked"])) == 5 and (tmp_path / "a" / "checkpoints" / "last.pt").exists()
+    # the same sets and the same (loaded) classifier give the scores: the picks are the top 5
+    cfg = _compose(
+        [
+            "+method=pwc",
+            "logger=none",
+            *args,
+            f"method.checkpoint={tmp_path / 'a' / 'checkpoints' / 'last.pt'}",
+        ]
+    )
+    cfg = _typed(cfg, validate(cfg))
+    scores = build_sets(cfg, RunContext(torch.device("cpu"), tmp_path / "b", Tracker(tmp_path / "b", None)))[
+        -1
+    ]
+    assert sorted(s["cover/picked"]) == sorted(np.argsort(-scores, kind="stable")[:5].tolist())
 
 
 def test_cli_sweep_over_selectors(cli, tmp_path):

@@ -170,7 +170,8 @@ def test_inference_rules_reduce_to_argmax_where_they_should():
     )
     shifted = infer("posthoc_la", m, logits, feats, weight, train, uniform)
     np.testing.assert_array_equal(shifted, (logits - np.log(train)).argmax(1))
-    m_big = LongTailConfig(delta=1e3)
+    m_big = LongTailConfig()
+    m_big.delta = 1e3  # beyond the config's range: both bounds inactive (dbot_predict allows it)
     np.testing.assert_array_equal(infer("dbot", m_big, logits, feats, weight, train, uniform), argmax)
     assert not np.array_equal(infer("sinkhorn", m, 3 * logits, feats, weight, train, train), argmax)
 
@@ -220,7 +221,7 @@ def test_cluster_configs_check_ranges():
 def test_blobs_dataset():
     cfg = OmegaConf.structured(BlobsConfig(name="blobs", val_fraction=0.0, test_fraction=0.0))
     data = load_data(cfg, seed=3)
-    assert data.meta == {"n_clusters": 5, "outlier_label": 5} and data.num_classes == 6
+    assert data.meta["n_clusters"] == 5 and data.meta["outlier_label"] == 5 and data.num_classes == 6
     np.testing.assert_array_equal(data.train.y.bincount(), [40, 50, 60, 70, 80, 6])
     outliers = data.train.x[data.train.y == 5]
     assert (outliers - 25).abs().max() < 3 and data.train.x[data.train.y < 5].abs().max() < 12
@@ -255,7 +256,10 @@ def test_cli_preflight_rejects_bad_method_keys():
     with pytest.raises(ConfigError, match="method.tau"):
         preflight(["+method=balanced_cluster", "method.tau=0.3"])
     preflight(["+experiment=dbot_cifar100_lt"])  # the GPU presets compose and validate
-    preflight(["+experiment=dbot_cifar10_lt", "method.loss=ce,focal"])
+    preflight(["+experiment=dbot_cifar10_lt", "method.loss=ce,focal,ldam,cb_ce,cb_focal"])
+    preflight(["+experiment=dbot_imagenet_lt"])
+    with pytest.raises(ConfigError, match="train_delta=0.1 has no effect"):
+        preflight(["+method=dbot", "method.loss_mode=paper", "method.k_train=1", "method.train_delta=0.1"])
 
 
 def test_clustering_cli_writes_scores_and_plot(cli, tmp_path):

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -119,3 +120,178 @@ def test_ddp_outside_torchrun_is_a_one_line_error(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError, match="must be launched by torchrun"):
         setup(HardwareConfig(name="ddp", device="cpu", distributed=True))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The method tasks under DDP (2 gloo ranks spawned here, each running the task's `run`), against one process.
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_task(run_dir, overrides, rank=0, world_size=1) -> dict:
+    from runner.cli import _compose, _typed
+    from runner.hardware import seed_everything
+    from runner.schema import task_module, validate
+
+    cfg = _compose(["logger=none", "train.progress=false", *overrides])
+    cfg = _typed(cfg, validate(cfg))
+    seed_everything(cfg.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ctx = RunContext(torch.device("cpu"), run_dir, Tracker(run_dir, enabled=rank == 0), rank=rank,
+                     world_size=world_size)  # fmt: skip
+    return task_module(cfg).run(cfg, ctx)
+
+
+def _task_rank(rank, world_size, port, tmp_path, overrides):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        summary = _run_task(tmp_path / f"rank{rank}", overrides, rank, world_size)
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(summary))
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_and_single(tmp_path, overrides) -> tuple[dict, dict]:
+    """(rank 0's summary of a 2-rank run, the one-process summary) of the same task config."""
+    mp.spawn(_task_rank, args=(2, _free_port(), tmp_path, overrides), nprocs=2)
+    assert json.loads((tmp_path / "rank1.json").read_text()) in (
+        {},
+        json.loads((tmp_path / "rank0.json").read_text()),
+    )
+    return json.loads((tmp_path / "rank0.json").read_text()), _run_task(tmp_path / "single", overrides)
+
+
+def test_longtail_dbot_loss_under_ddp_matches_one_process(tmp_path):
+    """The official DB-OT loss couples a batch (its label counts, the plan's column sums): computed on the
+    global batch, the 2-rank run follows the one-process run, and so does every inference rule."""
+    overrides = ["+experiment=dbot_digits_lt", "method.loss=dbot", "train.epochs=3"]
+    ddp, single = _ddp_and_single(tmp_path, overrides)
+    for key in (
+        "test/acc",
+        "test/acc_dbot",
+        "uniform/sinkhorn/all",
+        "reversed/dbot/few",
+        "lt/class_bias/all",
+    ):
+        assert ddp[key] == pytest.approx(single[key], abs=1e-9), key
+    assert ddp["train/loss"] == pytest.approx(single["train/loss"], rel=1e-4)
+
+
+def test_clustering_on_network_features_under_ddp_matches_one_process(tmp_path):
+    overrides = [
+        "+experiment=dbot_cluster_digits",
+        "method.features=net",
+        "train.epochs=2",
+        "method.plot=false",
+    ]
+    ddp, single = _ddp_and_single(tmp_path, overrides)
+    for key in ("cluster/nmi", "cluster/ari", "cluster/mass_min", "cluster/mass_max"):
+        assert ddp[key] == pytest.approx(single[key], abs=1e-6), key
+    assert ddp["cluster/sizes"] == single["cluster/sizes"]
+
+
+@pytest.mark.parametrize("selector", ["ctrans", "entropy"])
+def test_covering_on_network_features_under_ddp_matches_one_process(tmp_path, selector):
+    overrides = ["+method=pwc", "method.features=net", f"method.selector={selector}", "method.n_app=60",
+                 "method.n_dev=60", "method.k=6", "train.epochs=2", "method.plot=false"]  # fmt: skip
+    ddp, single = _ddp_and_single(tmp_path, overrides)
+    assert ddp["cover/picked"] == single["cover/picked"]
+    assert ddp["cover/pw_curve"] == pytest.approx(single["cover/pw_curve"], rel=1e-6)
+
+
+def _csot_rank(rank, world_size, port, tmp_path, loss):
+    """CSOT's hooks and `fit` on a toy set: every rank's parameters and selection, written per rank."""
+    from tasks.noisy_labels import METHODS, NoisyLabelHooks, NoisyLabelNet, Views
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        g = torch.Generator().manual_seed(0)
+        y = torch.randint(0, 3, (150,), generator=g)
+        x = torch.randn(150, 4, generator=g) + 3 * torch.nn.functional.one_hot(y, 4).float()
+        noisy = torch.where(torch.rand(150, generator=g) < 0.4, torch.randint(0, 3, (150,), generator=g), y)
+        train = split_of(x[:120], y[:120])
+        train.y = noisy[:120]
+        data = Data(
+            train, split_of(x[120:], y[120:]), split_of(x[120:], y[120:]), num_classes=3, input_shape=(4,)
+        )
+        torch.manual_seed(rank)  # different augmentation streams per rank; DDP must keep the weights equal
+        backbone = build_model(OmegaConf.structured(MLPConfig(hidden=[8])), (4,), 3)
+        torch.manual_seed(0)
+        model = NoisyLabelNet(backbone, head=True, predictor_hidden=4 if loss == "paper" else None)
+        cfg = METHODS["csot"](loss=loss, warmup=1, curriculum_end=3, solve_batch=60, stage_switch="epoch")
+        ctx = RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path, enabled=rank == 0), rank=rank,
+                         world_size=world_size)  # fmt: skip
+        hooks = NoisyLabelHooks(cfg, model, data, ctx, Views((4,)), False, 0, 20)
+        train_cfg = OmegaConf.structured(
+            TrainConfig(epochs=4, batch_size=20, checkpoint=False, progress=False)
+        )
+        fit(model, data, train_cfg, ctx, hooks)
+        params = torch.cat([p.detach().flatten() for p in model.parameters()])
+        out = {"params": params.tolist(), "clean": hooks.clean.tolist(), "pseudo": hooks.pseudo.tolist(),
+               "stage2": bool(hooks.stage2), "n_clean": hooks.last_stats["select/n_clean"]}  # fmt: skip
+        (tmp_path / f"csot{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("loss", ["paper", "simple"])
+def test_csot_trains_under_ddp_with_synchronised_weights_and_one_selection(tmp_path, loss):
+    """The losses forward through the DDP-wrapped network (so gradients are averaged: the ranks' weights
+    stay equal although their augmentations differ), the selection pass is sharded and rank 0's selection
+    is every rank's. The CSOT losses draw random views per rank: a 2-rank run is not the one-process run."""
+    mp.spawn(_csot_rank, args=(2, _free_port(), tmp_path, loss), nprocs=2)
+    ranks = [json.loads((tmp_path / f"csot{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["params"] == pytest.approx(ranks[1]["params"], abs=1e-6)
+    for key in ("clean", "pseudo", "stage2", "n_clean"):
+        assert ranks[0][key] == ranks[1][key], key
+    assert ranks[0]["stage2"] and 0 < ranks[0]["n_clean"] < 120
+
+
+def _passes_rank(rank, world_size, port, tmp_path):
+    from runner.distributed_passes import broadcast_from_main, global_batch, predict_all
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        model.forward_features = lambda x: 2 * x
+        split = split_of(torch.randn(7, 4), torch.zeros(7, dtype=torch.long))  # 7 rows: shards of 4 and 3
+        ctx = RunContext(torch.device("cpu"), tmp_path, None, rank=rank, world_size=world_size)
+        logits, feats = (
+            predict_all(model, split, ctx, batch_size=2),
+            predict_all(model, split, ctx, features=True),
+        )
+        decided = broadcast_from_main({"rank": rank, "pick": [rank, 5]})
+        z = torch.full((2, 3), float(rank + 1), requires_grad=True)
+        (gathered,) = global_batch(z)
+        (gathered * torch.arange(4.0)[:, None]).sum().backward()
+        out = {"logits": logits.tolist(), "feats": feats.tolist(), "decided": decided,
+               "grad": z.grad.tolist(), "gathered": gathered.tolist()}  # fmt: skip
+        (tmp_path / f"pass{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_passes_gather_every_sample_in_order(tmp_path):
+    mp.spawn(_passes_rank, args=(2, _free_port(), tmp_path), nprocs=2)
+    ranks = [json.loads((tmp_path / f"pass{r}.json").read_text()) for r in (0, 1)]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x = torch.randn(7, 4)
+    with torch.no_grad():
+        expected = model(x)
+    for r, out in enumerate(ranks):
+        np.testing.assert_allclose(out["logits"], expected.numpy(), atol=1e-6)
+        np.testing.assert_allclose(out["feats"], (2 * x).numpy(), atol=1e-6)
+        assert out["decided"] == {"rank": 0, "pick": [0, 5]}
+        assert out["gathered"] == [[1.0] * 3] * 2 + [[2.0] * 3] * 2  # rank 0's rows first
+        # every rank's loss is the global one, so its rows get the gradient from both ranks' losses
+        assert out["grad"] == [[2.0 * (2 * r)] * 3, [2.0 * (2 * r + 1)] * 3]

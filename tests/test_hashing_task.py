@@ -51,7 +51,10 @@ def test_synthetic_hier_bad_value_is_one_line():
         ("method.solver=lemon", "method.solver='lemon'"),
         ("method.per_class=3", "exactly 2 with the N-pairs loss"),
         ("method.tables=[val]", "method.tables="),
-        ("method.baselines=[lsh]", "method.baselines="),
+        ("method.baselines=[dch]", "method.baselines="),
+        ("method.decay_at=[30000,20000]", "method.decay_at="),
+        ("method.input_norm=zca", "method.input_norm='zca'"),
+        ("method.level1_beta=[0.1,0.2]", "one per ks"),
         ("method.decay=0", "method.decay=0"),
     ],
 )
@@ -62,20 +65,85 @@ def test_bad_method_values_raise_config_error(override, match):
 
 def test_presets_compose():
     method = composed("+experiment=hier_hash_synthetic")["method"]
-    assert (method.d, method.k, method.ks, method.base) == (16, 2, [1, 2, 3], "raw")
+    assert (method.d, method.k, method.ks, method.base, method.iters) == (16, 2, [1, 2, 3], "raw", 1000)
     for preset in ("hier_hash_cifar100_npairs", "hier_hash_cifar100_triplet"):
         cfg = composed(f"+experiment={preset}")
         assert cfg["dataset"].name == "cifar100" and cfg["model"].name == "nin"
+        assert (cfg["method"].iters, cfg["method"].decay_at, cfg["method"].eval_every) == (
+            70000,
+            [20000],
+            1.0,
+        )
+        assert cfg["method"].input_norm == "pixel_mean" and cfg["dataset"].val_fraction == 0.1
+    # the paper's ImageNet protocol: ImageNet32 features, FC only, batch 1024 / 512, 15k / 30k iterations
+    for preset, d, batch, iters, decay_at in (
+        ("hier_hash_imagenet32_npairs", 512, 1024, 15000, [6000, 12000]),
+        ("hier_hash_imagenet32_triplet", 256, 512, 30000, [10000, 20000]),
+        ("hier_hash_imagenet", 512, 1024, 15000, [6000, 12000]),
+    ):
+        cfg = composed(f"+experiment={preset}")
+        method = cfg["method"]
+        assert (method.d, method.classes_per_batch * method.per_class, method.iters) == (d, batch, iters)
+        assert method.decay_at == decay_at and method.lr_backbone == 0 and method.tables == ["test"]
+        assert cfg["dataset"].name == ("imagenet" if preset == "hier_hash_imagenet" else "imagenet32")
+        assert cfg["model"].name == ("resnet50" if preset == "hier_hash_imagenet" else "nin")
+
+
+def test_learning_rate_at_given_iterations():
+    net = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adam([{"params": net.weight, "lr": 1e-3}, {"params": net.bias, "lr": 1e-4}])
+    scheduler = hashing.lr_schedule(optimizer, [20000], 0.3)  # the paper's Cifar-100 rule
+    seen = {}
+    for i in range(1, 70001):  # the lr iteration i runs at, then the step
+        if i in (1, 20000, 20001, 70000):
+            seen[i] = [g["lr"] for g in optimizer.param_groups]
+        scheduler.step()
+    assert seen[1] == seen[20000] == pytest.approx([1e-3, 1e-4])
+    assert seen[20001] == seen[70000] == pytest.approx([3e-4, 3e-5])  # one decay only
+    for preset, at in (("hier_hash_imagenet32_npairs", 15000), ("hier_hash_imagenet32_triplet", 30000)):
+        method = composed(f"+experiment={preset}")["method"]
+        optimizer = torch.optim.Adam(net.parameters(), lr=1.0)
+        scheduler = hashing.lr_schedule(optimizer, method.decay_at, method.decay)
+        for _ in range(at - 1):
+            scheduler.step()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.09)  # two decays by the last iteration
+
+
+def test_level1_baseline_trains_on_class_labels_with_its_own_settings(monkeypatch):
+    method = composed("+experiment=hier_hash_cifar100_npairs")["method"]
+    ours, level1 = hashing.hash_nets(method)
+    assert ours == ("ours", 32, 2, True, [0.07, 0.1, 0.1, 0.1], [0.5], [0.03, 0.01, 0.003, 0.001])
+    assert level1 == ("k1-d64", 64, 1, False, [0.3], [1.0], [0.003])
+    seen = {}
+
+    def spy(outputs, codes, labels, *args):
+        seen["labels"], seen["codes"] = labels, codes
+        return outputs.sum() * 0
+
+    monkeypatch.setattr(hashing.hh, "hash_loss", spy)
+    nc, d = 6, 3
+    net = torch.nn.Linear(4, d)
+    step = dict(nc=nc, m=2, k=1, d=d, ks=1, beta=0.3, margin=1.0, l2_reg=0.003)
+    method = SimpleNamespace(loss="npairs", alpha=100.0, solver="ortools", cost_scale=None)
+    torch.manual_seed(0)
+    x = torch.randn(nc * 2, 4)
+    hashing.hash_step(net, torch.optim.SGD(net.parameters(), 0.1), x, method=method, remap=False, **step)
+    np.testing.assert_array_equal(seen["labels"], [np.arange(nc)])  # classes, although codes repeat
+    assert len({tuple(c) for c in seen["codes"][0]}) < nc  # 6 classes in 3 buckets: shared codes
+    hashing.hash_step(net, torch.optim.SGD(net.parameters(), 0.1), x, method=method, remap=True, **step)
+    np.testing.assert_array_equal(seen["labels"], [hh.remap_labels(seen["codes"][0])])
 
 
 def test_class_balanced_sampler():
     labels = np.repeat(np.arange(10), [5, 5, 5, 5, 5, 5, 5, 5, 1, 1])
     sampler = hashing.ClassBalancedSampler(labels, nc=6, m=3, seed=0)
-    for _ in range(20):
-        batch = sampler()
+    for i in range(20):
+        batch = sampler.batch(i)
         assert batch.shape == (6, 3)
         assert len(np.unique(labels[batch[:, 0]])) == 6  # distinct classes
         assert all(len(set(row)) == 3 and len(set(labels[row])) == 1 for row in batch)
+    assert np.array_equal(sampler.stream(3, 5)[1].numpy(), sampler.batch(4).ravel())  # resumable by index
+    assert not np.array_equal(sampler.batch(0), sampler.batch(1))
     with pytest.raises(ConfigError, match=r"only 8 classes .* set method.classes_per_batch<=8"):
         hashing.ClassBalancedSampler(labels, nc=9, m=2, seed=0)
 
@@ -88,24 +156,29 @@ def test_hash_step_learns_and_reports_code_time(loss):
     x = (centres + torch.randn(nc, m, 6)).reshape(nc * m, 6)
     net = torch.nn.Linear(6, k * d)
     optimizer = torch.optim.Adam(net.parameters(), 1e-2)
-    method = SimpleNamespace(loss=loss, alpha=10.0, solver="ortools", cost_scale=None, remap=True)
-    step = dict(nc=nc, m=m, k=k, d=d, ks=ks, method=method, beta=0.1, margin=0.3, l2_reg=0.003)
+    method = SimpleNamespace(loss=loss, alpha=10.0, solver="ortools", cost_scale=None)
+    step = dict(nc=nc, m=m, k=k, d=d, ks=ks, method=method, beta=0.1, margin=0.3, l2_reg=0.003, remap=True)
     losses = [hashing.hash_step(net, optimizer, x, **step) for _ in range(60)]
     assert all(seconds > 0 for _, seconds in losses)
     assert np.mean([v for v, _ in losses[-10:]]) < np.mean([v for v, _ in losses[:10]])
 
 
-def test_trainer_logs_its_iteration_timing_with_checkpoints_on(tmp_path, caplog):
-    x, y = torch.randn(8, 3), torch.arange(4).repeat(2)
-    split = Split(x, y, y)
-    data = SimpleNamespace(train=split)
-    method = SimpleNamespace(classes_per_batch=2, per_class=2, decay_epochs=0.0, decay=1.0, eval_every=0.0,
+def trainer_setup(tmp_path, eval_every=0.0, n=8):
+    from runner.hardware import RunContext
+
+    x, y = torch.randn(n, 3), torch.arange(4).repeat(n // 4)
+    data = SimpleNamespace(train=Split(x, y, y))
+    method = SimpleNamespace(classes_per_batch=2, per_class=2, decay_at=[], decay=1.0, eval_every=eval_every,
                              log_every=1, checkpoint_every=1)  # fmt: skip
-    cfg = SimpleNamespace(method=method, dataset=SimpleNamespace(augment="none"), seed=0,
+    cfg = SimpleNamespace(method=method, dataset=SimpleNamespace(augment="none", crop_pad=4), seed=0,
                           train=SimpleNamespace(checkpoint=True))  # fmt: skip
-    ctx = SimpleNamespace(
-        device=torch.device("cpu"), dir=tmp_path, tracker=SimpleNamespace(log=lambda m: None)
-    )
+    logged = []
+    ctx = RunContext(torch.device("cpu"), tmp_path, SimpleNamespace(log=logged.append))
+    return hashing.Trainer(cfg, ctx, data), logged
+
+
+def test_trainer_logs_its_iteration_timing_with_checkpoints_on(tmp_path, caplog):
+    trainer, _ = trainer_setup(tmp_path)
     net = torch.nn.Linear(3, 2)
 
     def step(optimizer, x):
@@ -113,40 +186,87 @@ def test_trainer_logs_its_iteration_timing_with_checkpoints_on(tmp_path, caplog)
         return 0.0, 0.0
 
     with caplog.at_level("INFO", logger="tasks.hashing"):
-        timing = hashing.Trainer(cfg, ctx, data).run(
-            "t", net, [{"params": net.parameters(), "lr": 1e-3}], step, epochs=1.0
-        )
+        timing = trainer.run("t", net, [{"params": net.parameters(), "lr": 1e-3}], step, iters=2)
     assert timing["iters"] == 2 and (tmp_path / "checkpoints" / "hier_hash_t.pt").exists()
     assert "t: 2 iterations" in caplog.text
 
 
+def test_validation_each_epoch_restores_the_best_validation_net(tmp_path):
+    trainer, logged = trainer_setup(tmp_path, eval_every=1.0, n=8)  # 8 items, batches of 4: 2 its per epoch
+    net = torch.nn.Linear(3, 1)
+    torch.nn.init.zeros_(net.bias)
+
+    def step(optimizer, x):  # each iteration adds 1 to the bias
+        with torch.no_grad():
+            net.bias += 1
+        return 0.0, 0.0
+
+    scores = iter([0.2, 0.5, 0.9, 0.4, 0.6])  # before training, then after iterations 2, 4, 6, 8
+
+    def val_score():
+        return next(scores)
+
+    timing = trainer.run("v", net, [{"params": net.parameters(), "lr": 1e-3}], step, 8, val_score)
+    assert net.bias.item() == 4 and timing["val_p@1"] == 0.9  # the net after iteration 4
+    assert [m["iter"] for m in logged if "v/val_p@1" in m] == [0, 2, 4, 6, 8]
+    never_better = iter([0.9, 0.1, 0.2, 0.3, 0.4])
+    torch.nn.init.zeros_(net.bias)
+    trainer.run("w", net, [{"params": net.parameters(), "lr": 1e-3}], step, 8, lambda: next(never_better))
+    assert net.bias.item() == 0  # the untrained net stays, as the authors' selection
+
+
+def test_pixel_mean_input_is_x_over_255_minus_the_mean_image(tmp_path):
+    from runner.hardware import RunContext
+
+    raw = torch.randint(0, 256, (10, 3, 4, 4)).float()
+    mean, std = torch.tensor([0.5, 0.4, 0.3]), torch.tensor([0.2, 0.25, 0.3])
+    x = (raw / 255 - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
+    y = torch.zeros(10, dtype=torch.long)
+    data = SimpleNamespace(
+        train=Split(x, y, y), meta={"normalize": (tuple(mean.tolist()), tuple(std.tolist()))}
+    )
+    norm = hashing.pixel_mean_input(data, RunContext(torch.device("cpu"), tmp_path, None), batch_size=3)
+    expected = raw / 255 - (raw / 255).mean(0)
+    assert torch.allclose(norm(x), expected, atol=1e-6)
+    with pytest.raises(ConfigError, match="input_norm=pixel_mean"):
+        hashing.pixel_mean_input(SimpleNamespace(train=Split(x, y, y), meta={}), None, 3)
+
+
 def test_cli_synthetic_reports_every_row(cli, tmp_path):
     run_dir = tmp_path / "run"
-    cli("+experiment=hier_hash_synthetic", "method.epochs=0.5", "method.ks=[1,2]", "method.level1_d=[32]",
+    cli("+experiment=hier_hash_synthetic", "method.iters=50", "method.ks=[1,2]", "method.level1_d=[32]",
         "method.vq_centroids=[16,256]", "logger=none", f"hydra.run.dir={run_dir}")  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
-    for row in ("ours", "k1-d32", "Th", "VQ-16", "VQ-256"):
-        for ks in (1, 2):
-            cell = {key: summary[f"hash/test/{row}/ks{ks}/{key}"] for key in ("p@1", "p@16", "suf@1", "nmi")}
-            assert 0 <= cell["p@1"] <= 1 and 0 <= cell["nmi"] <= 1 and cell["suf@1"] >= 1
+    rows = [(row, ks) for row in ("ours", "k1-d32", "Th", "VQ-16", "VQ-256") for ks in (1, 2)] + [
+        ("LSH-5", 1)
+    ]
+    for row, ks in rows:
+        cell = {key: summary[f"hash/test/{row}/ks{ks}/{key}"] for key in ("p@1", "p@16", "suf@1", "nmi")}
+        assert 0 <= cell["p@1"] <= 1 and 0 <= cell["nmi"] <= 1 and cell["suf@1"] >= 1
     assert summary["test/p@1"] == summary["hash/test/ours/ks1/p@1"]
     assert summary["test/suf@1"] == summary["hash/test/ours/ks1/suf@1"]
     assert 0 < summary["time/mcf_share"] < 1
     # a 256-bucket table cannot beat the exhaustive search's candidate count by more than 1919x
     assert summary["hash/test/VQ-256/ks1/suf@1"] > summary["hash/test/VQ-16/ks1/suf@1"]
-    assert "| ks | ours | k1-d32 | Th | VQ-16 | VQ-256 |" in (run_dir / "retrieval.md").read_text()
+    assert "| ks | ours | k1-d32 | Th | VQ-16 | VQ-256 | LSH-5 |" in (run_dir / "retrieval.md").read_text()
+    assert "hash/test/LSH-5/ks2/p@1" not in summary  # LSH at ks=1 only, as the paper
 
 
 @pytest.mark.slow
 def test_cli_pretrained_base_train_table_and_resume(cli, tmp_path):
     run_dir = tmp_path / "run"
     args = ["+method=hier_hash", "dataset=digits", "model.hidden=[32]", "method.d=4", "method.ks=[1]",
-            "method.beta=[0.1]", "method.npairs_l2=[0.01]", "method.classes_per_batch=8", "method.epochs=0.3",
-            "method.base_dim=8", "method.base_epochs=0.3", "method.eval_every=0.1", "method.baselines=[]",
+            "method.beta=[0.1]", "method.npairs_l2=[0.01]", "method.classes_per_batch=8", "method.iters=20",
+            "method.base_dim=8", "method.base_iters=20", "method.eval_every=0.1", "method.baselines=[]",
             "logger=none", "hardware.threads=1", f"hydra.run.dir={run_dir}"]  # fmt: skip
     cli(*args)
     first = json.loads((run_dir / "summary.json").read_text())
-    assert {"hash/train/metric/p@1", "hash/train/ours/ks1/suf@16", "hash/test/ours/ks1/nmi"} <= set(first)
+    assert {
+        "hash/train/metric/p@1",
+        "hash/train/ours/ks1/suf@16",
+        "hash/test/ours/ks1/nmi",
+        "val/p@1",
+    } <= set(first)
     assert (run_dir / "checkpoints" / "hier_hash_base_final.pt").exists()
     proc = cli(*args)  # every net's checkpoint is complete: the rerun only evaluates
     assert "resumed at iteration" in proc.stderr + proc.stdout

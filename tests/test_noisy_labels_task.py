@@ -333,6 +333,14 @@ def _cli_selection_runs(cli, tmp_path, methods):
         assert all(0 <= r["select/precision"] <= 1 for r in selections)
 
 
+def test_paper_presets_compose():
+    from runner.cli import preflight
+
+    for preset in ("csot_cifar10", "csot_cifar100", "csot_webvision", "csot_clothing1m"):
+        preflight(["+method=csot", f"+experiment={preset}"])
+    preflight(["+method=ot,sot,cot,small_loss,ce", "+experiment=csot_cifar10", "method.simsiam=false"])
+
+
 def test_cli_runs_and_logs_the_selection(cli, tmp_path):
     _cli_selection_runs(cli, tmp_path, ["ce", "csot"])
 

@@ -90,7 +90,8 @@ def test_empty_selection_is_the_wasserstein_distance():
         X_app, X_dev = points(rng, n_app, n_dev)
         w2 = ot.emd2(np.full(n_app, 1 / n_app), np.full(n_dev, 1 / n_dev), ot.dist(X_app, X_dev))
         for method in PW_METHODS + BASELINES:
-            assert cover(X_app, X_dev, 2, method, seed=0).pw[0] == pytest.approx(w2, abs=1e-12)
+            pw = cover(X_app, X_dev, 2, method, seed=0, scores=np.zeros(n_app)).pw
+            assert pw[0] == pytest.approx(w2, abs=1e-12)
 
 
 def test_simplex_iteration_limit_is_an_error():
@@ -122,7 +123,7 @@ def test_monotone_and_submodular_on_random_triples():
 @pytest.mark.parametrize("method", PW_METHODS + BASELINES)
 def test_every_pw_history_is_non_increasing(method):
     X_app, X_dev = points(np.random.default_rng(3), 25, 15)
-    pw = cover(X_app, X_dev, 8, method, seed=0).pw
+    pw = cover(X_app, X_dev, 8, method, seed=0, scores=np.cos(np.arange(25.0))).pw
     assert len(pw) == 9 and (np.diff(pw) <= 1e-12).all()
 
 
@@ -225,7 +226,7 @@ def test_contract_with_explicit_candidates(method):
     rng = np.random.default_rng(6)
     X_app, X_dev = points(rng, 18, 10)
     cand = rng.normal(size=(13, 2))
-    result = cover(X_app, X_dev, 6, method, candidates=cand, seed=1)
+    result = cover(X_app, X_dev, 6, method, candidates=cand, seed=1, scores=np.cos(np.arange(13.0)))
     assert result.indices.dtype == np.int64 and len(set(result.indices.tolist())) == 6
     assert result.indices.min() >= 0 and result.indices.max() < 13
     np.testing.assert_allclose(
@@ -313,6 +314,38 @@ def test_entropic_ranking_is_the_soft_ctransform():
     assert set(ent.indices) <= set(range(20, 26)) and set(ctr.indices) <= set(range(20, 26))
 
 
+def test_entropic_epsilon_is_absolute_by_default(monkeypatch):
+    """The paper's eps = 0.01 in cost units; reg_relative=True scales reg by PW({}) instead."""
+    import runner.methods.pwc as pwc
+
+    used = []
+    solve = pwc.entropic_partial_wasserstein
+    monkeypatch.setattr(
+        pwc, "entropic_partial_wasserstein", lambda *a, **kw: used.append(kw["reg"]) or solve(*a, **kw)
+    )
+    rng = np.random.default_rng(4)
+    X_app, X_dev = rng.normal(size=(12, 2)), rng.normal(size=(6, 2))
+    cover(X_app, X_dev, 2, "entropic", max_iter=200)
+    assert used == [0.01, 0.01]
+    used.clear()
+    cover(10 * X_app, 10 * X_dev, 1, "entropic", max_iter=200)  # absolute: no rescaling with the data
+    assert used == [0.01]
+    used.clear()
+    pw_empty = cover(X_app, X_dev, 0, "ctrans").pw[0]
+    cover(X_app, X_dev, 1, "entropic", reg=0.5, reg_relative=True, max_iter=200)
+    assert used == [pytest.approx(0.5 * pw_empty)]
+
+
+def test_entropy_baseline_takes_the_highest_scores():
+    rng = np.random.default_rng(5)
+    X_app, X_dev = rng.normal(size=(8, 2)), rng.normal(size=(4, 2))
+    scores = np.array([0.1, 0.9, 0.3, 0.9, 0.0, 0.5, 0.2, 0.4])
+    result = cover(X_app, X_dev, 3, "entropy", scores=scores)
+    assert result.indices.tolist() == [1, 3, 5]  # the tie 1 / 3 goes to the lower index first
+    assert result.pw[0] == pytest.approx(cover(X_app, X_dev, 0, "ctrans").pw[0])
+    assert np.all(np.diff(result.pw) <= 1e-12)
+
+
 def test_entropic_rejects_zero_mass_and_warns_when_not_converged():
     cost, a, b = random_instance(np.random.default_rng(3), 5, 6, zero_cols=1)
     with pytest.raises(ValueError, match="log domain"):
@@ -343,6 +376,8 @@ def test_entropic_rejects_zero_mass_and_warns_when_not_converged():
         ({"method": "milp", "batch": 2}, "batch=2 applies to"),
         ({"eta": 0.0}, "eta=0.0"),
         ({"reg": -1.0}, "reg=-1.0"),
+        ({"method": "entropy"}, "needs finite scores of shape"),
+        ({"method": "entropy", "scores": np.zeros(29)}, r"shape \(30,\)"),
     ],
 )
 def test_bad_input_is_a_clear_value_error(kwargs, match):

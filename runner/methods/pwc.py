@@ -46,7 +46,7 @@ __all__ = [
 NUM_ITER_MAX = 100_000_000
 
 PW_METHODS = ("greedy", "sensitivity", "ctrans", "entropic", "milp")
-BASELINES = ("random", "kcenter", "lof")
+BASELINES = ("random", "kcenter", "lof", "entropy")
 BATCHED = ("greedy", "sensitivity", "ctrans", "entropic")  # sequential: one scoring round per pick
 
 
@@ -303,17 +303,20 @@ def _ctrans_scores(problem, selected, opts):
 
 
 def _entropic_scores(problem, selected, opts):
-    """g_j = dPW_eps / db_j at b_j = eta / N_dev (Sec. 3.3), eps = reg * PW({}).
+    """g_j = dPW_eps / db_j at b_j = eta / N_dev (Sec. 3.3), eps = reg (the paper: 0.01 in cost units) or,
+    with reg_relative, reg * PW({}).
 
     Cold-started each step: warm starts from the previous (f, g) were measured to slow convergence
     down by up to 100x here.
     """
-    scale = problem.pw([]) or problem.cost.mean()  # PW({}) = 0: nothing to cover, any scale will do
+    eps = opts["reg"]
+    if opts["reg_relative"]:  # PW({}) = 0: nothing to cover, any scale will do
+        eps *= problem.pw([]) or problem.cost.mean()
     g = entropic_partial_wasserstein(
         problem.cost,
         problem.a,
         problem.masses(selected, eta=opts["eta"]),
-        reg=opts["reg"] * scale,
+        reg=eps,
         max_iter=opts["max_iter"],
         tol=opts["tol"],
     )[2]
@@ -376,6 +379,8 @@ def _select_milp(problem, k, opts):
 
 
 def _select_baseline(k, method, X_dev, X_cand, opts):
+    if method == "entropy":  # uncertainty sampling: the k highest scores, ties to the lowest index
+        return [int(j) for j in np.argsort(-opts["scores"], kind="stable")[:k]]
     if method == "random":
         return [int(j) for j in np.random.default_rng(opts["seed"]).choice(len(X_cand), k, replace=False)]
     if method == "kcenter":
@@ -423,11 +428,13 @@ def cover(
     *,
     batch=1,
     eta=1e-6,
-    reg=1.0,
-    max_iter=100_000,
+    reg=0.01,
+    reg_relative=False,
+    max_iter=50_000,
     tol=1e-6,
     mip_gap=1e-6,
     seed=None,
+    scores=None,
 ):
     """Select k candidates that fill the gaps of ``X_dev`` with respect to ``X_app`` (Eq. 2).
 
@@ -443,15 +450,19 @@ def cover(
         ``entropic``    log-domain Sinkhorn on the full problem, add argmin dPW_eps/db_j = g_j;
         ``milp``        exact optimum by HiGHS (small problems only);
         ``random``, ``kcenter`` (greedy k-center from the dev set), ``lof`` (LocalOutlierFactor
-                        novelty score fit on dev, most anomalous first): baselines.
+                        novelty score fit on dev, most anomalous first), ``entropy`` (the k highest
+                        ``scores``, e.g. a classifier's predictive entropy: uncertainty sampling): baselines.
     candidates : (N_cand, d) points to pick from; default X_app (then index j is X_app[j]).
     batch : picks per LP for greedy/sensitivity/ctrans/entropic (top-``batch`` scores). Values
         above 1 are an extension beyond the paper and may pick near-duplicates.
     eta : relative mass of unselected candidates for ``sensitivity`` and ``entropic``.
-    reg : entropic eps as a fraction of PW({}), the size of the costs that matter (scale-free).
-    max_iter, tol : entropic sweep limit and L1 row-marginal tolerance.
+    reg : entropic eps in cost units (the paper: 0.01), or with ``reg_relative`` as a fraction of
+        PW({}), the size of the costs that matter (scale-free).
+    max_iter, tol : entropic sweep limit (the paper: 50,000) and L1 row-marginal tolerance; a run that
+        stops at max_iter warns and uses the potentials it has, as the paper's capped runs.
     mip_gap : HiGHS relative MIP gap for ``milp``.
     seed : seed of ``random``.
+    scores : (N_cand,) finite scores of ``entropy`` (required there, unused otherwise).
 
     Returns
     -------
@@ -468,6 +479,12 @@ def cover(
         raise ValueError(f"batch={batch!r}: must be an integer >= 1")
     if batch > 1 and method not in BATCHED:
         raise ValueError(f"batch={batch} applies to {', '.join(BATCHED)} only, not {method!r}")
+    if method == "entropy":
+        scores = np.asarray(scores if scores is not None else [], dtype=np.float64)
+        if scores.shape != (len(X_cand),) or not np.isfinite(scores).all():
+            raise ValueError(
+                f"method='entropy' needs finite scores of shape ({len(X_cand)},), got {scores.shape}"
+            )
     if method == "lof" and len(X_dev) < 2:
         raise ValueError(f"method='lof' needs at least 2 dev points, got {len(X_dev)}")
     if not 0 < eta <= 1:
@@ -478,8 +495,8 @@ def cover(
             f"max_iter={max_iter}, mip_gap={mip_gap}"
         )
     problem = _Covering(X_app, X_dev, X_cand)
-    opts = {"batch": int(batch), "eta": eta, "reg": reg, "max_iter": max_iter, "tol": tol}
-    opts.update(mip_gap=mip_gap, seed=seed)
+    opts = {"batch": int(batch), "eta": eta, "reg": reg, "reg_relative": reg_relative, "max_iter": max_iter}
+    opts.update(tol=tol, mip_gap=mip_gap, seed=seed, scores=scores)
     if method in BATCHED:
         selected = _select_sequential(problem, int(k), method, opts)
     elif method == "milp":

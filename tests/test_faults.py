@@ -1,0 +1,366 @@
+"""Never lose a run (issue 16), each case in a subprocess: bad input refused up front, stop signals and
+kill -9 followed by a restart that ends exactly as an uninterrupted run, a corrupt checkpoint, divergence,
+a full disk, a busy run dir, a failing task, a diverging Optuna trial, one W&B run across restarts."""
+
+import json
+import math
+import os
+import random
+import resource
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import run_cli
+from test_cli import wandb_records
+
+from runner.faults import Interrupted, StopSignals
+from runner.schema import TrainConfig
+from runner.train import CHECKPOINT, _follow_config, make_optimizer, make_scheduler
+
+# digits, a small MLP, 157 steps per epoch (mid-epoch stops are easy to hit), 2 epochs.
+BASE = ["logger=none", "train.progress=false", "model.hidden=[32]", "train.batch_size=8", "train.epochs=2"]
+BASE += ["seed=3"]
+OFTEN = "train.checkpoint_every_minutes=0.0005"  # a checkpoint every 30 ms inside an epoch
+ENV = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0"}
+
+
+def start(args, cwd, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "runner.cli", *args], cwd=cwd, env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)  # fmt: skip
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended first ({proc.returncode}): {proc.communicate()[1][-2000:]}")
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def position(run_dir: Path):
+    """(epoch, step) of the run dir's checkpoint; step None: at the end of that epoch."""
+    try:
+        state = torch.load(run_dir / CHECKPOINT, weights_only=False)
+    except (FileNotFoundError, RuntimeError, EOFError):
+        return None
+    return state["epoch"], state["step"]
+
+
+def records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl without its timings."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in lines]
+
+
+def results(run_dir: Path) -> dict:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {k: v for k, v in summary.items() if not k.startswith("time/")}
+
+
+def one_line(stderr: str) -> str:
+    """The runner's own message: exactly one line, and no traceback."""
+    assert "Traceback" not in stderr, stderr
+    (line,) = [ln for ln in stderr.splitlines() if ln.startswith("runner: ")]
+    return line
+
+
+def assert_same_run(run_dir: Path, straight: Path) -> None:
+    assert [r["step"] for r in records(run_dir)] == [0, 1]  # every epoch logged exactly once
+    assert records(run_dir) == records(straight)
+    assert results(run_dir) == results(straight)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The uninterrupted run every restarted one must match."""
+    root = tmp_path_factory.mktemp("straight")
+    run_cli([*BASE, f"hydra.run.dir={root / 'run'}"], root)
+    return root / "run"
+
+
+def copy_run(straight: Path, tmp_path: Path) -> Path:
+    shutil.copytree(straight, tmp_path / "run", ignore=shutil.ignore_patterns("run.lock"))
+    return tmp_path / "run"
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+DRIVER = """
+import contextlib, io, json, sys
+from runner.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv, err, code = ["runner", *argv], io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            main()
+        except SystemExit as e:
+            code = e.code
+    out.append([code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+BAD = [
+    (["seed=-1"], "seed=-1 is out of range; must be in [0, 4294967295]"),
+    (["train.lr=nan"], "train.lr=nan: must be a finite number"),
+    (["train.lr=inf"], "train.lr=inf: must be a finite number"),
+    (["train.weight_decay=nan"], "train.weight_decay=nan: must be a finite number"),
+    (["dataset.label_noise.kind=symmetric", "dataset.label_noise.rate=nan"], "label_noise.rate=nan: must"),
+    (["+method=csot", "method.m0=nan"], "method.m0=nan: must be a finite number"),
+    (["+method=dbot", "method.delta=nan"], "method.delta=nan: must be a finite number"),
+    (["train.epochs=0"], "train.epochs=0 is out of range; must be in [1, inf]"),
+    (["+method=pwc", "method.k=0"], "method.k=0 is out of range; must be in [1, 300]"),
+    (["+method=dbot_cluster", "method.tau=2"], "method.tau=2.0 is out of range; must be in [0.0, 1.0)"),
+    (["+method=dbot", "method.delta=1.5"], "method.delta=1.5 is out of range; must be in [0.0, 1.0)"),
+    (["dataset.label_noise.rate=1.5"], "dataset.label_noise.rate=1.5 is out of range; must be in [0.0, 1.0]"),
+    (["train.resume=sometimes"], "train.resume='sometimes' is not a valid choice; choose one of: auto, must"),
+    (["train.checkpoint_every_minutes=-1"], "train.checkpoint_every_minutes=-1.0 is out of range"),
+    # Search spaces: both ends of an Optuna interval, every value of a list, before any trial.
+    (["-m", "+method=dbot_cluster", "method.eps=interval(-1, 0.5)"], "method.eps=-1.0 is out of range"),
+    (["-m", "hydra/sweeper=optuna", "train.lr=tag(log, interval(0.01, inf))"], "train.lr=inf: must be a"),
+    (["-m", "train.batch_size=32,0"], "train.batch_size=0 is out of range; must be in [1, inf]"),
+]
+
+
+def test_bad_input_is_one_line_before_anything_runs(straight, tmp_path):
+    (tmp_path / "empty").mkdir()
+    resume = [  # resuming: train.resume and a changed config, refused before Hydra writes into the run dir
+        ([*BASE, f"hydra.run.dir={straight}", "seed=1", "train.lr=0.2", "train.epochs=5"],
+         f"{straight} was started with another config (seed 3 -> 1; train.lr 0.1 -> 0.2): resume it with "
+         "its own config.yaml, choose another run dir, or pass train.resume=force"),
+        ([*BASE, f"hydra.run.dir={straight}", "train.resume=never"], "train.resume=never but"),
+        ([*BASE, f"hydra.run.dir={tmp_path / 'empty'}", "train.resume=must"], "holds no checkpoint to"),
+    ]  # fmt: skip
+    saved = {p: p.read_bytes() for p in (straight / "config.yaml", straight / ".hydra" / "overrides.yaml")}
+    cases = [(["logger=none", *args], expected) for args, expected in BAD] + resume
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([args for args, _ in cases])],
+                          cwd=tmp_path, env=ENV, text=True, capture_output=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (args, expected), (code, err) in zip(cases, json.loads(proc.stdout.splitlines()[-1])):
+        assert code == 2 and expected in one_line(err), (args, err)
+    assert not (tmp_path / "outputs").exists()  # no job started, no trial run
+    assert {p: p.read_bytes() for p in saved} == saved  # the refused resumes left the record alone
+
+
+# ------------------------------------------------------------------------- stops and restarts
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)])
+def test_stop_signal_mid_epoch_then_restart_matches_an_uninterrupted_run(straight, tmp_path, sig):
+    args = [*BASE, OFTEN, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = start(args, tmp_path)
+    wait_for(lambda: (p := position(tmp_path / "run")) is not None and p[0] >= 1 and p[1] is not None, proc)
+    sent = time.monotonic()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig and time.monotonic() - sent < 30
+    assert one_line(err).startswith(f"runner: stopped by {sig.name}; resume with: runner ")
+    epoch, step = position(tmp_path / "run")
+    assert step is not None and 0 < step  # stopped inside an epoch, after a finished step
+    assert [r["step"] for r in records(tmp_path / "run")] == list(range(epoch))
+    run_cli(args, tmp_path)
+    assert_same_run(tmp_path / "run", straight)
+
+
+def test_kill_9_at_a_random_moment_then_restart(straight, tmp_path):
+    delay = random.uniform(0.0, 2.0)
+    args = [*BASE, OFTEN, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = start(args, tmp_path)
+    lock = tmp_path / "run" / "run.lock"
+    wait_for(lambda: lock.exists() and lock.read_text(), proc)  # the job has started
+    time.sleep(delay)
+    proc.kill()
+    proc.wait()
+    killed = lock.read_text()
+    restart = run_cli(args, tmp_path)
+    if killed:  # (else it had finished)
+        assert f"taking over the stale lock of {killed.strip()}" in restart.stderr, delay
+    assert_same_run(tmp_path / "run", straight)
+
+
+def test_corrupt_checkpoint_is_named_and_kept(straight, tmp_path):
+    run_dir = copy_run(straight, tmp_path)
+    path = run_dir / CHECKPOINT
+    path.write_bytes(path.read_bytes()[:1000])  # cut off, as by a crash of the file system
+    proc = run_cli([*BASE, "train.epochs=3", f"hydra.run.dir={run_dir}"], tmp_path, check=False)
+    assert proc.returncode == 1
+    assert one_line(proc.stderr).startswith(f"runner: error: cannot read checkpoint {path} (RuntimeError: ")
+    assert len(path.read_bytes()) == 1000
+
+
+def test_non_finite_loss_stops_at_once_naming_the_last_good_checkpoint(straight, tmp_path):
+    run_dir = copy_run(straight, tmp_path)
+    before = (run_dir / CHECKPOINT).read_bytes()
+    args = [*BASE, "train.epochs=3", "train.lr=1e6", "train.resume=force", f"hydra.run.dir={run_dir}"]
+    proc = run_cli(args, tmp_path, check=False)
+    assert proc.returncode == 1
+    line = one_line(proc.stderr)
+    assert line.startswith("runner: error: non-finite loss at epoch 3, step ")
+    assert f"last good checkpoint: {run_dir / CHECKPOINT} (end of epoch 2)" in line
+    assert (run_dir / CHECKPOINT).read_bytes() == before  # nothing non-finite was saved
+    assert [r["step"] for r in records(run_dir)] == [0, 1]
+
+
+def test_full_disk_while_saving_keeps_the_previous_checkpoint(straight, tmp_path):
+    run_dir = copy_run(straight, tmp_path)
+    before = (run_dir / CHECKPOINT).read_bytes()
+    limit = len(before) // 2  # no file may grow beyond this: the next checkpoint cannot be written
+
+    def small_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    args = [*BASE, "train.epochs=3", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run([sys.executable, "-m", "runner.cli", *args], cwd=tmp_path, env=ENV, text=True,
+                          capture_output=True, timeout=300, preexec_fn=small_disk)  # fmt: skip
+    assert proc.returncode == 1
+    line = one_line(proc.stderr)
+    assert line.startswith(f"runner: error: cannot write {run_dir / CHECKPOINT} (")
+    assert line.endswith("; the previous one is intact")
+    assert (run_dir / CHECKPOINT).read_bytes() == before
+    assert not list((run_dir / "checkpoints").glob("*.tmp"))
+
+
+HOLDER = """
+import sys, time
+from runner.rundir import lock
+lock(sys.argv[1])
+print("locked", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_busy_run_dir_is_refused_at_once(straight, tmp_path):
+    """A run in a dir whose lock a live process holds (as every run does while it lasts) refuses at once,
+    before Hydra rewrites the dir's .hydra/ record."""
+    run_dir = copy_run(straight, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], cwd=tmp_path, env=ENV, text=True,
+                              stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        saved = {p: p.read_bytes() for p in (run_dir / "config.yaml", run_dir / ".hydra" / "overrides.yaml")}
+        second = run_cli([*BASE, "seed=4", f"hydra.run.dir={run_dir}"], tmp_path, check=False)
+        assert second.returncode == 2
+        busy = f"runner: error: run dir {run_dir} is busy: PID {holder.pid} on "
+        assert one_line(second.stderr).startswith(busy)
+        assert {p: p.read_bytes() for p in saved} == saved  # the running run's record is untouched
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+FAILING_TASK = """
+import sys
+import tasks.classify
+from runner.cli import main
+
+def boom(cfg, ctx):
+    ctx.tracker.log({"epoch": 1}, step=0)
+    raise RuntimeError("boom")
+
+tasks.classify.run = boom
+sys.argv = ["runner", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_failing_task_finishes_its_wandb_run_and_frees_the_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["logger=wandb", "train.progress=false", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run([sys.executable, "-c", FAILING_TASK, *args], cwd=tmp_path, env=ENV, text=True,
+                          capture_output=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1 and "RuntimeError: boom" in proc.stderr
+    assert "SweepSummary" not in proc.stderr and "hydra.job.num" not in proc.stderr
+    (log_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    exits = [r.exit.exit_code for r in wandb_records(log_file) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1]  # the W&B run was finished, as failed
+    assert (run_dir / "run.lock").read_text() == ""  # released
+
+
+def test_ctrl_c_says_how_to_resume_and_the_restart_logs_into_the_same_wandb_run(tmp_path):
+    args = [*BASE, OFTEN, "logger=wandb", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = start(args, tmp_path)
+    wait_for(lambda: (p := position(tmp_path / "run")) is not None and p[1] is not None, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    command = one_line(err).split("resume with: ", 1)[1]
+    argv = shlex.split(command)
+    assert argv[0] == "runner" and argv[-1] == f"hydra.run.dir={tmp_path / 'run'}"
+    run_cli(argv[1:], tmp_path)  # the printed command resumes the run
+    run_id = (tmp_path / "run" / "wandb_run_id").read_text().strip()
+    runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    assert [r["step"] for r in records(tmp_path / "run")] == [0, 1]
+
+
+def test_optuna_goes_on_past_a_diverging_trial(tmp_path):
+    sweep = tmp_path / "study"
+    # TPE with this seed asks lr 1e6 first, then 0.05 and 0.1 (optuna 2.10).
+    trials = ["hydra/sweeper=optuna", "hydra.sweeper.sampler.seed=1", "train.lr=choice(0.05,1e6,0.1)"]
+    proc = run_cli(["-m", *BASE[:-2], "train.epochs=1", *trials, "hydra.sweeper.n_trials=3",
+                    f"hydra.sweep.dir={sweep}"], tmp_path)  # fmt: skip
+    assert "Failed experiment: non-finite loss at epoch 1" in proc.stdout  # told to Optuna as failed
+    assert "3 runs: 2 completed, 1 failed" in proc.stdout
+    done = {}
+    for path in sweep.glob("*/summary.json"):
+        overrides = yaml.safe_load((path.parent / ".hydra" / "overrides.yaml").read_text())
+        lr = float(next(o for o in overrides if o.startswith("train.lr=")).split("=")[1])
+        done[lr] = json.loads(path.read_text())
+    assert sorted(done) == [0.05, 0.1, 1e6]
+    assert done.pop(1e6)["error"].startswith("Diverged: non-finite loss at epoch 1, step ")
+    assert all("error" not in s and s["test/acc"] > 0.5 for s in done.values())
+    best = (sweep / "optimization_results.yaml").read_text()
+    assert "train.lr: 0.1" in best or "train.lr: 0.05" in best
+
+
+def test_stop_signals_checkpoint_first_then_hand_sigusr2_to_submitit():
+    """Under submitit, SIGUSR2 (its requeue signal) is deferred to the end of the step, then handed on."""
+    calls = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: calls.append(signum))
+    try:
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert stop.signum == signal.SIGUSR2 and calls == []  # only recorded: the step goes on
+            with pytest.raises(Interrupted):
+                stop.stop()
+            assert calls == [signal.SIGUSR2]
+        os.kill(os.getpid(), signal.SIGUSR2)  # the previous handler is back
+        assert calls == [signal.SIGUSR2] * 2
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_slurm_preset_requeues():
+    text = (Path(__file__).parents[1] / "conf" / "hydra" / "launcher" / "slurm_gpu.yaml").read_text()
+    assert "max_num_timeout: 3" in text and "signal_delay_s:" in text
+    assert "requeue" in text.lower()
+
+
+def test_a_resume_follows_the_schedule_of_its_config():
+    """Extending a run (train.epochs) stretches the cosine over the new length from the restored epoch;
+    an unchanged config leaves the restored optimizer and scheduler untouched (an exact resume)."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = make_optimizer(model, TrainConfig(epochs=3))
+    scheduler = make_scheduler(optimizer, TrainConfig(epochs=3))
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    before = repr((optimizer.state_dict(), scheduler.state_dict()))
+    _follow_config(optimizer, scheduler, TrainConfig(epochs=3))
+    assert repr((optimizer.state_dict(), scheduler.state_dict())) == before
+    _follow_config(optimizer, scheduler, TrainConfig(epochs=5, momentum=0.5))
+    for epoch in (2, 3, 4):
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * (1 + math.cos(math.pi * epoch / 5)) / 2)
+        assert optimizer.param_groups[0]["momentum"] == 0.5
+        optimizer.step()
+        scheduler.step()
