@@ -99,7 +99,7 @@ def iteration_shares():
         optimizer = torch.optim.Adam(net.parameters(), 1e-3)
         x = torch.randn(nc * 2, *shape)
         step = partial(hash_step, net, optimizer, x, nc=nc, m=2, k=k, d=d, ks=ks, method=method, beta=beta,
-                       margin=0.5, l2_reg=0.003)  # fmt: skip
+                       margin=0.5, l2_reg=0.003, remap=True)  # fmt: skip
         step()
         start = time.perf_counter()
         code_seconds = sum(step()[1] for _ in range(iters))

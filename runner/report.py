@@ -205,8 +205,11 @@ def markdown(report: Report, plots: list[Path] = ()) -> str:
     if results.exists():  # written by the Optuna sweeper
         best = yaml.safe_load(results.read_text()) or {}
         if "best_params" in best:
+            from runner.cli import _objective_key  # what the search optimised: val/acc for test/acc
+
             params = " ".join(f"{k}={_show(v)}" for k, v in best["best_params"].items())
-            lines += ["", f"Optuna best: {params} -> {report.metric} = {_show(best.get('best_value'))}"]
+            value = _show(best.get("best_value"))
+            lines += ["", f"Optuna best: {params} -> {_objective_key(report.metric)} = {value}"]
     if report.skipped:
         lines += ["", "Skipped runs:"]
         for r in report.skipped:

@@ -221,7 +221,7 @@ class TrainConfig:
     nesterov: bool = False
     weight_decay: float = 5e-4
     schedule: str = "cosine"
-    warmup_epochs: int = 0  # linear learning-rate warm-up from lr / (warmup_epochs + 1), per step
+    warmup_epochs: int = 0  # linear learning-rate warm-up over these epochs, per step, from lr / (steps + 1)
     milestones: list[int] = field(default_factory=list)
     gamma: float = 0.1
     checkpoint: bool = True
@@ -268,8 +268,8 @@ def apply_debug(cfg: DictConfig) -> None:
     if debug is None:
         return
     cfg.train.epochs = min(cfg.train.epochs, debug.epochs)
-    cfg.dataset.max_train = debug.max_batches * cfg.train.batch_size
-    cfg.dataset.max_eval = debug.max_batches * cfg.train.eval_batch_size
+    for key, batch in (("max_train", cfg.train.batch_size), ("max_eval", cfg.train.eval_batch_size)):
+        cfg.dataset[key] = min(cfg.dataset[key] or math.inf, debug.max_batches * batch)
     smoke = getattr(task_module(cfg), "smoke", None)
     if smoke is not None:
         smoke(cfg)

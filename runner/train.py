@@ -113,14 +113,21 @@ def batches(split, ctx: RunContext, index_batches, augment: str = "none", crop_p
     when `augment` is not "none". Re-iterate the returned object each epoch (DataLoader workers persist).
     """
     if not isinstance(split, Split):  # FileSplit, FakeSplit: a map-style dataset read by workers
+        # Workers' seeds from a generator of this rank: ranks must not repeat each other's augmentations.
+        seeds = torch.Generator().manual_seed((torch.initial_seed() + 7919 * ctx.rank) % 2**63)
         loader = torch.utils.data.DataLoader(
             split.dataset(train=augment != "none"),
             batch_sampler=_AsLists(index_batches),
             num_workers=ctx.num_workers,
             pin_memory=ctx.device.type == "cuda",
             persistent_workers=ctx.num_workers > 0,
+            generator=seeds,
         )
         return _ToDevice(loader, ctx)
+    if augment not in ("none", "crop_flip"):
+        raise ConfigError(
+            f"dataset.augment={augment!r} needs a file-backed dataset; in-memory data take none or crop_flip"
+        )
     return _SliceBatches(split, ctx, index_batches, augment, crop_pad)
 
 
@@ -168,8 +175,13 @@ class _SliceBatches:
 
 
 def in_order(n: int, batch_size: int) -> list[torch.Tensor]:
-    """Index batches 0..n-1 in order (evaluation and per-epoch passes)."""
-    return list(torch.arange(n).split(batch_size))
+    """Index batches 0..n-1 in order (evaluation and per-epoch passes); none when n = 0."""
+    return list(torch.arange(n).split(batch_size)) if n else []
+
+
+# Decoded 224-px float batches are large (1024 of them: 617 MB, times the workers' prefetch): passes over
+# file-backed splits read them in batches of at most this many.
+STREAMED_EVAL_BATCH = 256
 
 
 @torch.no_grad()
@@ -183,6 +195,8 @@ def predict(model, source, ctx: RunContext, batch_size: int = 1024, features: bo
     was_training = model.training
     model.eval()
     forward = model.forward_features if features else model
+    if not isinstance(source, Split):
+        batch_size = min(batch_size, STREAMED_EVAL_BATCH)
     out = []
     for x, _ in batches(source, ctx, in_order(len(source), batch_size)):
         with ctx.autocast():
@@ -196,7 +210,7 @@ def evaluate(model, split, ctx: RunContext, batch_size: int = 1024, top5: bool =
     """Accuracy (and top-5 accuracy), mean cross-entropy and ECE (15 bins) against the clean labels;
     each rank takes an interleaved shard and the sums are reduced over ranks. `calibration` holds the
     bins (for `reliability_plot`)."""
-    shard = split.subset(torch.arange(ctx.rank, len(split), ctx.world_size))
+    shard = split.subset(torch.arange(ctx.rank, len(split), ctx.world_size)) if ctx.distributed else split
     logits, y = predict(model, shard, ctx, batch_size), shard.y_clean
     top = (
         logits.topk(min(5, logits.shape[1]), dim=1).indices if len(y) else torch.zeros(0, 5, dtype=torch.long)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from runner.data.canvas import box_iou, box_masks, cam_boxes, canvas_metrics, expected_calibration_error
+from runner.data.canvas import box_iou, box_masks, cam_boxes, canvas_metrics
 from runner.methods import comixup as cm
 from runner.methods.comixup import (
     ComixupPool,
@@ -458,7 +458,6 @@ def canvas_data(**overrides):
     from omegaconf import OmegaConf
 
     from runner.data import load_data
-
     from runner.data.canvas import CanvasConfig
 
     yaml = OmegaConf.load(CONF / "dataset" / "digits_canvas.yaml")
@@ -483,11 +482,13 @@ def test_digits_canvas_places_each_digit_inside_its_box():
 
 
 def test_calibration_and_localisation_metrics_against_hand_computation():
+    from runner.metrics import calibration_bins, expected_calibration_error
+
     probs = torch.tensor([[0.95, 0.05], [0.6, 0.4], [0.3, 0.7], [0.45, 0.55]])
     labels = torch.tensor([0, 1, 1, 1])
     # bins: 0.95 -> [0.9, 1) acc 1; 0.6 -> [0.6, 0.7) acc 0; 0.7 -> [0.7, 0.8) acc 1; 0.55 -> [0.5, 0.6) acc 1
     expected = (abs(1 - 0.95) + abs(0 - 0.6) + abs(1 - 0.7) + abs(1 - 0.55)) / 4
-    assert expected_calibration_error(probs, labels) == pytest.approx(expected)
+    assert expected_calibration_error(calibration_bins(probs, labels, bins=10)) == pytest.approx(expected)
     cam = np.zeros((1, 24, 24))
     cam[0, 2:10, 5:13] = 1.0
     cam[0, 20, 20] = 1.0  # a smaller separate blob: not the largest region
@@ -517,7 +518,36 @@ def test_canvas_metrics_on_a_model_that_looks_at_the_box():
     metrics = canvas_metrics(model, data, RunContext(torch.device("cpu"), Path("."), None))
     assert metrics["test/err"] == 0 and metrics["test/err_bg_replace"] == 0 and metrics["test/loc_acc"] == 1
     expected_ece = 1 - torch.softmax(torch.tensor([10.0] + [0.0] * 9), 0)[0].item()
-    assert metrics["test/ece"] == pytest.approx(expected_ece, rel=1e-3)
+    assert metrics["test/ece10"] == pytest.approx(expected_ece, rel=1e-3)
+
+
+def test_canvas_metrics_do_not_depend_on_the_batching():
+    from omegaconf import OmegaConf
+
+    from runner.hardware import RunContext
+    from runner.models import build_model
+
+    data = canvas_data(test_fraction=0.1)
+    torch.manual_seed(0)
+    model = build_model(OmegaConf.create({"name": "cnn", "channels": [4, 8]}), (1, 24, 24), 10)
+    ctx = RunContext(torch.device("cpu"), Path("."), None)
+    whole, batched = canvas_metrics(model, data, ctx), canvas_metrics(model, data, ctx, batch_size=64)
+    assert whole.keys() == batched.keys() and "test/loc_acc" in whole
+    assert all(batched[k] == pytest.approx(v, abs=1e-9) for k, v in whole.items())
+    # the corruptions, recomputed on the whole in-memory split: partners and noise as documented
+    mlp = build_model(OmegaConf.create({"name": "mlp", "hidden": []}), (1, 24, 24), 10)
+    x, y, n = data.test.x, data.test.y_clean, len(data.test)
+    inside = box_masks(data.meta["boxes"]["test"], 24)
+    other = (np.arange(n) + np.random.default_rng(0).integers(1, n, size=n)) % n
+    noise = 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        replace = (mlp(x * inside + x[other] * (1 - inside)).argmax(1) != y).double().mean().item()
+        noisy = (mlp((x + noise * (1 - inside)).clamp(0, 1)).argmax(1) != y).double().mean().item()
+    metrics = canvas_metrics(mlp, data, ctx, batch_size=50)
+    assert metrics["test/err_bg_replace"] == pytest.approx(replace) and metrics[
+        "test/err_bg_noise"
+    ] == pytest.approx(noisy)
+    assert "test/loc_acc" not in metrics  # no feature maps, no CAM
 
 
 def test_method_configs_match_the_paper_defaults():
@@ -649,7 +679,14 @@ def test_cli_one_epoch_of_comixup_on_digits_canvas(tmp_path):
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("test/err", "test/ece", "test/loc_acc", "test/err_bg_replace", "test/err_bg_noise"):
+    for key in (
+        "test/err",
+        "test/ece",
+        "test/ece10",
+        "test/loc_acc",
+        "test/err_bg_replace",
+        "test/err_bg_noise",
+    ):
         assert 0 <= summary[key] <= 1
     assert (tmp_path / "mixup_preview.png").stat().st_size > 0
 

@@ -174,3 +174,14 @@ def test_issue_claims_on_cpu(tmp_path):
     rand = share("+experiment=pwc_digits", "method.selector=random")
     for selector in ("sensitivity", "ctrans"):
         assert share("+experiment=pwc_digits", f"method.selector={selector}") >= 4 * rand
+
+
+def test_raw_features_of_a_file_backed_dataset_ask_for_network_features(tmp_path):
+    from fixtures_data import write_imagefolder
+
+    write_imagefolder(tmp_path / "data")
+    with pytest.raises(
+        ConfigError, match=r"method.features=raw: dataset=imagefolder is read from files.*=net"
+    ):
+        run_here(tmp_path, "dataset=imagefolder", f"dataset.root={tmp_path / 'data'}", "method.n_app=3",
+                 "method.n_dev=3", "method.k=2")  # fmt: skip

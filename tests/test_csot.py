@@ -17,6 +17,7 @@ from runner.methods.csot import (
     curriculum_ot,
     select,
 )
+from runner.schema import DatasetConfig, LabelNoiseConfig
 
 
 def chunk(rng, n=40, c=5, d=8, conc=0.5):
@@ -406,10 +407,7 @@ def test_noise_injection_is_exact(kind, rate):
 
 
 def test_load_data_keeps_clean_labels():
-    cfg = OmegaConf.create(
-        {"name": "digits", "val_fraction": 0.1, "test_fraction": 0.2, "imbalance": 1.0,
-         "label_noise": {"kind": "symmetric", "rate": 0.5}}
-    )  # fmt: skip
+    cfg = OmegaConf.structured(DatasetConfig(label_noise=LabelNoiseConfig(kind="symmetric", rate=0.5)))
     a, b = load_data(cfg, seed=3), load_data(cfg, seed=3)
     assert torch.equal(a.train.y, b.train.y)
     clean = load_data(OmegaConf.merge(cfg, {"label_noise": {"kind": "none"}}), seed=3)

@@ -47,7 +47,7 @@ def load(name, root, *overrides, seed=0):
 
 
 def pairs(split):
-    return sorted(zip(split.paths.tolist(), split.y.tolist()))
+    return sorted(zip(split.paths, split.y.tolist()))
 
 
 def test_imagefolder_labels_sorted_class_folders_and_test_falls_back_to_val(tmp_path):
@@ -103,7 +103,7 @@ def test_imagenet_lt_reads_its_list_files(tmp_path):
     data = load("imagenet_lt", tmp_path)
     for part in ("train", "val", "test"):
         split = getattr(data, part)
-        assert list(zip(split.paths.tolist(), split.y.tolist())) == lists[part]  # file order kept
+        assert list(zip(split.paths, split.y.tolist())) == lists[part]  # file order kept
     assert np.bincount(data.train.y.numpy()).tolist() == [5, 2, 1] and data.meta["imbalance"] == 5.0
     assert data.num_classes == 3
     # The lists live elsewhere when dataset.lists names their folder.
@@ -137,13 +137,13 @@ def test_clothing1m_trains_on_noisy_keys_and_tests_on_clean_keys(tmp_path):
     w = write_clothing1m(tmp_path)
     data = load("clothing1m", tmp_path)
     assert data.num_classes == 14 and data.meta["clean_train_labels"] is False
-    assert data.train.paths.tolist() == w["train"] and data.train.y.tolist() == [
+    assert data.train.paths == w["train"] and data.train.y.tolist() == [
         w["noisy"][k] for k in w["train"]
     ]
     assert data.train.y.tolist()[4:] != [w["clean"][k] for k in w["train"][4:]]  # the noisy label wins
     for part in ("val", "test"):
         split = getattr(data, part)
-        assert split.paths.tolist() == w[part] and split.y.tolist() == [w["clean"][k] for k in w[part]]
+        assert split.paths == w[part] and split.y.tolist() == [w["clean"][k] for k in w[part]]
     (tmp_path / "annotations" / "clean_label_kv.txt").write_text(f"{w['val'][0]} 3\n")
     with pytest.raises(ConfigError, match=f"key {w['val'][1]} has no label in .*clean_label_kv.txt"):
         load("clothing1m", tmp_path)

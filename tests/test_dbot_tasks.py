@@ -274,6 +274,17 @@ def test_clustering_cli_writes_scores_and_plot(cli, tmp_path):
     assert dbot_run["cluster/mass_min"] >= dbot_run["cluster/bound_low"] - 1e-6
 
 
+def test_clustering_raw_features_of_a_file_backed_dataset_ask_for_network_features(cli, tmp_path):
+    from fixtures_data import write_imagefolder
+
+    write_imagefolder(tmp_path / "data")
+    proc = cli("+method=kmeans", "dataset=imagefolder", f"dataset.root={tmp_path / 'data'}", "logger=none",
+               check=False)  # fmt: skip
+    assert (
+        proc.returncode == 2 and "method.features=raw: dataset=imagefolder is read from files" in proc.stderr
+    )
+
+
 def test_clustering_cli_more_clusters_than_samples_is_one_line(cli):
     proc = cli("+method=dbot_cluster", "dataset=blobs", "method.per_class=2", "method.k=20", "logger=none",
                check=False)  # fmt: skip

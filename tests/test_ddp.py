@@ -196,7 +196,7 @@ def test_clustering_on_network_features_under_ddp_matches_one_process(tmp_path):
     assert ddp["cluster/sizes"] == single["cluster/sizes"]
 
 
-@pytest.mark.parametrize("selector", ["ctrans", "entropy"])
+@pytest.mark.parametrize("selector", ["ctrans", pytest.param("entropy", marks=pytest.mark.slow)])
 def test_covering_on_network_features_under_ddp_matches_one_process(tmp_path, selector):
     overrides = ["+method=pwc", "method.features=net", f"method.selector={selector}", "method.n_app=60",
                  "method.n_dev=60", "method.k=6", "train.epochs=2", "method.plot=false"]  # fmt: skip
@@ -241,7 +241,7 @@ def _csot_rank(rank, world_size, port, tmp_path, loss):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("loss", ["paper", "simple"])
+@pytest.mark.parametrize("loss", ["paper", pytest.param("simple", marks=pytest.mark.slow)])
 def test_csot_trains_under_ddp_with_synchronised_weights_and_one_selection(tmp_path, loss):
     """The losses forward through the DDP-wrapped network (so gradients are averaged: the ranks' weights
     stay equal although their augmentations differ), the selection pass is sharded and rank 0's selection

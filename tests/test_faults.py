@@ -30,6 +30,7 @@ BASE = ["logger=none", "train.progress=false", "model.hidden=[32]", "train.batch
 BASE += ["seed=3"]
 OFTEN = "train.checkpoint_every_minutes=0.0005"  # a checkpoint every 30 ms inside an epoch
 ENV = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0"}
+SLOW = pytest.mark.slow  # `make test-slow`
 
 
 def start(args, cwd, **kw) -> subprocess.Popen:
@@ -154,23 +155,35 @@ def test_bad_input_is_one_line_before_anything_runs(straight, tmp_path):
 # ------------------------------------------------------------------------- stops and restarts
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)])
-def test_stop_signal_mid_epoch_then_restart_matches_an_uninterrupted_run(straight, tmp_path, sig):
-    args = [*BASE, OFTEN, f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = start(args, tmp_path)
-    wait_for(lambda: (p := position(tmp_path / "run")) is not None and p[0] >= 1 and p[1] is not None, proc)
+SIGNALS = [signal.SIGTERM, pytest.param(signal.SIGINT, marks=SLOW), pytest.param(signal.SIGUSR1, marks=SLOW)]
+
+
+@pytest.mark.parametrize("sig", SIGNALS, ids=lambda sig: sig.name)
+def test_stop_signal_mid_epoch_then_the_printed_command_resumes_exactly(straight, tmp_path, sig):
+    """Stopped inside an epoch, the run checkpoints after its step and says how to resume; that command
+    logs every epoch once, ends as the uninterrupted run, and goes on in the same W&B run."""
+    run_dir = tmp_path / "run"
+    proc = start([*BASE, OFTEN, "logger=wandb", f"hydra.run.dir={run_dir}"], tmp_path)
+    wait_for(lambda: (p := position(run_dir)) is not None and p[0] >= 1 and p[1] is not None, proc)
     sent = time.monotonic()
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig and time.monotonic() - sent < 30
-    assert one_line(err).startswith(f"runner: stopped by {sig.name}; resume with: runner ")
-    epoch, step = position(tmp_path / "run")
+    epoch, step = position(run_dir)
     assert step is not None and 0 < step  # stopped inside an epoch, after a finished step
-    assert [r["step"] for r in records(tmp_path / "run")] == list(range(epoch))
-    run_cli(args, tmp_path)
-    assert_same_run(tmp_path / "run", straight)
+    assert [r["step"] for r in records(run_dir)] == list(range(epoch))
+    line = one_line(err)
+    assert line.startswith(f"runner: stopped by {sig.name}; resume with: runner ")
+    argv = shlex.split(line.split("resume with: ", 1)[1])
+    assert argv[-1] == f"hydra.run.dir={run_dir}"
+    run_cli(argv[1:], tmp_path)
+    assert_same_run(run_dir, straight)
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
 
 
+@SLOW
 def test_kill_9_at_a_random_moment_then_restart(straight, tmp_path):
     delay = random.uniform(0.0, 2.0)
     args = [*BASE, OFTEN, f"hydra.run.dir={tmp_path / 'run'}"]
@@ -210,6 +223,7 @@ def test_non_finite_loss_stops_at_once_naming_the_last_good_checkpoint(straight,
     assert [r["step"] for r in records(run_dir)] == [0, 1]
 
 
+@SLOW
 def test_full_disk_while_saving_keeps_the_previous_checkpoint(straight, tmp_path):
     run_dir = copy_run(straight, tmp_path)
     before = (run_dir / CHECKPOINT).read_bytes()
@@ -284,23 +298,6 @@ def test_a_failing_task_finishes_its_wandb_run_and_frees_the_run_dir(tmp_path):
     exits = [r.exit.exit_code for r in wandb_records(log_file) if r.WhichOneof("record_type") == "exit"]
     assert exits == [1]  # the W&B run was finished, as failed
     assert (run_dir / "run.lock").read_text() == ""  # released
-
-
-def test_ctrl_c_says_how_to_resume_and_the_restart_logs_into_the_same_wandb_run(tmp_path):
-    args = [*BASE, OFTEN, "logger=wandb", f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = start(args, tmp_path)
-    wait_for(lambda: (p := position(tmp_path / "run")) is not None and p[1] is not None, proc)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130
-    command = one_line(err).split("resume with: ", 1)[1]
-    argv = shlex.split(command)
-    assert argv[0] == "runner" and argv[-1] == f"hydra.run.dir={tmp_path / 'run'}"
-    run_cli(argv[1:], tmp_path)  # the printed command resumes the run
-    run_id = (tmp_path / "run" / "wandb_run_id").read_text().strip()
-    runs = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
-    assert [r["step"] for r in records(tmp_path / "run")] == [0, 1]
 
 
 def test_optuna_goes_on_past_a_diverging_trial(tmp_path):

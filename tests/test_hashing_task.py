@@ -97,6 +97,7 @@ def test_learning_rate_at_given_iterations():
     for i in range(1, 70001):  # the lr iteration i runs at, then the step
         if i in (1, 20000, 20001, 70000):
             seen[i] = [g["lr"] for g in optimizer.param_groups]
+        optimizer.step()
         scheduler.step()
     assert seen[1] == seen[20000] == pytest.approx([1e-3, 1e-4])
     assert seen[20001] == seen[70000] == pytest.approx([3e-4, 3e-5])  # one decay only
@@ -105,6 +106,7 @@ def test_learning_rate_at_given_iterations():
         optimizer = torch.optim.Adam(net.parameters(), lr=1.0)
         scheduler = hashing.lr_schedule(optimizer, method.decay_at, method.decay)
         for _ in range(at - 1):
+            optimizer.step()
             scheduler.step()
         assert optimizer.param_groups[0]["lr"] == pytest.approx(0.09)  # two decays by the last iteration
 
@@ -197,6 +199,7 @@ def test_validation_each_epoch_restores_the_best_validation_net(tmp_path):
     torch.nn.init.zeros_(net.bias)
 
     def step(optimizer, x):  # each iteration adds 1 to the bias
+        optimizer.step()
         with torch.no_grad():
             net.bias += 1
         return 0.0, 0.0

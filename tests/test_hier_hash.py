@@ -534,3 +534,20 @@ def test_remap_labels():
     for row in hh.level_labels(codes3, remap=True):  # classes 0 and 1 share a code, class 2 differs
         assert row[0] == row[1] != row[2]
     np.testing.assert_array_equal(hh.level_labels(codes3, remap=False), [[0, 1, 2], [0, 1, 2]])
+
+
+def test_lsh_activations_are_sign_buckets_with_multi_probe_order():
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(50, 6))
+    act = hh.lsh_activations(emb, 4, seed=3)
+    planes = np.random.default_rng(3).standard_normal((6, 4))
+    proj = emb @ planes
+    bits = (proj > 0).astype(int)
+    assert act.shape == (50, 16)
+    np.testing.assert_array_equal(act.argmax(1), bits @ (1 << np.arange(4)))  # the sign pattern's bucket
+    second = np.argsort(-act, axis=1)[:, 1]  # next probe: the sign pattern with its weakest bit flipped
+    weakest = np.abs(proj).argmin(1)
+    np.testing.assert_array_equal(second, (bits @ (1 << np.arange(4))) ^ (1 << weakest))
+    np.testing.assert_array_equal(hh.lsh_activations(-emb, 4, seed=3).argmax(1), 15 - act.argmax(1))
+    with pytest.raises(ValueError, match="n_bits=0"):
+        hh.lsh_activations(emb, 0)

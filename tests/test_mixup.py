@@ -293,3 +293,30 @@ def test_numpy_in_numpy_out_and_bad_input():
         puzzle_mix(x, y, np.full((8, 8, 8), np.nan), grid=2)
     with pytest.raises(ValueError, match="solver='bf'"):
         puzzle_mix(x, y, np.ones((8, 8, 8)), grid=2, solver="bf")
+
+
+def test_puzzle_mix_hooks_adversarial_option_perturbs_within_the_ball():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from runner.methods.mixup_training import MixupHooks
+    from tasks.classify import PuzzleMixConfig
+
+    cfg = OmegaConf.structured(PuzzleMixConfig(adv_p=1.0, adv_eps=10.0, grid=2, clean_lam=1.0, preview=False))
+    mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+    hooks = MixupHooks(cfg, 4, SimpleNamespace(is_main=True), seed=0, normalize=(mean, std))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()
+    )
+    raw = torch.rand(6, 3, 8, 8)
+    x = (raw - 0.5) / 0.25
+    y = torch.eye(4)[[0, 1, 2, 3, 0, 1]]
+    x_mix, y_mix = hooks.transform(x, y, None, model)
+    noise, masks = hooks._adv
+    assert masks == (True, True) and noise.abs().max() <= 10 / 255 + 1e-6 and noise.abs().max() > 0
+    assert torch.allclose(y_mix.sum(1), torch.ones(6))
+    assert hooks.loss(
+        model, x_mix, y_mix, None, 0
+    ).requires_grad  # the mixed loss plus the kept clean gradient

@@ -126,6 +126,9 @@ def test_views_keep_shapes_and_content():
         )
     holes = (cutout(torch.ones(4, 1, 8, 8), 3) == 0).sum(dim=(1, 2, 3))
     assert holes.min() >= 4 and holes.max() <= 9  # a 3x3 square, clipped at the border
+    torch.manual_seed(0)
+    holes = (cutout(torch.ones(64, 3, 32, 32), 16) == 0).sum(dim=(2, 3))  # Cutout 16 of the CIFAR-LT recipe
+    assert holes.max() == 256 and holes.min() >= 64 and (holes[:, 0:1] == holes).all()
     views = Views((3, 32, 32), groups=2, mean=[0.5] * 3, std=[0.25] * 3)
     assert views.strong(torch.randn(6, 3, 32, 32)).shape == (6, 3, 32, 32)
     assert Views((7,)).strong(torch.randn(3, 7)).shape == (3, 7)

@@ -137,12 +137,12 @@ def test_default_metric_is_the_task_metric(tmp_path):
 
 
 def test_optuna_results_are_quoted(tmp_path):
-    make_run(tmp_path / "0", ["train.lr=0.0123456"], {"test/acc": 0.9})
-    make_run(tmp_path / "1", ["train.lr=0.2"], {"test/acc": 0.7})
-    results = {"name": "optuna", "best_params": {"train.lr": 0.0123456}, "best_value": 0.9}
+    make_run(tmp_path / "0", ["train.lr=0.0123456"], {"test/acc": 0.9, "val/acc": 0.95})
+    make_run(tmp_path / "1", ["train.lr=0.2"], {"test/acc": 0.7, "val/acc": 0.75})
+    results = {"name": "optuna", "best_params": {"train.lr": 0.0123456}, "best_value": 0.95}
     (tmp_path / "optimization_results.yaml").write_text(yaml.safe_dump(results))
     text = markdown(build_report(tmp_path, metric="test/acc"))
-    assert "Optuna best: train.lr=0.01235 -> test/acc = 0.9" in text
+    assert "Optuna best: train.lr=0.01235 -> val/acc = 0.95" in text  # a search selects on val/acc
 
 
 @pytest.mark.parametrize(

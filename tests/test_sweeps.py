@@ -2,6 +2,7 @@
 and the shipped sweep and launcher presets."""
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -14,9 +15,9 @@ from hydra.core.override_parser.types import ValueType
 from test_report import PNG, mean_std, table_rows
 
 import tasks.classify
-from runner.cli import CONF_DIR, _compose, _launch_overrides
+from runner.cli import CONF_DIR, _compose, _launch_overrides, preflight
 from runner.report import main as report_main
-from runner.schema import validate
+from runner.schema import ConfigError, validate
 
 FAST = ["logger=none", "train.epochs=1", "train.progress=false"]
 
@@ -37,7 +38,7 @@ def test_2x2_multirun_over_seeds_then_report(cli, tmp_path, capsys):
     report_main([str(sweep)])
     rows = table_rows(capsys.readouterr().out)
     assert len(rows) == 4 and {(float(r[0]), int(r[1])) for r in rows} == set(accs)
-    for lr, batch, n, acc, _ in rows:
+    for lr, batch, n, acc in (row[:4] for row in rows):
         values = accs[(float(lr), int(batch))]
         assert n == "2"
         assert mean_std(acc) == pytest.approx((statistics.mean(values), statistics.stdev(values)), abs=5e-5)
@@ -70,7 +71,7 @@ def test_optuna_search_of_4_trials_reports_its_best_parameters(cli, tmp_path):
     for run_dir, summary in summaries(sweep).items():
         overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
         params = dict(o.split("=", 1) for o in overrides if o.startswith(("train.lr=", "train.batch_size=")))
-        trials[run_dir.name] = (summary["test/acc"], params)
+        trials[run_dir.name] = (summary["val/acc"], params)  # the search selects on val, never on test
     assert len(trials) == 4
     best_acc = max(acc for acc, _ in trials.values())
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
@@ -78,7 +79,7 @@ def test_optuna_search_of_4_trials_reports_its_best_parameters(cli, tmp_path):
     assert set(results["best_params"]) == {"train.lr", "train.weight_decay", "train.batch_size"}
     reported = {k: str(v) for k, v in results["best_params"].items() if k != "train.weight_decay"}
     assert (best_acc, reported) in trials.values()  # the best parameters are those of a best trial
-    assert f"-> test/acc = {best_acc:.4g}" in proc.stdout  # quoted in the printed summary
+    assert f"-> val/acc = {best_acc:.4g}" in proc.stdout  # quoted in the printed summary
 
 
 def test_optuna_direction_follows_the_task_metric(monkeypatch):
@@ -89,6 +90,49 @@ def test_optuna_direction_follows_the_task_metric(monkeypatch):
     assert not any(o.startswith("hydra.sweeper.direction") for o in given)  # the user's word wins
     assert not any("direction" in o for o in _launch_overrides(["-m", "seed=0,1"]))  # basic sweeper: none
     assert _launch_overrides(["seed=1"]) == []  # a single run needs nothing added
+    # A failed or diverged trial does not end an Optuna search (the sweeper's default: any failure does).
+    assert "hydra.sweeper.max_failure_rate=1.0" in _launch_overrides(["-m", "hydra/sweeper=optuna"])
+    given = _launch_overrides(["-m", "hydra/sweeper=optuna", "hydra.sweeper.max_failure_rate=0.2"])
+    assert not any(o.startswith("hydra.sweeper.max_failure_rate") for o in given)
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["+method=dbot_cluster", "method.eps=interval(-1, 0.5)"], "method.eps=-1.0 is out of range"),
+        (["+method=dbot_cluster", "method.tau=interval(0.1, 1.5)"], "method.tau=1.5 is out of range"),
+        (["train.batch_size=tag(int, interval(0, 64))"], "train.batch_size=0 is out of range"),
+        (["train.batch_size=interval(16, 64)"], "bad value for train.batch_size"),  # floats: tag it int
+        (["hydra/sweeper=optuna", "train.lr=choice(0.1, nan)"], "train.lr=nan: must be a finite number"),
+        (["train.epochs=range(0, 3)"], "train.epochs=0 is out of range"),
+    ],
+)
+def test_search_spaces_are_checked_at_every_value_and_both_ends(args, expected):
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        preflight(["-m", *args])
+
+
+def test_search_spaces_of_a_sweep_config_are_checked_too(monkeypatch):
+    """Search spaces set in the sweeper's `params` (conf/sweep/*.yaml) are checked like those given on the
+    command line, which win over them for the same key."""
+    import runner.cli
+
+    compose = runner.cli._compose_hydra
+
+    def with_params(overrides):
+        cfg = compose(overrides)
+        cfg.hydra.sweeper.params = {"train.lr": "interval(-1, 0.5)", "train.momentum": "choice(0.5, 1.5)"}
+        return cfg
+
+    monkeypatch.setattr(runner.cli, "_compose_hydra", with_params)
+    with pytest.raises(ConfigError, match=re.escape("train.lr=-1.0 is out of range")):
+        preflight(["-m", "hydra/sweeper=optuna"])
+    with pytest.raises(ConfigError, match=re.escape("train.momentum=1.5 is out of range")):
+        preflight(["-m", "hydra/sweeper=optuna", "train.lr=interval(0.01, 0.5)"])
+    preflight(["hydra/sweeper=optuna"])  # a single run ignores search spaces
+    monkeypatch.undo()
+    valid = ["method.tau=interval(0, 0.9)", "train.batch_size=tag(int, interval(8, 64))"]
+    preflight(["-m", "+method=dbot_cluster", *valid])
 
 
 def _hydra_compose(overrides):
@@ -123,6 +167,7 @@ def test_slurm_gpu_launcher_preset():
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.gpus_per_node, launcher.tasks_per_node, launcher.partition) == (1, 1, "gpu")
     assert launcher.max_num_timeout > 0  # requeued jobs resume from checkpoints/last.pt
+    assert launcher.signal_delay_s >= 60  # time for a step and a checkpoint before the time limit
 
 
 @pytest.mark.slow

@@ -195,7 +195,12 @@ def limit_splits(data: Data, max_train: int, max_eval: int, rng: np.random.Gener
     def cut(split, most):
         if not most or len(split) <= most:
             return split
-        return split.subset(np.sort(rng.choice(len(split), most, replace=False)))
+        # One sample of every class first (as far as `most` allows), so that no class goes missing.
+        y = split.y.numpy()
+        order = rng.permutation(len(y))
+        firsts = order[np.unique(y[order], return_index=True)[1]][:most]
+        rest = np.setdiff1d(order, firsts, assume_unique=True)
+        return split.subset(np.sort(np.r_[firsts, rng.permutation(rest)[: most - len(firsts)]]))
 
     data.train = cut(data.train, max_train)
     data.val, data.test = cut(data.val, max_eval), cut(data.test, max_eval)

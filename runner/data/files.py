@@ -66,7 +66,7 @@ class ImageFiles(torch.utils.data.Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int):
-        return self.transform(pil_rgb(self.root / str(self.paths[i]))), i
+        return self.transform(pil_rgb(self.root / self.paths[i].decode())), i
 
 
 class FileSplit:
@@ -75,8 +75,10 @@ class FileSplit:
 
     def __init__(self, root, paths, y, y_clean=None, *, transforms: ImageTransforms):
         self.root = Path(root)
-        # A numpy string array, not a list of str: forked workers then share it without copy-on-read.
-        self.paths = np.asarray(paths, dtype=str)
+        # A numpy bytes array, not a list of str: forked workers share it without copy-on-read, at one
+        # byte per character (ImageNet's 1.28M paths: ~50 MB per process).
+        encoded = isinstance(paths, np.ndarray) and paths.dtype.kind == "S"
+        self.encoded_paths = paths if encoded else np.char.encode(np.asarray(paths, dtype=str), "utf-8")
         self.y = torch.as_tensor(np.asarray(y), dtype=torch.long)
         self.y_clean = (
             self.y.clone() if y_clean is None else torch.as_tensor(np.asarray(y_clean), dtype=torch.long)
@@ -86,11 +88,17 @@ class FileSplit:
     def __len__(self) -> int:
         return len(self.y)
 
+    @property
+    def paths(self) -> list[str]:
+        return [p.decode() for p in self.encoded_paths]
+
     def subset(self, idx) -> FileSplit:
         idx = np.asarray(torch.as_tensor(idx, dtype=torch.long))
         return FileSplit(
-            self.root, self.paths[idx], self.y[idx], self.y_clean[idx], transforms=self.transforms
+            self.root, self.encoded_paths[idx], self.y[idx], self.y_clean[idx], transforms=self.transforms
         )
 
     def dataset(self, train: bool) -> ImageFiles:
-        return ImageFiles(self.root, self.paths, self.transforms.train if train else self.transforms.eval)
+        return ImageFiles(
+            self.root, self.encoded_paths, self.transforms.train if train else self.transforms.eval
+        )
