@@ -87,8 +87,8 @@ def peak_memory_mb(root: Path) -> float:
     )
     args = [
         "dataset=imagefolder", f"dataset.root={root}", "dataset.image_size=224", "model=mlp",
-        "model.hidden=[32]", "train.batch_size=32", "train.eval_batch_size=64", f"hardware.num_workers={WORKERS}", "logger=none",
-        "+debug=smoke", f"hydra.run.dir={root}/run",
+        "model.hidden=[32]", "train.batch_size=32", "train.eval_batch_size=64",
+        f"hardware.num_workers={WORKERS}", "logger=none", "+debug=smoke", f"hydra.run.dir={root}/run",
     ]  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=root)
     if out.returncode:
