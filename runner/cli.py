@@ -346,7 +346,11 @@ def main() -> None:
     except ConfigError as e:
         print(f"runner: error: {e}", file=sys.stderr)
         sys.exit(2)
-    _job()
+    try:
+        _job()
+    except KeyboardInterrupt:  # outside a job (a job reports its own, with the command to resume it)
+        print("runner: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

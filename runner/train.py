@@ -4,13 +4,15 @@ Every walk over a dataset goes through `batches` (training: the epoch's index ba
 evaluation and per-epoch method passes: `predict`), so the same code serves in-memory splits (sliced on the
 device) and file-backed ones (a DataLoader with `hardware.num_workers` decoding processes and pinned
 memory). `fit` trains, evaluates val, test and any extra splits each epoch, logs to the tracker,
-checkpoints every epoch and resumes from the last checkpoint in the run dir. Methods plug in through a
-`hooks` object with any of:
+checkpoints (every epoch, every `train.checkpoint_every_minutes` and on a stop signal) and resumes from
+the last checkpoint in the run dir at the same step (`Resumable`). Methods plug in through a `hooks`
+object with any of:
 
     on_epoch_start(epoch, model, data)                  e.g. CSOT's sample selection
     transform(x, y_soft, idx, model) -> (x, y_soft)     a batch transform (mixup family)
     loss(model, x, y_soft, idx, epoch) -> scalar         replaces the soft cross-entropy
     state_dict() / load_state_dict(state)               kept in checkpoints
+    mid_epoch_resume = True                             state_dict holds all on_epoch_start set up
 """
 
 from __future__ import annotations
@@ -481,8 +483,9 @@ def _follow_config(optimizer, scheduler, cfg) -> None:
     `train.resume=force`, trains as its config.yaml says. Nothing changes when they agree (so a plain
     resume stays exact)."""
     epoch = scheduler.last_epoch
-    stand_in = make_optimizer(torch.nn.Linear(1, 1), cfg)  # the config's settings and schedule,
-    reference = make_scheduler(stand_in, cfg)  # stepped to the restored epoch
+    # The config's settings and schedule, stepped to the restored epoch (a stand-in that draws no RNG).
+    stand_in = make_optimizer(torch.nn.ParameterList([torch.zeros(1)]), cfg)
+    reference = make_scheduler(stand_in, cfg)
     for _ in range(epoch):
         stand_in.step()
         reference.step()
