@@ -8,6 +8,7 @@ what went wrong and where (exit 1).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
@@ -42,6 +43,7 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         self.signum: int | None = None
+        self._pid = os.getpid()
         self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             for signum in self.SIGNALS:
@@ -52,11 +54,20 @@ class StopSignals:
                 signal.signal(signum, self._request)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
+        # A SIGTERM sent to the whole process group (as by Slurm) also reaches the DataLoader workers, which
+        # PyTorch ends at once (its error may come before the signal's own handler has run): the step
+        # failed, and the run stops on its last checkpoint.
+        if isinstance(exc, RuntimeError) and (self.signum or "killed by signal: Terminated" in str(exc)):
+            self.signum = self.signum or signal.SIGTERM
+            log.warning("%s also ended the data loader workers (%s)", signal.Signals(self.signum).name, exc)
+            self.stop()
 
     def _request(self, signum: int, frame) -> None:
+        if os.getpid() != self._pid:  # a forked DataLoader worker: it goes when the run does, not before
+            return
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
             raise KeyboardInterrupt
         if self.signum is None:

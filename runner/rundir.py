@@ -104,7 +104,7 @@ def config_changes(saved: dict, cfg: dict) -> list[str]:
         f"{key} {old[key]!r} -> {new[key]!r}"
         for key in old.keys() & new.keys()
         if old[key] != new[key]
-        and not any(key == k or key.startswith(k) and k[-1] == "." for k in RESUME_MAY_CHANGE)
+        and not any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_MAY_CHANGE)
     ]
 
 

@@ -311,13 +311,14 @@ class Resumable:
         try:
             for key, part in self.parts.items():
                 part.load_state_dict(state[key])
-        except (KeyError, RuntimeError, ValueError) as e:
+            if state.get("hooks") is not None and hasattr(self.hooks, "load_state_dict"):
+                self.hooks.load_state_dict(state["hooks"])
+            set_rng_state(state["rng"], self.ctx.device)
+        except (KeyError, RuntimeError, TypeError, ValueError) as e:  # another model, an older format
             raise CheckpointError(
-                f"checkpoint {self.path} does not fit this run ({_first_line(e)}); the file is kept"
+                f"checkpoint {self.path} does not fit this run ({type(e).__name__}: {_first_line(e)}); "
+                "the file is kept"
             ) from None
-        if state.get("hooks") is not None and hasattr(self.hooks, "load_state_dict"):
-            self.hooks.load_state_dict(state["hooks"])
-        set_rng_state(state["rng"], self.ctx.device)
         self.last = f"{self.path} ({_position(state['epoch'], state.get('step'))})"
         log.info("resumed from %s", self.last)
         return state["epoch"], state.get("step"), state.get("extra", {})

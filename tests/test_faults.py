@@ -184,6 +184,23 @@ def test_stop_signal_mid_epoch_then_the_printed_command_resumes_exactly(straight
 
 
 @SLOW
+def test_sigterm_to_the_process_group_with_dataloader_workers(tmp_path):
+    """Slurm signals every process of a job, DataLoader workers too, which PyTorch then ends at once: the
+    run still stops in one line on its last checkpoint, and resumes."""
+    run_dir = tmp_path / "run"
+    files = ["dataset=fake", "dataset.like=cifar10", "dataset.train_size=2000", "dataset.test_size=100",
+             "hardware.num_workers=2", "model.hidden=[16]", "train.batch_size=16"]  # fmt: skip
+    args = [*BASE, *files, OFTEN, f"hydra.run.dir={run_dir}"]
+    proc = start(args, tmp_path, start_new_session=True)
+    wait_for(lambda: (p := position(run_dir)) is not None and p[1] is not None, proc)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and one_line(err).startswith("runner: stopped by SIGTERM; resume with: ")
+    run_cli(args, tmp_path)
+    assert [r["step"] for r in records(run_dir)] == [0, 1]
+
+
+@SLOW
 def test_kill_9_at_a_random_moment_then_restart(straight, tmp_path):
     delay = random.uniform(0.0, 2.0)
     args = [*BASE, OFTEN, f"hydra.run.dir={tmp_path / 'run'}"]
