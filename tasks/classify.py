@@ -150,6 +150,9 @@ def run(cfg, ctx) -> dict:
     data = load_data(cfg.dataset, cfg.seed)
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     method = cfg.get("method")
+    if method is not None and method.name == "manifold_mixup" and cfg.hardware.compile:
+        # its forward hooks, added after the first compiled call, would be skipped by the compiled graph
+        raise ConfigError("method=manifold_mixup does not run with hardware.compile=true; set it to false")
     hooks = HOOKS[method.name](method, data, ctx) if method is not None and method.name in HOOKS else None
     summary = fit(model, data, cfg.train, ctx, hooks, augment=cfg.dataset.augment)
     if "boxes" in data.meta:  # digits_canvas: error, ECE, CAM localisation, background corruptions

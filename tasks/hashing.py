@@ -165,6 +165,9 @@ def smoke(cfg) -> None:
     method.iters, method.base_iters = min(method.iters, most), min(method.base_iters, most)
     method.classes_per_batch = min(method.classes_per_batch, 4)
     method.decay_at = [i for i in method.decay_at if i <= method.iters]
+    # k-means of the VQ baselines runs on the (smoke-sized) training set: no more centroids than samples
+    centroids = method.vq_centroids or [method.d, method.d**method.k]
+    method.vq_centroids = [max(min(n, cfg.dataset.max_train), max(method.ks)) for n in centroids]
 
 
 def per_ks(values, i):

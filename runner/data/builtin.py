@@ -135,7 +135,7 @@ def _cifar(cfg, rng, name: str) -> Data:
         return (torch.as_tensor(images).permute(0, 3, 1, 2).float() / 255.0 - mean) / std
 
     (x_train, y_train), (x_test, y_test) = ((to_tensor(p.data), np.asarray(p.targets)) for p in parts)
-    meta = {"asym_map": CIFAR10_ASYM if name == "cifar10" else CIFAR100_ASYM}
+    meta = {"asym_map": CIFAR10_ASYM if name == "cifar10" else CIFAR100_ASYM, "normalize": CIFAR_STATS[name]}
     y_noisy = y_train
     if cfg.label_noise.kind == "human":
         y_noisy = human_labels(root, name, cfg.label_noise.variant, y_train)

@@ -146,6 +146,7 @@ class Builder:
         return carve(train, self.cfg.val_fraction, self.rng)
 
     def data(self, train, val, test, num_classes: int, extra=None, **meta) -> Data:
+        meta.setdefault("normalize", IMAGENET_STATS)  # (mean, std) per channel of the network input
         return Data(train, val, test, num_classes, (3, self.size, self.size), meta=meta, extra=extra or {})
 
 

@@ -56,6 +56,8 @@ class MixupHooks:
     seam cost and adversarial noise live in raw pixels); None when x is raw.
     """
 
+    mid_epoch_resume = True  # on_epoch_start only arms the preview; the rng is in state_dict
+
     def __init__(self, cfg, num_classes: int, ctx, seed: int, normalize=None):
         self.cfg, self.num_classes, self.ctx = cfg, num_classes, ctx
         self.rng = np.random.default_rng(seed)

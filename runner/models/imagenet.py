@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from torch import nn
-from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from runner.models.base import Classifier
 
-RESNETS = {
-    "resnet10": (BasicBlock, [1, 1, 1, 1]),
-    "resnet18": (BasicBlock, [2, 2, 2, 2]),
-    "resnet50": (Bottleneck, [3, 4, 6, 3]),
+RESNETS = {  # name -> (torchvision block, blocks per stage)
+    "resnet10": ("BasicBlock", [1, 1, 1, 1]),
+    "resnet18": ("BasicBlock", [2, 2, 2, 2]),
+    "resnet50": ("Bottleneck", [3, 4, 6, 3]),
 }
 
 
@@ -32,8 +31,10 @@ class ImageNetResNet(Classifier):
 
     def __init__(self, name, in_channels, num_classes):
         super().__init__()
+        from torchvision.models import resnet  # imported here: it costs seconds at every CLI start
+
         block, layers = RESNETS[name]
-        net = ResNet(block, layers, num_classes=num_classes)
+        net = resnet.ResNet(getattr(resnet, block), layers, num_classes=num_classes)
         self.conv1 = net.conv1
         if in_channels != 3:
             self.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
