@@ -68,7 +68,7 @@ def test_restart_in_same_dir_resumes(cli, tmp_path):
 @pytest.mark.parametrize(
     "args,expected",
     [
-        (["model=transformer"], "model='transformer' is not an option; choices: cnn, inception_resnet_v2, mlp"),
+        (["model=transformer"], "model='transformer' is not an option; choices: cnn, inception"),
         (["train.batch_size=-3"], "train.batch_size=-3 is out of range"),
         (["+method=erm", "method.alpha=1"], "unknown key method.alpha"),
         (["hardware=gpu"], "no CUDA device"),
