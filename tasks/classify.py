@@ -110,7 +110,7 @@ class CoMixupConfig(InputMixupConfig):
     set_resolve: bool = True
     mixed_labels: bool = True  # half/half blends of two inputs from the second sweep
     solver: str = "gco_swap"
-    workers: int = 0  # > 0: solve partitions in this many worker processes
+    workers: int = -1  # -1: auto (CUDA: a process per partition up to the cores; CPU: in-process)
 
     def __post_init__(self):
         super().__post_init__()
@@ -119,7 +119,7 @@ class CoMixupConfig(InputMixupConfig):
         check_range("method.omega", self.omega, 0.0, 1.0)
         check_range("method.part", self.part, 2)
         check_range("method.n_iter", self.n_iter, 1)
-        check_range("method.workers", self.workers, 0)
+        check_range("method.workers", self.workers, -1)
         check_choice("method.thres_type", self.thres_type, THRES_TYPES)
         check_choice("method.solver", self.solver, SOLVERS)
         if self.solver == "gco_expansion" and self.mixed_labels:  # else it fails at the first batch

@@ -254,7 +254,7 @@ def hash_step(net, optimizer, x, *, nc, m, k, d, ks, method, beta, margin, l2_re
     """One iteration of Alg. 1 on a batch x of nc classes x m examples (class-major); labels per
     level are the code ids (`remap`) or the classes. Returns (loss, seconds spent on codes)."""
     out = net(x).view(nc, m, k, d)
-    unary = hh.class_unaries(out, method.loss)  # waits for the forward pass
+    unary = hh.class_unaries(out, method.loss).cpu().numpy()  # on the device; the copy waits for it
     start = time.perf_counter()
     codes = hh.cascade_codes(unary, ks, method.alpha, beta, method.solver, method.cost_scale)
     labels = hh.level_labels(codes, remap)

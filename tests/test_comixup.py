@@ -398,6 +398,54 @@ def test_worker_pool_gives_the_in_process_result():
         assert torch.equal(a, b)
 
 
+def hooks_step(workers, seed=3):
+    """One Co-Mixup step of `MixupHooks` (clean pass, mix, loss, backward) on a fixed model and batch:
+    (mixed x, mixed y, loss, weight gradients, the hooks)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from runner.methods.mixup_training import MixupHooks
+    from tasks.classify import CoMixupConfig
+
+    cfg = OmegaConf.structured(CoMixupConfig(grid=2, part=4, preview=False))
+    cfg.workers = workers  # -1 (auto) is the hooks' to resolve, past the schema's range
+    hooks = MixupHooks(cfg, 5, SimpleNamespace(is_main=True), seed=seed)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16, 5),
+    )
+    x, y, _ = batch(seed, 9, size=8)
+    x_mix, y_mix = hooks.transform(x, y, None, model)
+    loss = hooks.loss(model, x_mix, y_mix, None, 0)
+    loss.backward()
+    return x_mix, y_mix, loss.detach(), [p.grad for p in model.parameters()], hooks
+
+
+def test_overlapped_pool_step_gives_the_in_process_step_exactly():
+    x0, y0, loss0, grads0, hooks0 = hooks_step(workers=0)
+    x1, y1, loss1, grads1, hooks1 = hooks_step(workers=2)
+    try:
+        # the deferred weight backward ran: its clean loss value is in loss1 (consumed by `loss`)
+        assert hooks0.pool is None and hooks1.pool is not None and hooks1._deferred is None
+        assert not torch.equal(x0, batch(3, 9, size=8)[0])  # the batch was mixed
+        assert torch.equal(x0, x1) and torch.equal(y0, y1) and torch.equal(loss0, loss1)
+        assert all(torch.equal(a, b) for a, b in zip(grads0, grads1))
+    finally:
+        hooks1.pool.close()
+    assert hooks_step(workers=-1)[4].workers == 0  # auto on the CPU: in-process
+
+
+def test_auto_workers_one_per_partition_up_to_the_cores(monkeypatch):
+    monkeypatch.setattr(cm.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert [cm.auto_workers(b, 20) for b in (1, 20, 21, 100, 1000)] == [1, 1, 2, 5, 16]
+
+
 def test_defaults_match_the_paper():
     import inspect
 

@@ -510,15 +510,29 @@ def test_hash_loss_gradient_matches_finite_differences(loss):
     )
 
 
-def test_class_unaries():
-    out = torch.randn(3, 2, 2, 4)
-    np.testing.assert_allclose(
-        hh.class_unaries(out, "npairs"), out.mean(1).transpose(0, 1).numpy(), rtol=1e-6
-    )
-    normed = out / out.norm(dim=-1, keepdim=True)
-    np.testing.assert_allclose(
-        hh.class_unaries(out, "triplet"), normed.mean(1).transpose(0, 1).numpy(), rtol=1e-6
-    )
+def numpy_unaries(out: np.ndarray, loss: str) -> np.ndarray:
+    """The unaries written in numpy float64: per-level L2 normalization (triplet), mean over examples."""
+    x = out.astype(np.float64)
+    if loss == "triplet":
+        x = x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+    return x.mean(1).transpose(1, 0, 2)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("loss", hh.LOSSES)
+def test_class_unaries_on_the_device_match_numpy(loss, dtype, device):
+    out = torch.randn(6, 3, 2, 5, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out[0, 0, 1] = 0  # a zero level vector: normalized to zero, not NaN
+    unary = hh.class_unaries(out.to(device), loss)
+    assert unary.device.type == device and unary.dtype == torch.float64 and unary.shape == (2, 6, 5)
+    expected = numpy_unaries(out.double().numpy(), loss)
+    np.testing.assert_allclose(unary.cpu().numpy(), expected, rtol=0, atol=1e-6)
+    codes = hh.cascade_codes(unary.cpu().numpy(), 2, 1.0, 0.5, backend="ortools")
+    np.testing.assert_array_equal(codes, hh.cascade_codes(expected, 2, 1.0, 0.5, backend="ortools"))
 
 
 def test_remap_labels():

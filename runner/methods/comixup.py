@@ -42,6 +42,7 @@ import ctypes as ct
 import inspect
 import math
 import multiprocessing
+import os
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from functools import lru_cache
@@ -713,6 +714,13 @@ def _mix(x, y_onehot, W, problem):
     if not isinstance(x, torch.Tensor):
         return x_mixed.numpy(), y_mixed, masks
     return x_mixed, torch.from_numpy(y_mixed).to(x.device), torch.from_numpy(masks).to(x.device)
+
+
+def auto_workers(batch_size: int, part: int) -> int:
+    """Worker processes worth starting for batches of `batch_size`: one per partition
+    (ceil(batch_size / part)), at most one per CPU core this process may run on."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, math.ceil(batch_size / part)))
 
 
 class ComixupPool:

@@ -633,18 +633,20 @@ def npairs_loss(anchor, positive, labels, l2_reg, code_anchor=None, code_positiv
     return cross_entropy + l2_reg / 4 * ((anchor**2).sum(1).mean() + (positive**2).sum(1).mean())
 
 
-def class_unaries(outputs, loss) -> np.ndarray:
-    """Class-level unaries per level from a class-balanced batch.
+def class_unaries(outputs, loss) -> torch.Tensor:
+    """Class-level unaries per level from a class-balanced batch, computed where the activations are.
 
-    outputs (nc, m, k, d): level activations; triplet uses per-level L2-normalized vectors,
-    N-pairs the raw ones. Returns (k, nc, d) float64 means over the m examples.
+    outputs (nc, m, k, d): level activations x[p, i, v]; triplet uses the per-level L2-normalized
+    vectors u = x / max(|x|_2, 1e-12), N-pairs u = x. Returns c[v, p] = (1/m) sum_i u[p, i, v] as a
+    (k, nc, d) float64 tensor on outputs' device (float64 from the start, whatever the autocast dtype
+    of the activations); the min-cost flow takes it on the CPU.
     """
     if loss not in LOSSES:
         raise ValueError(f"loss={loss!r}: must be one of {LOSSES}")
-    x = outputs.detach()
+    x = outputs.detach().double()
     if loss == "triplet":
         x = F.normalize(x, dim=-1)
-    return x.mean(1).transpose(0, 1).double().cpu().numpy()
+    return x.mean(1).transpose(0, 1)
 
 
 def level_labels(codes, remap) -> np.ndarray:

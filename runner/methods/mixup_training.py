@@ -7,7 +7,9 @@ One step, as in the Co-Mixup / Puzzle Mix code:
    respect to the input (the saliency) and to the weights, in one backward. The weight gradient is
    kept and enters the step through the loss hook. With clean_lam = 0 the saliency comes from an
    eval-mode pass and no weight gradient is kept.
-2. mix the batch under no_grad (Co-Mixup optionally in a `ComixupPool`);
+2. mix the batch under no_grad. Co-Mixup with a `ComixupPool` splits the backward of step 1: the
+   input gradient first, the partitions go to the workers, and the weight gradient is taken while
+   they solve (the same numbers as one backward; the activation gradients are computed twice);
 3. loss on the mixed batch: soft-target CE, or BCE(softmax(logits), y~) averaged over B*K (`bce`,
    the authors' choice), plus the clean term.
 """
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
-from runner.methods.comixup import ComixupPool, comixup
+from runner.methods.comixup import ComixupPool, auto_workers, comixup
 from runner.methods.mixup import cutmix, default_mixup_layers, input_mixup, manifold_mixup, puzzle_mix
 from runner.train import soft_cross_entropy
 
@@ -54,6 +56,9 @@ class MixupHooks:
 
     normalize: the data's per-channel (mean, std), so that raw pixels are x * std + mean (Puzzle Mix's
     seam cost and adversarial noise live in raw pixels); None when x is raw.
+    Co-Mixup's `workers`: 0 solves in-process, n > 0 in a pool of n processes, -1 (auto) one process
+    per partition of the first batch up to the CPU cores when the batch is on CUDA, in-process on the
+    CPU (there the weight backward would take the cores the solvers need).
     """
 
     mid_epoch_resume = True  # on_epoch_start only arms the preview; the rng is in state_dict
@@ -62,9 +67,10 @@ class MixupHooks:
         self.cfg, self.num_classes, self.ctx = cfg, num_classes, ctx
         self.rng = np.random.default_rng(seed)
         self.mean, self.std = normalize if normalize is not None else (None, None)
-        workers = cfg.get("workers", 0)
-        self.pool = ComixupPool(workers) if cfg.name == "comixup" and workers > 0 else None
+        self.workers = cfg.get("workers", 0) if cfg.name == "comixup" else 0
+        self.pool = None  # started at the first batch (auto workers need its size)
         self._clean = None  # (loss value, [(param, grad)]) of the current step's clean pass
+        self._deferred = None  # (clean loss, params) whose weight gradient is still to take
         self._adv = None  # Puzzle Mix's adversarial option: (noise in raw pixels, (mask x, mask partner))
         self._preview = False
 
@@ -73,9 +79,18 @@ class MixupHooks:
         self._preview = bool(self.cfg.preview) and self.ctx.is_main and self.cfg.name != "manifold_mixup"
 
     def transform(self, x, y_soft, idx, model):
-        saliency_maps = self._clean_pass(model, x, y_soft)
-        with torch.no_grad():
-            x_mix, y_mix = self._mix(x, y_soft, saliency_maps)
+        pool = self._comixup_pool(x)
+        saliency_maps = self._clean_pass(model, x, y_soft, defer_weights=pool is not None)
+        if pool is None:
+            with torch.no_grad():
+                x_mix, y_mix = self._mix(x, y_soft, saliency_maps)
+        else:
+            with torch.no_grad():
+                pending = pool.submit(x, y_soft, saliency_maps, rng=self.rng, **self._comixup_options())
+            self._weight_backward()  # on the device while the workers solve the partitions
+            with torch.no_grad():
+                x_mix, y_mix, _ = pending.result()
+            y_mix = y_mix.to(y_soft.dtype)
         if self._preview:
             self._preview = False
             path = save_mixup_preview(x_mix, y_mix, Path(self.ctx.dir) / "mixup_preview.png", self.cfg.name)
@@ -96,8 +111,21 @@ class MixupHooks:
             loss = loss + (surrogate - surrogate.detach()) + value
         return loss
 
-    def _clean_pass(self, model, x, y_soft):
-        """Saliency (B, H, W) of the clean batch when the method needs it; keeps the clean gradient."""
+    def _comixup_pool(self, x):
+        """The Co-Mixup worker pool, or None to solve in-process (see the class docstring)."""
+        if self.workers == -1:
+            on_cuda = x.device.type == "cuda"
+            self.workers = auto_workers(len(x), self.cfg.part) if on_cuda else 0
+        if self.workers > 0 and self.pool is None:
+            self.pool = ComixupPool(self.workers)
+        return self.pool
+
+    def _comixup_options(self):
+        return {k: self.cfg[k] for k in COMIXUP_OPTIONS}
+
+    def _clean_pass(self, model, x, y_soft, defer_weights=False):
+        """Saliency (B, H, W) of the clean batch when the method needs it; keeps the clean gradient.
+        defer_weights: take the input gradient only and keep the graph for `_weight_backward`."""
         needs_saliency = self.cfg.name in SALIENCY_METHODS
         lam = self.cfg.clean_lam
         if lam == 0 and not needs_saliency:
@@ -112,11 +140,12 @@ class MixupHooks:
         if lam > 0:
             params = [p for p in model.parameters() if p.requires_grad]
             clean = ce * (2 * lam / self.num_classes if self.cfg.loss == "bce" else lam)
-            grads = torch.autograd.grad(clean, wrt + params, allow_unused=True)
-            self._clean = (
-                clean.detach(),
-                [(p, g) for p, g in zip(params, grads[len(wrt) :]) if g is not None],
-            )
+            if defer_weights:
+                grads = torch.autograd.grad(clean, wrt, retain_graph=True)
+                self._deferred = (clean, params)
+            else:
+                grads = torch.autograd.grad(clean, wrt + params, allow_unused=True)
+                self._keep_clean(clean, params, grads[len(wrt) :])
         else:
             grads = torch.autograd.grad(ce, wrt)
         model.train(was_training)
@@ -125,6 +154,15 @@ class MixupHooks:
             noise = (self._adv[0] + (self.cfg.adv_eps + 2) / 255 * grads[0].sign()).clamp(-eps, eps)
             self._adv = (noise * self.rng.uniform(0, 1), self._adv[1])
         return grads[0].pow(2).mean(1).sqrt() if needs_saliency else None
+
+    def _weight_backward(self):
+        if self._deferred is not None:
+            clean, params = self._deferred
+            self._deferred = None
+            self._keep_clean(clean, params, torch.autograd.grad(clean, params, allow_unused=True))
+
+    def _keep_clean(self, clean, params, grads):
+        self._clean = (clean.detach(), [(p, g) for p, g in zip(params, grads) if g is not None])
 
     def _adversarial_start(self, x):
         """Puzzle Mix with adv_p > 0: per batch, x and the partner each get noise with probability
@@ -157,11 +195,7 @@ class MixupHooks:
             noise, adv_mask = self._adv if self._adv is not None else (None, (False, False))
             return puzzle_mix(x, y_soft, saliency_maps, **{k: cfg[k] for k in PUZZLE_KEYS}, mean=self.mean,
                               std=self.std, noise=noise, adv_mask=adv_mask, rng=self.rng)  # fmt: skip
-        kwargs = {k: cfg[k] for k in COMIXUP_OPTIONS}
-        if self.pool is not None:
-            x_mix, y_mix, _ = self.pool.submit(x, y_soft, saliency_maps, rng=self.rng, **kwargs).result()
-        else:
-            x_mix, y_mix, _ = comixup(x, y_soft, saliency_maps, rng=self.rng, **kwargs)
+        x_mix, y_mix, _ = comixup(x, y_soft, saliency_maps, rng=self.rng, **self._comixup_options())
         return x_mix, y_mix.to(y_soft.dtype)
 
     def state_dict(self):
