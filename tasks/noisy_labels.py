@@ -547,6 +547,7 @@ def run(cfg, ctx) -> dict:
     asymmetric = cfg.dataset.label_noise.kind == "asymmetric"
     hooks = NoisyLabelHooks(method, model, data, ctx, views, asymmetric, cfg.seed, cfg.train.batch_size)
     summary = fit(model, data, cfg.train, ctx, hooks, augment="none")  # the hooks make the views
-    summary["train/label_noise"] = float((data.train.y != data.train.y_clean).float().mean())
+    if data.meta.get("clean_train_labels", True):
+        summary["train/label_noise"] = float((data.train.y != data.train.y_clean).float().mean())
     summary |= getattr(hooks, "last_stats", {})
     return summary

@@ -205,7 +205,7 @@ def test_covering_on_network_features_under_ddp_matches_one_process(tmp_path, se
     assert ddp["cover/pw_curve"] == pytest.approx(single["cover/pw_curve"], rel=1e-6)
 
 
-def _csot_rank(rank, world_size, port, tmp_path, loss):
+def _csot_rank(rank, world_size, port, tmp_path, method, loss):
     """CSOT's hooks and `fit` on a toy set: every rank's parameters and selection, written per rank."""
     from tasks.noisy_labels import METHODS, NoisyLabelHooks, NoisyLabelNet, Views
 
@@ -225,7 +225,7 @@ def _csot_rank(rank, world_size, port, tmp_path, loss):
         backbone = build_model(OmegaConf.structured(MLPConfig(hidden=[8])), (4,), 3)
         torch.manual_seed(0)
         model = NoisyLabelNet(backbone, head=True, predictor_hidden=4 if loss == "paper" else None)
-        cfg = METHODS["csot"](loss=loss, warmup=1, curriculum_end=3, solve_batch=60, stage_switch="epoch")
+        cfg = METHODS[method](loss=loss, warmup=1, curriculum_end=3, solve_batch=60, stage_switch="epoch")
         ctx = RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path, enabled=rank == 0), rank=rank,
                          world_size=world_size)  # fmt: skip
         hooks = NoisyLabelHooks(cfg, model, data, ctx, Views((4,)), False, 0, 20)
@@ -241,12 +241,16 @@ def _csot_rank(rank, world_size, port, tmp_path, loss):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("loss", ["paper", pytest.param("simple", marks=pytest.mark.slow)])
-def test_csot_trains_under_ddp_with_synchronised_weights_and_one_selection(tmp_path, loss):
+@pytest.mark.parametrize(
+    "method, loss",
+    [("csot", "paper")] + [pytest.param(*case, marks=pytest.mark.slow) for case in
+                           (("csot", "simple"), ("ot", "paper"), ("small_loss", "paper"))],
+)  # fmt: skip
+def test_csot_trains_under_ddp_with_synchronised_weights_and_one_selection(tmp_path, method, loss):
     """The losses forward through the DDP-wrapped network (so gradients are averaged: the ranks' weights
     stay equal although their augmentations differ), the selection pass is sharded and rank 0's selection
     is every rank's. The CSOT losses draw random views per rank: a 2-rank run is not the one-process run."""
-    mp.spawn(_csot_rank, args=(2, _free_port(), tmp_path, loss), nprocs=2)
+    mp.spawn(_csot_rank, args=(2, _free_port(), tmp_path, method, loss), nprocs=2)
     ranks = [json.loads((tmp_path / f"csot{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["params"] == pytest.approx(ranks[1]["params"], abs=1e-6)
     for key in ("clean", "pseudo", "stage2", "n_clean"):
