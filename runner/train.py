@@ -403,6 +403,7 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
             resuming = epoch == start and first > 0
             if on_epoch_start is not None and not resuming:
                 on_epoch_start(epoch, model, data)
+            t_pass, t_transform = time.perf_counter() - t0, 0.0
             sampler.set_epoch(epoch, start=first if resuming else 0)
             # The partial loss sum of a resumed epoch is the global one: rank 0 carries it.
             carried = extra.get("loss_sum", 0.0) if resuming and ctx.is_main else 0.0
@@ -424,7 +425,9 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
                 idx = idx.to(ctx.device)
                 y_soft = F.one_hot(y_train[idx], k).float()
                 if transform is not None:
+                    t = time.perf_counter()
                     x, y_soft = transform(x, y_soft, idx, model)
+                    t_transform += time.perf_counter() - t
                 with ctx.autocast():
                     if hook_loss is not None:
                         loss = hook_loss(net, x, y_soft, idx, epoch)
@@ -452,6 +455,9 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
                             log.warning("stopping inside epoch %d without a checkpoint of it", epoch + 1)
                         signals.stop()
             _check_finite(pending, epoch, steps_per_epoch, state)
+            timings = _timings(
+                ctx, t0 + t_pass, t_pass, t_transform, steps_per_epoch - (first if resuming else 0)
+            )
             for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
                 group["lr"] = lr  # undo the warm-up factor: the schedulers compute from the current lr
             scheduler.step()
@@ -461,6 +467,7 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
             metrics.update(evaluated)
             if "test/acc" in metrics:
                 history.append(metrics["test/acc"])
+            metrics.update(timings)
             metrics["time/epoch_s"] = time.perf_counter() - t0
             ctx.tracker.log(metrics, step=epoch)
             if ctx.is_main:
@@ -518,6 +525,19 @@ def _agree(ctx: RunContext, *flags: bool) -> list[bool]:
         return list(flags)
     votes = all_reduce_sum(torch.tensor([float(f) for f in flags], device=ctx.device))
     return [bool(v > 0) for v in votes.tolist()]
+
+
+def _timings(ctx: RunContext, t_start: float, t_pass: float, t_transform: float, steps: int) -> dict:
+    """The epoch's time split: the method's per-epoch pass, the training steps (ms per step) and the
+    batch transforms within them (the mixup family's CPU work); peak GPU memory on CUDA."""
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    train_s = time.perf_counter() - t_start
+    out = {"time/pass_s": t_pass, "time/train_s": train_s, "time/step_ms": 1000 * train_s / max(steps, 1)}
+    out["time/transform_s"] = t_transform
+    if ctx.device.type == "cuda":
+        out["mem/peak_gb"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
+    return out
 
 
 def _brief(metrics: dict) -> str:

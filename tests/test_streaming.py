@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -190,3 +191,25 @@ def test_ddp_ranks_read_disjoint_shards_of_files(tmp_path):
         assert len(per_rank[0]) == len(per_rank[1]) == (37 // 8) * 4
         assert set(per_rank[0]).isdisjoint(per_rank[1])
         assert len(set(per_rank[0]) | set(per_rank[1])) == (37 // 8) * 8
+
+
+def test_fit_reports_the_time_split_of_an_epoch(tmp_path):
+    # bench_gpu reads these: ms per step, the method's pass and its batch transforms
+    rng = np.random.default_rng(0)
+    split = split_of(rng.normal(size=(40, 3)).astype(np.float32), rng.integers(0, 2, 40))
+    data = Data(split, split.subset([]), split.subset([]), 2, (3,))
+
+    class Slow:
+        def on_epoch_start(self, epoch, model, data):
+            time.sleep(0.05)
+
+        def transform(self, x, y_soft, idx, model):
+            time.sleep(0.01)
+            return x, y_soft
+
+    cfg = OmegaConf.structured(TrainConfig(epochs=1, batch_size=10, checkpoint=False, progress=False))
+    tracker = type("Tracker", (), {"log": lambda *a, **k: None, "truncate": lambda *a: None})()
+    m = fit(torch.nn.Linear(3, 2), data, cfg, RunContext(CPU, tmp_path, tracker), Slow())
+    assert m["time/pass_s"] >= 0.05 and m["time/transform_s"] >= 0.04
+    assert m["time/train_s"] >= m["time/transform_s"]
+    assert m["time/step_ms"] == pytest.approx(1000 * m["time/train_s"] / 4)
