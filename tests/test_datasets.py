@@ -122,6 +122,7 @@ def test_webvision_keeps_the_first_50_classes_and_maps_imagenet_val_through_syns
     written = write_webvision(tmp_path)
     data = load("webvision", tmp_path, "dataset.imagenet_val=imagenet_val")
     assert data.num_classes == 50 and data.meta["top5"] and data.input_shape == (3, 299, 299)
+    assert data.meta["clean_train_labels"] is False  # web labels: no truth to score selections against
     assert pairs(data.train) == sorted((p, y) for p, y in written["train"] if y < 50)
     assert pairs(data.test) == sorted((f"val_images_256/{p}", y) for p, y in written["val"] if y < 50)
     extra = data.extra["imagenet_val"]

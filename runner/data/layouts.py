@@ -215,7 +215,8 @@ def imagenet_lt(cfg, rng) -> Data:
 def webvision(cfg, rng) -> Data:
     """Mini-WebVision (DivideMix, CSOT): the first `dataset.num_classes` classes of WebVision 1.0's Google
     subset, other labels dropped; the WebVision val set is the test split; `dataset.imagenet_val` adds the
-    ILSVRC12 val images of those classes (wnids of info/synsets.txt) as the extra split `imagenet_val`."""
+    ILSVRC12 val images of those classes (wnids of info/synsets.txt) as the extra split `imagenet_val`.
+    Its train labels are web labels with unknown noise: `meta["clean_train_labels"]` is False."""
     b = Builder(cfg, rng, "webvision")
     k = cfg.num_classes
     paths, y = read_pairs(b.root / "info" / "train_filelist_google.txt", b.name)
@@ -232,7 +233,7 @@ def webvision(cfg, rng) -> Data:
         extra["imagenet_val"] = b.split(
             *scan_classes(folder, ".", wnids, b.name, others_ok=True), root=folder
         )
-    return b.data(*b.carve(train), test, k, extra, top5=True)
+    return b.data(*b.carve(train), test, k, extra, top5=True, clean_train_labels=False)
 
 
 @register_dataset("clothing1m")
