@@ -18,11 +18,11 @@ import numpy as np
 from runner.methods import hier_hash as hh
 
 ALPHA, BETA = 100.0, 1.0
-# (nc, d, sparsity, sibling groups, backends timed)
+# (nc, d, sparsity, sibling groups, methods timed)
 CASES = [
-    (64, 32, 1, 0, hh.BACKENDS),
-    (64, 64, 2, 16, hh.BACKENDS),
-    (64, 128, 4, 16, hh.BACKENDS),
+    (64, 32, 1, 0, hh.SOLVERS),
+    (64, 64, 2, 16, hh.SOLVERS),
+    (64, 128, 4, 16, hh.SOLVERS),
     (512, 512, 1, 0, ("ortools",)),
     (512, 512, 2, 128, ("ortools",)),
 ]
@@ -40,25 +40,25 @@ def best_time(fn, repeats):
 
 
 def solver_table(rng):
-    """CPU seconds per solve, {(nc, d, s, groups): {backend: seconds}}; checks the backends agree."""
+    """CPU seconds per solve, {(nc, d, s, groups): {method: seconds}}; checks the methods agree."""
     table = {}
-    print(f"  {'nc':>4} {'d':>4} {'s':>2} {'groups':>6}  " + "  ".join(f"{b:>18}" for b in hh.BACKENDS))
-    for nc, d, s, n_groups, backends in CASES:
+    print(f"  {'nc':>4} {'d':>4} {'s':>2} {'groups':>6}  " + "  ".join(f"{b:>18}" for b in hh.SOLVERS))
+    for nc, d, s, n_groups, methods in CASES:
         unary = rng.normal(size=(nc, d))
         groups = None if n_groups == 0 else np.repeat(np.arange(n_groups), nc // n_groups)
         row, cells, energies = {}, {}, []
-        for backend in backends:
-            solve = partial(hh.assign_codes, unary, s, ALPHA, BETA, groups, backend=backend)
+        for method in methods:
+            solve = partial(hh.assign_codes, unary, s, ALPHA, BETA, groups, method=method)
             cpu, wall, z = best_time(solve, repeats=5 if nc <= 64 else 3)
-            row[backend] = cpu
-            cells[backend] = f"{cpu * 1e3:7.1f} ({wall * 1e3:7.1f})"
+            row[method] = cpu
+            cells[method] = f"{cpu * 1e3:7.1f} ({wall * 1e3:7.1f})"
             energies.append(hh.code_energy(z, unary, ALPHA, BETA, groups))
         if np.ptp(energies) > 1e-6:
-            raise AssertionError(f"backends disagree on nc={nc}, d={d}: energies {energies}")
+            raise AssertionError(f"methods disagree on nc={nc}, d={d}: energies {energies}")
         table[(nc, d, s, n_groups)] = row
         print(
             f"  {nc:4d} {d:4d} {s:2d} {n_groups:6d}  "
-            + "  ".join(f"{cells.get(b, '-'):>18}" for b in hh.BACKENDS)
+            + "  ".join(f"{cells.get(b, '-'):>18}" for b in hh.SOLVERS)
         )
     return table
 

@@ -11,16 +11,22 @@ ones; runs that differ only in `seed` are replicates of one setting. Written int
 The main metric and its direction are the task's `METRIC`. Failed runs (`summary.json` holding an
 `error`) and incomplete ones (no `summary.json`: killed, still running) are listed, never averaged.
 `SweepSummary` is the Hydra callback that prints the same table at the end of every multirun.
+
+Beside the runs, the papers: a row that ran a paper preset's setting (`paper_setting`) gets the preset's
+`paper:` numbers and the difference (ours - paper); the claims of conf/claims.yaml about the preset a
+sweep ran (the CPU studies) are checked on its rows and printed as holds / fails with the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import importlib
 import json
 import logging
 import math
+import operator
 import os
 import re
 import sys
@@ -29,6 +35,7 @@ from pathlib import Path
 
 import yaml
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
 from runner.schema import ConfigError
 
@@ -37,6 +44,14 @@ log = logging.getLogger(__name__)
 REPLICATE_KEY = "seed"
 MAX_EXTRA_COLUMNS = 4
 _SKIP_DIRS = {".hydra", ".submitit", "wandb", "checkpoints"}
+CLAIMS_FILE = Path(__file__).resolve().parents[1] / "conf" / "claims.yaml"
+# Overrides that say where or how a run ran, not what it measures: with them a run still ran its preset.
+SETTING_FREE = (
+    "seed", "experiment", "name", "hydra", "hardware", "logger", "dataset.root", "dataset.download",
+    "dataset.imagenet_val", "model.pretrained", "method.base_checkpoint", "train.progress",
+    "train.checkpoint", "train.checkpoint_every_minutes", "train.resume", "train.eval_batch_size",
+)  # fmt: skip
+_OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
 
 
 @dataclass
@@ -45,6 +60,7 @@ class Run:
     overrides: dict[str, str]  # key -> value, as given on the command line (or chosen by the sweeper)
     config: dict
     summary: dict | None  # None: no summary.json yet
+    paper: dict = field(default_factory=dict)  # its preset's `paper:` block: {metric: {value, table}}
 
     @property
     def status(self) -> str:
@@ -56,12 +72,7 @@ class Run:
         """The run's value of a (possibly swept) key: its override, else its resolved config value."""
         if key in self.overrides:
             return _parse_scalar(self.overrides[key])
-        node = self.config
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):  # a config group (model=cnn): its name
-            node = node.get("name")
-        return node
+        return _at(self.config, key)
 
 
 @dataclass
@@ -90,6 +101,7 @@ class Report:
     metric: str
     direction: str  # "max" | "min"
     columns: list[str]  # summary keys tabled, the main metric first
+    claims: dict = field(default_factory=dict)  # {preset name: [claim, ...]}, as in conf/claims.yaml
 
     @property
     def skipped(self) -> list[Run]:
@@ -126,12 +138,16 @@ def load_run(run_dir: Path) -> Run:
     if not config_path.exists():
         config_path = run_dir / ".hydra" / "config.yaml"
     config = (yaml.safe_load(config_path.read_text()) if config_path.exists() else None) or {}
+    composed = run_dir / ".hydra" / "config.yaml"  # Hydra's composed config holds the preset's `paper:`
+    paper = config.get("paper")
+    if not paper and composed.exists():
+        paper = (yaml.safe_load(composed.read_text()) or {}).get("paper")
     summary_path = run_dir / "summary.json"
     try:
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     except json.JSONDecodeError:  # cut off mid-write
         summary = None
-    return Run(run_dir, overrides, config, summary)
+    return Run(run_dir, overrides, config, summary, paper or {})
 
 
 def task_metric(config: dict) -> tuple[str, str]:
@@ -144,8 +160,11 @@ def task_metric(config: dict) -> tuple[str, str]:
         raise ValueError(f"task {task!r} has no tasks/{task}.py with a METRIC; {hint}") from None
 
 
-def build_report(root, metric: str | None = None, columns: list[str] | None = None) -> Report:
-    """Read, group and order the runs under `root`. `metric` is `KEY` or `KEY:max|min`."""
+def build_report(
+    root, metric: str | None = None, columns: list[str] | None = None, claims=CLAIMS_FILE
+) -> Report:
+    """Read, group and order the runs under `root`. `metric` is `KEY` or `KEY:max|min`; `claims` the
+    claims file to check."""
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"{root}: no such directory")
@@ -182,7 +201,7 @@ def build_report(root, metric: str | None = None, columns: list[str] | None = No
         columns = [key, *siblings[:MAX_EXTRA_COLUMNS]]
     elif key not in columns:
         columns = [key, *columns]
-    return Report(root, runs, swept, ordered, key, direction, columns)
+    return Report(root, runs, swept, ordered, key, direction, columns, load_claims(claims))
 
 
 # -------------------------------------------------------------------------------------- the table
@@ -201,6 +220,13 @@ def markdown(report: Report, plots: list[Path] = ()) -> str:
     ]
     if report.groups:
         lines += ["", *table(report)]
+    paper = paper_table(report)
+    if paper:
+        lines += ["", "The paper's numbers (its preset's `paper:`) for the rows that ran its setting:", ""]
+        lines += paper
+    claims = check_claims(report, report.claims)
+    if claims:
+        lines += ["", "Claims:"] + [f"- {verdict}: {line}" for verdict, line in claims]
     results = report.root / "optimization_results.yaml"
     if results.exists():  # written by the Optuna sweeper
         best = yaml.safe_load(results.read_text()) or {}
@@ -232,6 +258,109 @@ def table(report: Report) -> list[str]:
             row.append(f"**{cell}**" if g is best and key == report.metric else cell)
         rows.append(row)
     return ["| " + " | ".join(r) + " |" for r in rows]
+
+
+# ------------------------------------------------------------------------------ the papers' numbers
+
+
+def paper_setting(run: Run) -> bool:
+    """Whether `run` ran the setting its preset's `paper:` numbers are for: the method the preset is named
+    after (csot_cifar10: csot; hier_hash_imagenet32_npairs: hier_hash), and every override that changes
+    what is measured (all but `SETTING_FREE`) at the value the preset itself gives that key."""
+    experiment, method = run.value("experiment"), run.value("method")
+    if not run.paper or not isinstance(experiment, str) or not experiment.startswith(f"{method}_"):
+        return False
+    preset = _preset(experiment, method if "method" in run.overrides else None)
+    return preset is not None and all(
+        _same(run.value(key), _at(preset, key))
+        for key in run.overrides
+        if not any(key == k or key.startswith(k + ".") for k in SETTING_FREE)
+    )
+
+
+@functools.cache
+def _preset(experiment: str, method: str | None) -> dict | None:
+    """The config `+experiment=NAME` composes to (after `+method=` where the run gave one)."""
+    from runner.cli import _compose
+
+    overrides = ([f"+method={method}"] if method else []) + [f"+experiment={experiment}"]
+    try:
+        return OmegaConf.to_container(_compose(overrides), resolve=True)
+    except Exception as e:  # renamed or removed since the sweep ran: its runs get no paper numbers
+        log.warning("runner-report: no paper numbers for +experiment=%s: %s", experiment, e)
+        return None
+
+
+def paper_table(report: Report) -> list[str]:
+    """Per row that ran a paper preset's setting and per metric of its `paper:` block: ours (mean ± std
+    over seeds), the paper's value, ours - paper, and the paper's table; [] when no row did."""
+    header = [*report.swept, "metric", "ours", "paper", "ours - paper", "source"]
+    rows = []
+    for g in report.groups:
+        if not paper_setting(g.runs[0]):
+            continue
+        for metric, entry in g.runs[0].paper.items():
+            mean, std, n = g.stats(metric)
+            value = float(entry["value"])
+            ours, diff = ("-", "-") if n == 0 else (_mean_std(mean, std), f"{mean - value:+.4g}")
+            params = [_show(v) for v in g.params.values()]
+            rows.append([*params, metric, ours, _show(value), diff, entry["table"]])
+    if not rows:
+        return []
+    return ["| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows]]
+
+
+# ------------------------------------------------------------------------------------------- claims
+
+
+def load_claims(path=CLAIMS_FILE) -> dict:
+    """{preset name: [claim, ...]} from a claims file (conf/claims.yaml describes the format)."""
+    try:
+        return yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise ValueError(f"--claims {path}: {e.strerror}") from None
+
+
+def check_claims(report: Report, claims: dict) -> list[tuple[str, str]]:
+    """(verdict, line) per claim about a preset the report's runs ran: verdict holds | fails | untested
+    (a side has no row, or several), the line the claim with its numbers."""
+    out = []
+    experiments = dict.fromkeys(g.runs[0].value("experiment") for g in report.groups)
+    for experiment in experiments:
+        rows = [g for g in report.groups if g.runs[0].value("experiment") == experiment]
+        for claim in claims.get(experiment, []) if isinstance(experiment, str) else ():
+            when = claim.get("when") or {}
+            (left, left_text), (right, right_text) = (_side(claim[s], when, rows) for s in ("left", "right"))
+            head = f"{claim['claim']} ({experiment}; {claim.get('source', 'no source')})"
+            if left is None or right is None:
+                out.append(("untested", f"{head}: {left_text if left is None else right_text}"))
+                continue
+            verdict = "holds" if _OPS[claim["op"]](left, right) else "fails"
+            out.append((verdict, f"{head}: {left_text} {claim['op']} {right_text}"))
+    return out
+
+
+def _side(side: dict, when: dict, rows: list[Group]) -> tuple[float | None, str]:
+    """A claim's side: (value, how it was computed), or (None, why it could not be)."""
+    times, plus = float(side.get("times", 1)), float(side.get("plus", 0))
+    if "metric" not in side:
+        return plus, _show(plus)
+    when = {**when, **(side.get("when") or {})}
+    picked = " ".join(f"{k}={_show(v)}" for k, v in when.items())
+    matches = [g for g in rows if all(_same(r.value(k), v) for r in g.runs for k, v in when.items())]
+    if len(matches) != 1:
+        return None, f"{len(matches)} rows with {picked or 'any setting'} (need 1)"
+    metric, stat = side["metric"], side.get("stat", "mean")
+    values = [float(r.summary[metric]) for r in matches[0].runs if _is_number(r.summary.get(metric))]
+    if not values:
+        return None, f"no {metric} in the runs with {picked}"
+    value = {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}[stat]
+    text = f"{'' if stat == 'mean' else stat + ' '}{metric}" + (f" [{picked}]" if picked else "")
+    text += f" {value:.4g}" + (f" x {_show(times)}" if times != 1 else "")
+    text += f" {'+-'[plus < 0]} {_show(abs(plus))}" if plus else ""
+    if times != 1 or plus:
+        text += f" = {value * times + plus:.4g}"
+    return value * times + plus, text
 
 
 def _mean_std(mean: float, std: float) -> str:
@@ -345,6 +474,22 @@ def _parse_scalar(text: str):
     return value
 
 
+def _at(config: dict, key: str):
+    """`config`'s value at a dotted key; a config group (model=cnn) gives its name."""
+    node = config
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node = node.get("name")
+    return node
+
+
+def _same(a, b) -> bool:
+    if _is_number(a) and _is_number(b):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return _hashable(a) == _hashable(b)
+
+
 def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -384,9 +529,11 @@ def _label(run: Run, report: Report) -> str:
 # ------------------------------------------------------------------------------- entry points
 
 
-def write_report(root, metric: str | None = None, columns: list[str] | None = None, out=None) -> Report:
+def write_report(
+    root, metric: str | None = None, columns: list[str] | None = None, out=None, claims=CLAIMS_FILE
+) -> Report:
     """Build the report for `root`, write report.md and the plots into `out` (default: `root`)."""
-    report = build_report(root, metric, columns)
+    report = build_report(root, metric, columns, claims)
     out = Path(out) if out is not None else report.root
     out.mkdir(parents=True, exist_ok=True)
     plots = plot(report, out) if report.groups else []
@@ -403,10 +550,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metric", help="KEY or KEY:max|min (default: the task's main metric)")
     parser.add_argument("--columns", help="comma-separated summary keys to table (default: the metric's kin)")
     parser.add_argument("--out", type=Path, help="where to write report.md and the PNGs (default: PATH)")
+    parser.add_argument(
+        "--claims", type=Path, default=CLAIMS_FILE, help="the claims to check (conf/claims.yaml)"
+    )
     args = parser.parse_args(argv)
     columns = [c for c in args.columns.split(",") if c] if args.columns else None
     try:
-        report = write_report(args.path, args.metric, columns, args.out)
+        report = write_report(args.path, args.metric, columns, args.out, args.claims)
     except ValueError as e:
         parser.exit(2, f"runner-report: error: {e}\n")
     out = args.out or args.path
@@ -418,6 +568,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def print_sweep_summary(sweep_dir) -> None:
     """The table of a finished (or failed) multirun, printed at its end; never raises."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()  # the sweep is over; composing a preset (paper numbers) needs Hydra
     try:
         text = markdown(build_report(sweep_dir))
     except Exception as e:  # a summary must not mask the sweep's own outcome

@@ -13,11 +13,22 @@ object with any of:
     loss(model, x, y_soft, idx, epoch) -> scalar         replaces the soft cross-entropy
     state_dict() / load_state_dict(state)               kept in checkpoints
     mid_epoch_resume = True                             state_dict holds all on_epoch_start set up
+    batch_sampler(default) -> sampler                   the index batches instead of `default` (an
+                                                        EpochBatches): same protocol, its length read
+                                                        after each set_epoch (e.g. CSOT's two pools)
+    optimizer(model) -> (optimizer, scheduler, per_step)  instead of train.optimizer / schedule; per_step:
+                                                        the scheduler steps after every batch
+    evaluate(model) -> dict                             the per-epoch metrics instead of val/test accuracy
+    select = (key, "max" | "min")                       keep and restore the best weights by that metric
+
+Training by iterations: a hook's sampler cuts them into epochs (the unit of logging, evaluation and
+epoch-end checkpoints) and its per-step scheduler follows the iteration count.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import random
 import time
@@ -29,10 +40,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from runner.data import Data, Split
+from runner.data.views import augment_crop_flip
 from runner.faults import CheckpointError, Diverged, StopSignals
 from runner.hardware import RunContext, all_reduce_sum
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary, reliability_plot
 from runner.schema import ConfigError
+from runner.track import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +55,6 @@ CHECKPOINT = "checkpoints/last.pt"
 def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean over the batch of -sum_k target_k log softmax(logits)_k."""
     return -(target * F.log_softmax(logits, dim=1)).sum(dim=1).mean()
-
-
-def augment_crop_flip(x: torch.Tensor, pad: int = 4) -> torch.Tensor:
-    """Random crop with zero padding `pad` and random horizontal flip, per sample, on x's device."""
-    b, _, h, w = x.shape
-    padded = F.pad(x, (pad, pad, pad, pad))
-    dy = torch.randint(0, 2 * pad + 1, (b, 1, 1), device=x.device)
-    dx = torch.randint(0, 2 * pad + 1, (b, 1, 1), device=x.device)
-    rows = (torch.arange(h, device=x.device).view(1, h, 1) + dy).expand(b, h, w)
-    cols = (torch.arange(w, device=x.device).view(1, 1, w) + dx).expand(b, h, w)
-    flip = torch.rand(b, 1, 1, device=x.device) < 0.5
-    cols = torch.where(flip, cols.flip(-1), cols)
-    batch = torch.arange(b, device=x.device).view(b, 1, 1)
-    return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2)
 
 
 def make_optimizer(model, cfg):
@@ -346,7 +345,9 @@ def _first_line(error: BaseException) -> str:
     return text[: text.find(". ", 40) + 1 or None][:300]
 
 
-def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "none") -> dict:
+def fit(
+    model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "none", tag: str | None = None
+) -> dict:
     """Train `model` on `data.train` for `cfg.epochs` (a `TrainConfig`); return the final metrics, with
     the best, last and median-of-last-10 test accuracy, and write `reliability.png` of the test split.
     `augment` is the training augmentation (`dataset.augment`; in-memory crop padding from
@@ -358,14 +359,24 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
     random streams, so on the CPU it ends exactly as an uninterrupted run. Hooks with an
     `on_epoch_start` are resumed inside an epoch only if they declare `mid_epoch_resume = True` (their
     `state_dict` holds all that `on_epoch_start` set up); otherwise only at epoch ends. A non-finite
-    loss or parameter stops the run (Diverged) and is never saved."""
+    loss or parameter stops the run (Diverged) and is never saved.
+
+    `tag` names one of several fits in a run: its checkpoint is `checkpoints/<tag>.pt`, its metrics rows
+    carry `<tag>/<key>` (with `<tag>/epoch`, no tracker step), and a restart drops only its own rows
+    past its checkpoint. With `hooks.select = (key, "max" | "min")` the model is evaluated before the
+    first epoch too, the weights of the best value of `key` are kept (in the checkpoint as well) and
+    restored at the end, and the returned metrics are those of the restored model."""
     # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
     # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
     if cfg.batch_size % ctx.world_size:
         raise ConfigError(f"train.batch_size={cfg.batch_size}: must split evenly over {ctx.world_size} ranks")
     net = ctx.prepare(model)
-    optimizer = make_optimizer(model, cfg)
-    scheduler = make_scheduler(optimizer, cfg)
+    make_optimizers = getattr(hooks, "optimizer", None)
+    if make_optimizers is None:
+        optimizer, scheduler, per_step = make_optimizer(model, cfg), None, False
+        scheduler = make_scheduler(optimizer, cfg)
+    else:
+        optimizer, scheduler, per_step = make_optimizers(model)
     scaler = ctx.grad_scaler()
     y_train, k = data.train.y.to(ctx.device), data.num_classes
 
@@ -373,27 +384,44 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
     on_epoch_start = getattr(hooks, "on_epoch_start", None)
     transform = getattr(hooks, "transform", None)
     hook_loss = getattr(hooks, "loss", None)
+    hook_evaluate = getattr(hooks, "evaluate", None)
+    select = getattr(hooks, "select", None)
     mid_epoch = cfg.checkpoint and (on_epoch_start is None or getattr(hooks, "mid_epoch_resume", False))
 
-    state = Resumable(ctx.dir / CHECKPOINT, ctx, model, optimizer, scheduler, scaler, hooks)
+    def evaluate_all() -> tuple[dict, dict]:
+        if hook_evaluate is not None:
+            return hook_evaluate(model), {}
+        return _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
+
+    path = ctx.dir / CHECKPOINT if tag is None else ctx.dir / "checkpoints" / f"{tag}.pt"
+    state = Resumable(path, ctx, model, optimizer, scheduler, scaler, hooks)
     resumed = state.resume() if cfg.checkpoint else None
     start, first, extra = (0, 0, {}) if resumed is None else resumed
     if first is None:  # an epoch-end checkpoint
         start, first = start + 1, 0
     # Epochs before `start` are logged; an interrupted one is when it completes. Without a checkpoint
     # this drops the records of an earlier attempt that died before its first one.
-    ctx.tracker.truncate(start - 1)
-    if resumed is not None:
+    _truncate(ctx, tag, start if resumed is not None else -1)
+    if resumed is not None and make_optimizers is None:
         _follow_config(optimizer, scheduler, cfg)
     history = extra.get("history", [])
+    # The best epoch by `select`: its value, weights (on the CPU), metrics and calibration bins.
+    best = extra.get("best")
+    if best is not None:
+        best["state"] = {key: value.cpu() for key, value in best["state"].items()}
+    if select is not None and resumed is None:  # the initial weights stay unless training beats them
+        evaluated, calibration = evaluate_all()
+        best = _snapshot(model, evaluated, calibration, select)
+        _log(ctx, tag, {"epoch": 0, **evaluated}, -1)
 
     # After the resume: the data order is seeded by the run's seed, which the restored RNG state carries.
     sampler = EpochBatches(len(y_train), cfg.batch_size, ctx.rank, ctx.world_size, torch.initial_seed())
+    if hasattr(hooks, "batch_sampler"):
+        sampler = hooks.batch_sampler(sampler)
     train_batches = batches(data.train, ctx, sampler, augment, data.meta.get("crop_pad", 4))
-    steps_per_epoch = len(sampler)
-    warmup_steps = cfg.warmup_epochs * steps_per_epoch
     check_loss = not scaler.is_enabled()  # fp16 loss scaling skips non-finite steps by design
     last_save = time.monotonic()
+    train_s = 0.0
     metrics: dict = {}
     calibration: dict = {}
     with StopSignals() as signals:
@@ -405,12 +433,14 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
                 on_epoch_start(epoch, model, data)
             t_pass, t_transform = time.perf_counter() - t0, 0.0
             sampler.set_epoch(epoch, start=first if resuming else 0)
+            steps_per_epoch = len(sampler)  # after set_epoch: a hook's sampler may vary it by epoch
+            warmup_steps = cfg.warmup_epochs * steps_per_epoch if make_optimizers is None else 0
             # The partial loss sum of a resumed epoch is the global one: rank 0 carries it.
             carried = extra.get("loss_sum", 0.0) if resuming and ctx.is_main else 0.0
             loss_sum = torch.full((), carried, device=ctx.device)
             bar = tqdm(
                 train_batches,
-                desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                desc=f"{tag + ' ' if tag else ''}epoch {epoch + 1}/{cfg.epochs}",
                 initial=first if resuming else 0,
                 total=steps_per_epoch,
                 leave=False,
@@ -437,6 +467,8 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
                 scaler.scale(loss).backward()
                 scaler.step(optimizer)
                 scaler.update()
+                if per_step:  # a schedule over iterations
+                    scheduler.step()
                 loss_sum += loss.detach()
                 if check_loss:
                     _check_finite(pending, epoch, steps_per_epoch, state)
@@ -448,7 +480,9 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
                     if mid_epoch:
                         partial = all_reduce_sum(loss_sum.clone().reshape(1)).item()
                         if ctx.is_main:
-                            state.save(epoch, step + 1, {"history": history, "loss_sum": partial})
+                            state.save(
+                                epoch, step + 1, {"history": history, "best": best, "loss_sum": partial}
+                            )
                         last_save = time.monotonic()
                     if stop:
                         if not mid_epoch:
@@ -458,31 +492,84 @@ def fit(model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "non
             timings = _timings(
                 ctx, t0 + t_pass, t_pass, t_transform, steps_per_epoch - (first if resuming else 0)
             )
-            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-                group["lr"] = lr  # undo the warm-up factor: the schedulers compute from the current lr
-            scheduler.step()
+            train_s += timings["time/train_s"]
+            if not per_step:
+                for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                    group["lr"] = lr  # undo the warm-up factor: the schedulers compute from the current lr
+                scheduler.step()
             train_loss = all_reduce_sum(loss_sum.reshape(1)).item() / (steps_per_epoch * ctx.world_size)
             metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": optimizer.param_groups[0]["lr"]}
-            evaluated, calibration = _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
+            evaluated, calibration = evaluate_all()
             metrics.update(evaluated)
             if "test/acc" in metrics:
                 history.append(metrics["test/acc"])
+            if select is not None and _better(evaluated[select[0]], best, select[1]):
+                best = _snapshot(model, evaluated, calibration, select)
             metrics.update(timings)
             metrics["time/epoch_s"] = time.perf_counter() - t0
-            ctx.tracker.log(metrics, step=epoch)
+            _log(ctx, tag, metrics, epoch)
             if ctx.is_main:
-                log.info("epoch %d/%d  %s", epoch + 1, cfg.epochs, _brief(metrics))
+                log.info(
+                    "%sepoch %d/%d  %s", f"{tag}: " if tag else "", epoch + 1, cfg.epochs, _brief(metrics)
+                )
                 if cfg.checkpoint:
-                    state.save(epoch, None, {"history": history})
+                    state.save(epoch, None, {"history": history, "best": best})
             last_save = time.monotonic()
             if _agree(ctx, signals.signum is not None)[0]:
                 signals.stop()
-    if not metrics:  # resumed a finished run: report the model as it is
-        metrics, calibration = _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
+    if best is not None:  # the best epoch's weights and evaluation
+        model.load_state_dict(best["state"])
+        metrics.update(best["metrics"])
+        calibration = best["calibration"]
+        log.info(
+            "%skept the weights of the best %s, %.4f", f"{tag}: " if tag else "", select[0], best["value"]
+        )
+    elif not metrics:  # resumed a finished run: report the model as it is
+        metrics, calibration = evaluate_all()
     metrics.update(history_summary(history))
+    metrics["time/train_total_s"] = train_s  # the training steps of this process (not the resumed part)
     if ctx.is_main and "test" in calibration:
         reliability_plot(ctx.dir / "reliability.png", calibration["test"], "test")
     return metrics
+
+
+def _better(value: float, best: dict | None, mode: str) -> bool:
+    return best is None or (value > best["value"] if mode == "max" else value < best["value"])
+
+
+def _snapshot(model, evaluated: dict, calibration: dict, select) -> dict:
+    state = {key: value.detach().cpu().clone() for key, value in model.state_dict().items()}
+    return {"value": evaluated[select[0]], "state": state, "metrics": evaluated, "calibration": calibration}
+
+
+def _log(ctx: RunContext, tag: str | None, metrics: dict, epoch: int) -> None:
+    """One metrics row: at tracker step `epoch`, or (a tagged fit) keys `<tag>/...` and no step."""
+    if tag is None:
+        ctx.tracker.log(metrics, step=epoch)
+    else:
+        ctx.tracker.log({f"{tag}/{key}": value for key, value in metrics.items()})
+
+
+def _truncate(ctx: RunContext, tag: str | None, done: int) -> None:
+    """Drop the rows a restart would write again: those of epochs after the `done` complete ones
+    (done = -1: every row of this fit, the initial evaluation's included). Untagged: by tracker step;
+    tagged: only rows of this tag, by `<tag>/epoch` (1-based, 0 the initial evaluation)."""
+    if tag is None:
+        ctx.tracker.truncate(done - 1 if done >= 0 else -2)
+        return
+    tracker = ctx.tracker
+    if getattr(tracker, "enabled", False) and tracker.metrics_path.exists():
+        lines = tracker.metrics_path.read_text().splitlines()
+        kept = "".join(line + "\n" for line in lines if _before(line, f"{tag}/epoch", done))
+        write_atomic(tracker.metrics_path, kept)
+
+
+def _before(line: str, key: str, done: int) -> bool:
+    """Whether a metrics row has no `key` or one <= done; False for the torn last line of a killed run."""
+    with contextlib.suppress(json.JSONDecodeError):
+        value = json.loads(line).get(key)
+        return value is None or value <= done
+    return False
 
 
 def _follow_config(optimizer, scheduler, cfg) -> None:

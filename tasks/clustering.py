@@ -14,88 +14,18 @@ coloured by cluster, centroids marked.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
+from runner.configs.clustering import METHODS, BalancedClusterConfig, DBOTClusterConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
-from runner.methods.dbot import SOLVERS, dbot_cluster
-from runner.schema import ConfigError, check_choice, check_range
+from runner.methods.dbot import dbot_cluster
+from runner.plots import new_figure, project_2d, save_figure
+from runner.schema import ConfigError
 
 METRIC = ("cluster/nmi", "max")
 
 
-@dataclass
-class ClusterConfig:
-    name: str = "kmeans"
-    task: str = "clustering"
-    k: int = 0  # number of clusters; 0: the dataset's (meta n_clusters, else num_classes)
-    split: str = "all"  # train | test | all
-    per_class: int = 0  # > 0: only the first per_class samples of each class
-    features: str = "raw"  # raw | net
-    standardize: bool = False  # z-score each feature before clustering
-    plot: bool = True
-
-    def __post_init__(self):
-        check_range("method.k", self.k, 0)
-        check_choice("method.split", self.split, ("train", "test", "all"))
-        check_range("method.per_class", self.per_class, 0)
-        check_choice("method.features", self.features, ("raw", "net"))
-
-
-@dataclass
-class KMeansConfig(ClusterConfig):
-    name: str = "kmeans"
-    n_init: int = 10
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_range("method.n_init", self.n_init, 1)
-
-
-@dataclass
-class DBOTClusterConfig(ClusterConfig):
-    name: str = "dbot_cluster"
-    tau: float = 0.3  # cluster masses in [(1 - tau) / K, (1 + tau) / K]
-    eps: float = 0.05  # entropic regularisation, relative to the median squared distance
-    outer_iters: int = 20
-    init: str = "kmeans++"  # kmeans++ | random
-    hard_assign: bool = True  # centroids from argmax-masked plans (false: the paper's "no reweighting")
-    assign: str = "argmax"  # argmax (paper) | rounded (hard counts within the bounds)
-    solver: str = "dual"  # log domain: eps is small
-    max_iter: int = 1000
-    tol: float = 1e-6
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_range("method.tau", self.tau, 0.0, 1.0, hi_open=True)
-        check_range("method.eps", self.eps, 0.0, lo_open=True)
-        check_range("method.outer_iters", self.outer_iters, 1)
-        check_choice("method.init", self.init, ("kmeans++", "random"))
-        check_choice("method.assign", self.assign, ("argmax", "rounded"))
-        check_choice("method.solver", self.solver, SOLVERS)
-        check_range("method.max_iter", self.max_iter, 1)
-        check_range("method.tol", self.tol, 0.0, lo_open=True)
-
-
-@dataclass
-class BalancedClusterConfig(DBOTClusterConfig):
-    """Plain balanced-OT clustering: DB-OT with tau = 0 (every cluster mass exactly 1/K)."""
-
-    name: str = "balanced_cluster"
-    tau: float = 0.0
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_range("method.tau", self.tau, 0.0, 0.0)
-
-
-METHODS = {
-    "kmeans": KMeansConfig,
-    "dbot_cluster": DBOTClusterConfig,
-    "balanced_cluster": BalancedClusterConfig,
-}
 
 
 def _samples(cfg, ctx, data):
@@ -155,24 +85,12 @@ def cluster_scores(y, labels, k: int, outlier_label=None) -> dict:
 
 
 def plot_clusters(x, labels, centroids, title: str, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if x.shape[1] != 2:
-        from sklearn.decomposition import PCA
-
-        pca = PCA(2).fit(x)
-        x, centroids = pca.transform(x), pca.transform(centroids)
-        title += " (PCA)"
-    fig, ax = plt.subplots(figsize=(5.5, 5))
+    """The samples (2-D or their PCA) coloured by cluster, the centroids marked."""
+    (x, centroids), title = project_2d(x, centroids, fit=x, title=title)
+    fig, ax = new_figure()
     ax.scatter(x[:, 0], x[:, 1], c=labels, cmap="tab20", s=10, vmin=0, vmax=max(19, labels.max()))
     ax.scatter(centroids[:, 0], centroids[:, 1], c="black", marker="x", s=80, linewidths=2)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def run(cfg, ctx) -> dict:

@@ -35,13 +35,15 @@ Reports the share of picks from the missing pattern (the METRIC; a random pick's
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from runner.methods.pwc import BASELINES, BATCHED, PW_METHODS, cover
-from runner.schema import ConfigError, check_choice, check_range
+from runner.configs.covering import METHODS, CoverConfig  # noqa: F401  (tests import them here)
+from runner.methods.pwc import cover
+from runner.methods.pwc_training import cover_options, predictive_entropy, share_count, trained_model
+from runner.plots import new_figure, project_2d, save_figure
+from runner.schema import ConfigError
 
 METRIC = ("cover/missing_share", "max")
 
@@ -53,61 +55,6 @@ OUTLIER_BOX = (-6.0, 10.0)
 MISSING, OUTLIER = 2, 3  # mixture2d pattern labels: 0 A, 1 B, 2 C, 3 outlier
 
 
-@dataclass
-class CoverConfig:
-    name: str = "pwc"
-    task: str = "covering"
-    selector: str = "ctrans"
-    scenario: str = "dataset"  # dataset | mixture2d
-    k: int = 30
-    n_app: int = 300
-    n_dev: int = 300
-    missing_class: int = 0  # dataset: the class made rare in dev
-    dev_share: float = 0.005  # share of the missing pattern in dev (0: absent)
-    app_share: float = 0.2  # mixture2d: share of mode C in app (before outliers; digest E1: 0.3)
-    outliers: float = 0.02  # mixture2d: share of app drawn uniformly from the box
-    features: str = "raw"  # raw | net
-    checkpoint: str = ""  # features=net: embed with this runner checkpoint instead of training
-    batch: int = 1  # picks per LP (> 1: an extension beyond the paper)
-    eta: float = 1e-6  # sensitivity / entropic: relative mass of unselected candidates
-    reg: float = 0.01  # entropic: eps in cost units (the paper's), or a fraction of PW({}) (reg_relative)
-    reg_relative: bool = False
-    max_iter: int = 50_000  # entropic sweeps (the paper's cap)
-    tol: float = 1e-6  # entropic L1 row-marginal tolerance
-    mip_gap: float = 1e-6  # milp: HiGHS relative gap
-    plot: bool = True
-
-    def __post_init__(self):
-        check_choice("method.selector", self.selector, PW_METHODS + BASELINES)
-        check_choice("method.scenario", self.scenario, ("dataset", "mixture2d"))
-        check_range("method.n_app", self.n_app, 1)
-        check_range("method.n_dev", self.n_dev, 1)
-        check_range("method.k", self.k, 1, self.n_app)
-        check_range("method.missing_class", self.missing_class, 0)
-        check_range("method.dev_share", self.dev_share, 0.0, 1.0, hi_open=True)
-        check_range("method.app_share", self.app_share, 0.0, 1.0, hi_open=True)
-        check_range("method.outliers", self.outliers, 0.0, 1.0, hi_open=True)
-        check_choice("method.features", self.features, ("raw", "net"))
-        if self.selector == "entropy" and self.scenario == "mixture2d":
-            raise ConfigError(
-                "method.selector=entropy needs a dataset to train a classifier on; not mixture2d"
-            )
-        check_range("method.batch", self.batch, 1)
-        if self.batch > 1 and self.selector not in BATCHED:
-            raise ConfigError(f"method.batch={self.batch}: only {', '.join(BATCHED)} pick in batches")
-        check_range("method.eta", self.eta, 0.0, 1.0, lo_open=True)
-        check_range("method.reg", self.reg, 0.0, lo_open=True)
-        check_range("method.max_iter", self.max_iter, 1)
-        check_range("method.tol", self.tol, 0.0, lo_open=True)
-        check_range("method.mip_gap", self.mip_gap, 0.0)
-
-
-METHODS = {"pwc": CoverConfig}
-
-
-def share_count(share: float, n: int) -> int:
-    """round(share * n), halves up (Python's round(0.5) is 0)."""
-    return int(np.floor(share * n + 0.5))
 
 
 def largest_remainder(weights, n: int) -> np.ndarray:
@@ -162,41 +109,6 @@ def mixture2d_sets(m, rng: np.random.Generator):
     return x_app[shuffle_app], y_app[shuffle_app], x_dev[shuffle_dev], y_dev[shuffle_dev]
 
 
-def _trained_model(cfg, ctx, data):
-    """`cfg.model` loaded from method.checkpoint, or trained on the train split with the missing class cut
-    to dev_share of it (as the development data would be)."""
-    from runner.data import Data
-    from runner.models import build_model
-    from runner.train import fit
-
-    m = cfg.method
-    model = build_model(cfg.model, data.input_shape, data.num_classes)
-    if m.checkpoint:
-        try:
-            state = torch.load(m.checkpoint, map_location="cpu", weights_only=False)
-            model.load_state_dict(state["model"])
-        except (OSError, KeyError, RuntimeError) as e:
-            raise ConfigError(
-                f"method.checkpoint={m.checkpoint!r}: not a runner checkpoint of this model ({e})"
-            ) from None
-    else:
-        y = data.train.y_clean.numpy()
-        rng = np.random.default_rng(cfg.seed + 1)
-        others = np.flatnonzero(y != m.missing_class)
-        n_missing = share_count(m.dev_share / (1 - m.dev_share), len(others))
-        missing = rng.permutation(np.flatnonzero(y == m.missing_class))[:n_missing]
-        train = data.train.subset(np.sort(np.r_[others, missing]))
-        fit(model, Data(train, data.val, data.test, data.num_classes, data.input_shape, data.meta), cfg.train,
-            ctx, augment=cfg.dataset.augment)  # fmt: skip
-    return model.to(ctx.device)
-
-
-def predictive_entropy(logits: torch.Tensor) -> np.ndarray:
-    """-sum_j p_j log p_j of softmax(logits), per row (nats)."""
-    log_p = torch.log_softmax(logits.double(), dim=1)
-    return -(log_p.exp() * log_p).sum(1).numpy()
-
-
 def build_sets(cfg, ctx):
     """X_app, labels_app, X_dev, labels_dev, the missing label, `app_images(picks)` (the decoded app images
     of the picks, or None), class names, and the entropy scores of the app samples (selector=entropy)."""
@@ -222,7 +134,7 @@ def build_sets(cfg, ctx):
     y = torch.cat([s.y_clean for s in splits]).numpy()
     app, dev = dataset_sets(y, m, data.num_classes, np.random.default_rng(cfg.seed))
     chosen = np.r_[app, dev]
-    model = _trained_model(cfg, ctx, data) if trains else None
+    model = trained_model(cfg, ctx, data) if trains else None
     if m.features == "net":
         feats = rows_of(splits, chosen, lambda split: predict_all(model, split, ctx, features=True))
     else:
@@ -246,15 +158,10 @@ def build_sets(cfg, ctx):
 def plot_picks(path, title, x_app, x_dev, picks, labels_app, names, images=None) -> None:
     """The 2-D scatter (PCA for other vectors) with the picks circled, or with `images` (those of the
     picks, in pick order) a labelled grid of them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if images is not None:  # a grid of the picked images, labelled
+    if images is not None:
         cols = min(10, max(len(picks), 1))
         rows = max(1, -(-len(picks) // cols))
-        fig, axes = plt.subplots(rows, cols, figsize=(1.1 * cols, 1.25 * rows + 0.5), squeeze=False)
+        fig, axes = new_figure((1.1 * cols, 1.25 * rows + 0.5), rows, cols, squeeze=False)
         for ax in axes.ravel():
             ax.axis("off")
         for ax, j, img in zip(axes.ravel(), picks, images):
@@ -263,24 +170,15 @@ def plot_picks(path, title, x_app, x_dev, picks, labels_app, names, images=None)
             ax.imshow(img.permute(1, 2, 0).squeeze(-1).numpy(), cmap="gray")
             ax.set_title(names[labels_app[j]], fontsize=8)
     else:
-        if x_app.shape[1] != 2:
-            from sklearn.decomposition import PCA
-
-            pca = PCA(2).fit(np.vstack([x_app, x_dev]))
-            x_app, x_dev = pca.transform(x_app), pca.transform(x_dev)
-            title += " (PCA)"
-        fig, ax = plt.subplots(figsize=(5.5, 5))
+        (x_app, x_dev), title = project_2d(x_app, x_dev, title=title)
+        fig, ax = new_figure((5.5, 5))
         ax.scatter(x_app[:, 0], x_app[:, 1], s=8, c="0.7", label="application")
-        ax.scatter(
-            x_dev[:, 0], x_dev[:, 1], s=8, c="tab:blue", marker="x", linewidths=0.8, label="development"
-        )
+        ax.scatter(x_dev[:, 0], x_dev[:, 1], s=8, c="tab:blue", marker="x", linewidths=0.8,
+                   label="development")  # fmt: skip
         ax.scatter(x_app[picks, 0], x_app[picks, 1], s=60, facecolors="none", edgecolors="tab:red",
                    linewidths=1.5, label="picked")  # fmt: skip
         ax.legend(fontsize=8, loc="best")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)
 
 
 def run(cfg, ctx) -> dict:
@@ -289,9 +187,7 @@ def run(cfg, ctx) -> dict:
     if not ctx.is_main:  # under DDP the selection runs on rank 0, which writes the summary
         return {}
     start = time.perf_counter()
-    result = cover(x_app, x_dev, m.k, m.selector, batch=m.batch, eta=m.eta, reg=m.reg,
-                   reg_relative=m.reg_relative, max_iter=m.max_iter, tol=m.tol, mip_gap=m.mip_gap,
-                   seed=cfg.seed, scores=scores)  # fmt: skip
+    result = cover(x_app, x_dev, m.k, m.selector, **cover_options(m), seed=cfg.seed, scores=scores)
     seconds = time.perf_counter() - start
     picked = y_app[result.indices]
     hits = np.cumsum(picked == missing)

@@ -164,8 +164,8 @@ def test_monotone_descent_with_exact_steps(seed):
         thres_type="none",
         mixed_labels=False,
         set_resolve=False,
-        solver="brute",
-        n_iter=4,
+        method="brute",
+        max_iter=4,
         gamma=2.0,
         rng=seed,
         log=True,
@@ -182,7 +182,7 @@ def test_monotone_descent_with_exact_steps(seed):
 def test_gamma_zero_gives_identical_outputs_at_the_single_output_optimum(seed):
     m, g = 3, 3
     s_grid, A, lam = problem(seed, m, g, size=12)
-    masks = comixup_masks(s_grid, A, lam, gamma=0.0, mixed_labels=False, solver="brute", rng=seed)
+    masks = comixup_masks(s_grid, A, lam, gamma=0.0, mixed_labels=False, method="brute", rng=seed)
     assert (masks == masks[:1]).all()
     candidates = all_one_hot_masks(1, g, m)
     energies = objective(candidates, s_grid, lam, A, gamma=0.0)
@@ -212,8 +212,8 @@ def labeling_energy(labels, unary, pairwise, w):
     return flat + w * (pairwise[lab[1:], lab[:-1]].sum() + pairwise[lab[:, 1:], lab[:, :-1]].sum())
 
 
-@pytest.mark.parametrize("solver", ["gco_swap", "gco_expansion"])
-def test_two_label_cut_is_exact_and_more_labels_never_beat_brute_force(solver):
+@pytest.mark.parametrize("method", ["gco_swap", "gco_expansion"])
+def test_two_label_cut_is_exact_and_more_labels_never_beat_brute_force(method):
     rng = np.random.default_rng(0)
     exact = 0
     for trial in range(60):
@@ -221,7 +221,7 @@ def test_two_label_cut_is_exact_and_more_labels_never_beat_brute_force(solver):
         unary = rng.normal(size=(3, 3, L))
         pairwise = 1.0 - np.eye(L)
         w = rng.uniform(0.1, 1.5)
-        e_cut = labeling_energy(grid_cut(unary, pairwise, w, solver), unary, pairwise, w)
+        e_cut = labeling_energy(grid_cut(unary, pairwise, w, method), unary, pairwise, w)
         e_bf = labeling_energy(grid_cut(unary, pairwise, w, "brute"), unary, pairwise, w)
         if L == 2:
             assert e_cut == pytest.approx(e_bf, abs=1e-5)
@@ -312,7 +312,7 @@ def test_tau_controls_how_many_inputs_each_output_mixes():
     m, g = 20, 4
     counts, overlaps = [], []
     for tau in (0.0, 0.5, 0.79, 0.83, 0.87, 1.0):
-        runs = [comixup_masks(*problem(seed, m, g), tau=tau, n_iter=6, rng=seed) for seed in range(3)]
+        runs = [comixup_masks(*problem(seed, m, g), tau=tau, max_iter=6, rng=seed) for seed in range(3)]
         counts.append(np.mean([input_counts(r).mean() for r in runs]))
         overlaps.append(np.mean([overlap(r) for r in runs]))
     # 6 sweeps: 4 do not always untangle the random start when every input is over-penalised (tau <= .5)
@@ -460,9 +460,9 @@ def test_defaults_match_the_paper():
         alpha=2.0,
         grid=4,
         part=20,
-        n_iter=4,
+        max_iter=4,
         set_resolve=True,
-        solver="gco_swap",
+        method="gco_swap",
     )
     assert {k: defaults[k] for k in paper} == paper
 
@@ -477,8 +477,10 @@ def test_defaults_match_the_paper():
         (dict(part=1), "part=1"),
         (dict(tau=-0.1), "tau=-0.1"),
         (dict(thres_type="clip"), "thres_type"),
-        (dict(solver="gco_expansion"), "mixed_labels=False"),
-        (dict(solver="bf"), "solver"),
+        (dict(method="gco_expansion"), "mixed_labels=False"),
+        (dict(method="bf"), "method='bf'"),
+        (dict(max_iter=0), "max_iter=0"),
+        (dict(tol=-1.0), "tol=-1.0"),
     ],
 )
 def test_bad_input_raises_a_clear_value_error(change, message):
@@ -492,10 +494,36 @@ def test_bad_input_raises_a_clear_value_error(change, message):
         comixup(x, y, s, **change)
 
 
+def test_log_reports_sweeps_and_tol_ends_them():
+    s_grid, A, lam = problem(1, 6, 4)
+    runs = {t: comixup_masks(s_grid, A, lam, max_iter=5, tol=t, rng=1, log=True) for t in (0, 1e-6, 1e9)}
+    for tol, (_, info) in runs.items():
+        change = np.abs(np.diff(info["energy"]))[-1] / abs(info["energy"][-1])
+        assert info["n_iter"] == len(info["energy"]) - 1 and info["err"] == pytest.approx(change)
+        assert info["converged"] == (info["err"] < tol)
+    assert runs[0][1]["n_iter"] == 5 and not runs[0][1]["converged"]  # tol 0 never stops early
+    assert runs[1e9][1]["n_iter"] == 1 and runs[1e9][1]["converged"]  # any change is small enough
+    x, y, s = batch(0, 6)
+    *_, info = comixup(x, y, s, part=3, rng=0, log=True)
+    assert 1 <= info["n_iter"] <= 4 and info["converged"] == (info["err"] < 1e-6)
+
+
+def test_old_names_warn_and_give_the_same_masks():
+    x, y, s = batch(0, 6)
+    new = comixup(x, y, s, max_iter=3, method="gco_swap", rng=0)[2]
+    with pytest.warns(DeprecationWarning, match=r"comixup\(n_iter=\.\.\.\) is deprecated: use max_iter"):
+        old = comixup(x, y, s, n_iter=3, solver="gco_swap", rng=0)[2]
+    assert torch.equal(old, new)
+    unary = np.random.default_rng(0).normal(size=(3, 3, 2))
+    with pytest.warns(DeprecationWarning, match="use method"):
+        old = grid_cut(unary, 1 - np.eye(2), 0.5, solver="brute")
+    assert np.array_equal(old, grid_cut(unary, 1 - np.eye(2), 0.5, "brute"))
+
+
 def test_expansion_and_brute_solvers_run_one_hot():
     x, y, s = batch(0, 6, size=6)
-    for solver, grid in (("gco_expansion", 3), ("brute", 2)):
-        _, _, masks = comixup(x, y, s, grid=grid, part=3, mixed_labels=False, solver=solver, rng=0)
+    for method, grid in (("gco_expansion", 3), ("brute", 2)):
+        _, _, masks = comixup(x, y, s, grid=grid, part=3, mixed_labels=False, method=method, rng=0)
         assert np.isin(masks.numpy(), (0, 1)).all() and np.allclose(masks.sum(-1).numpy(), 1)
 
 
@@ -541,7 +569,9 @@ def test_calibration_and_localisation_metrics_against_hand_computation():
     cam[0, 2:10, 5:13] = 1.0
     cam[0, 20, 20] = 1.0  # a smaller separate blob: not the largest region
     assert cam_boxes(cam, 0.5).tolist() == [[2, 5, 10, 13]]
-    assert box_iou(np.array([[0, 0, 8, 8]]), np.array([[4, 0, 12, 8]]))[0] == pytest.approx(1 / 3)
+    boxes = np.array([[0, 0, 8, 8], [0, 0, 2, 2], [1, 1, 3, 3]])
+    others = np.array([[4, 0, 12, 8], [5, 5, 6, 6], [1, 1, 3, 3]])  # half overlap, apart, identical
+    np.testing.assert_allclose(box_iou(boxes, others), [1 / 3, 0, 1])
 
 
 def test_canvas_metrics_on_a_model_that_looks_at_the_box():
@@ -756,3 +786,13 @@ def test_search_selects_on_a_validation_metric_or_refuses_in_one_line():
         _launch_overrides(hashing)
     cfg = _compose(["+experiment=hier_hash_synthetic", "dataset.val_per_class=10"])
     assert objective(tasks.hashing, cfg) == "val/p@1"
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import runner.methods.comixup
+
+    for module in (runner.methods.comixup,):
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__

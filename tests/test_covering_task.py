@@ -9,6 +9,7 @@ from conftest import summaries
 
 from runner.cli import _compose, _typed, preflight
 from runner.hardware import RunContext, seed_everything
+from runner.methods.pwc_training import predictive_entropy
 from runner.schema import ConfigError, validate
 from runner.track import Tracker
 from tasks.covering import (
@@ -19,7 +20,6 @@ from tasks.covering import (
     dataset_sets,
     largest_remainder,
     mixture2d_sets,
-    predictive_entropy,
     run,
 )
 

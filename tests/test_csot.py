@@ -68,7 +68,7 @@ def test_curriculum_ot_constraints(m):
     probs, _, _ = chunk(np.random.default_rng(0))
     a, b = marginals(*probs.shape, m)
     for anderson, n_iter in ((0, 2000), (5, 100)):
-        plan, info = curriculum_ot(-np.log(probs), a, b, 0.1, n_iter=n_iter, anderson=anderson, log=True)
+        plan, info = curriculum_ot(-np.log(probs), a, b, 0.1, max_iter=n_iter, anderson=anderson, log=True)
         assert plan.min() >= 0
         np.testing.assert_allclose(plan.sum(0), b, rtol=0, atol=1e-12)
         assert abs(plan.sum() - m) < 1e-12
@@ -83,7 +83,7 @@ def test_scaling_iteration_equals_vanilla_dykstra(m):
     cost = -np.log(probs)
     a, b = marginals(*probs.shape, m)
     for n_iter in (1, 7, 60):
-        plan = curriculum_ot(cost, a, b, 0.2, n_iter=n_iter, tol=0, anderson=0)
+        plan = curriculum_ot(cost, a, b, 0.2, max_iter=n_iter, tol=0, anderson=0)
         np.testing.assert_allclose(plan, dykstra(cost, a, b, 0.2, n_iter), rtol=1e-12, atol=1e-15)
 
 
@@ -99,7 +99,7 @@ def test_curriculum_ot_matches_pot_partial(m):
             a, b, cost, 0.1, m=m, method=method, numItermax=5000, stopThr=1e-14
         )
         for anderson in (0, 5):
-            ours = curriculum_ot(cost, a, b, 0.1, n_iter=5000, tol=1e-14, anderson=anderson)
+            ours = curriculum_ot(cost, a, b, 0.1, max_iter=5000, tol=1e-14, anderson=anderson)
             assert np.abs(ours - ref).max() / ref.max() < rtol
 
 
@@ -109,7 +109,7 @@ def test_curriculum_ot_full_mass_is_sinkhorn():
     a, b = marginals(*probs.shape, 1.0)
     ref = ot.sinkhorn(a, b, cost, 0.1, numItermax=100000, stopThr=1e-15)
     for anderson in (0, 5):
-        ours = curriculum_ot(cost, a, b, 0.1, n_iter=5000, tol=1e-14, anderson=anderson)
+        ours = curriculum_ot(cost, a, b, 0.1, max_iter=5000, tol=1e-14, anderson=anderson)
         assert np.abs(ours - ref).max() / ref.max() < 1e-10
 
 
@@ -121,7 +121,7 @@ def test_small_eps_limit_matches_exact_partial_lp():
     a, b = marginals(*probs.shape, 0.3)
     lp_plan = ot.partial.partial_wasserstein(a, b, cost, m=0.3)
     lp_cost = np.sum(cost * lp_plan)
-    plan = curriculum_ot(cost, a, b, 0.002, n_iter=5000, tol=1e-13)
+    plan = curriculum_ot(cost, a, b, 0.002, max_iter=5000, tol=1e-13)
     assert np.all(np.isfinite(plan))
     np.testing.assert_allclose(plan.sum(0), b, atol=1e-12)
     assert plan.sum(1).max() <= a[0] * (1 + 1e-6)
@@ -135,12 +135,12 @@ def test_small_eps_balanced_matches_emd_and_stays_finite_at_1e_3():
     cost = -np.log(probs)
     a, b = marginals(*probs.shape, 1.0)
     emd_cost = np.sum(cost * ot.emd(a, b, cost))
-    plan = curriculum_ot(cost, a, b, 0.01, n_iter=5000, tol=1e-12)
+    plan = curriculum_ot(cost, a, b, 0.01, max_iter=5000, tol=1e-12)
     np.testing.assert_allclose(plan.sum(1), a, rtol=1e-8)
     assert abs(np.sum(cost * plan) - emd_cost) < 1e-3
     # eps = 1e-3: e^{-cost/eps} underflows to 0 everywhere, the centred kernel does not
     a, b = marginals(*probs.shape, 0.5)
-    plan = curriculum_ot(cost, a, b, 1e-3, n_iter=3000)
+    plan = curriculum_ot(cost, a, b, 1e-3, max_iter=3000)
     assert np.all(np.isfinite(plan))
     np.testing.assert_allclose(plan.sum(0), b, rtol=1e-9)
     assert plan.sum(1).max() <= a[0] * (1 + 1e-6)
@@ -150,8 +150,8 @@ def test_warm_start_reaches_the_same_plan_faster():
     probs, _, _ = chunk(np.random.default_rng(6))
     cost = -np.log(probs)
     a, b = marginals(*probs.shape, 0.5)
-    cold, info = curriculum_ot(cost, a, b, 0.1, n_iter=2000, log=True)
-    warm, info_warm = curriculum_ot(cost + 1e-3, a, b, 0.1, n_iter=2000, g_init=info["g"], log=True)
+    cold, info = curriculum_ot(cost, a, b, 0.1, max_iter=2000, log=True)
+    warm, info_warm = curriculum_ot(cost + 1e-3, a, b, 0.1, max_iter=2000, g_init=info["g"], log=True)
     np.testing.assert_allclose(warm, cold, atol=1e-12)  # a constant shift of the cost changes nothing
     assert info_warm["n_iter"] < info["n_iter"]
 
@@ -195,8 +195,8 @@ def test_coherence_energy_nonpositive_for_nonnegative_similarity():
 def test_csot_without_structure_is_curriculum_ot(m):
     probs, features, labels = chunk(np.random.default_rng(9))
     a, b = marginals(*probs.shape, m)
-    ours = csot_plan(probs, features, labels, m, kappa_p=0, kappa_l=0, inner_iters=3000)
-    ref = curriculum_ot(-np.log(probs), a, b, 0.1, n_iter=3000)
+    ours = csot_plan(probs, features, labels, m, kappa_p=0, kappa_l=0, inner_max_iter=3000)
+    ref = curriculum_ot(-np.log(probs), a, b, 0.1, max_iter=3000)
     assert np.abs(ours - ref).max() / ref.max() < 1e-6
     if m == 1.0:
         sink = ot.sinkhorn(a, b, -np.log(probs), 0.1, numItermax=100000, stopThr=1e-14)
@@ -208,7 +208,7 @@ def test_csot_without_structure_is_curriculum_ot(m):
 def test_gcg_objective_is_monotone_and_exact(kappa, m):
     probs, features, labels = chunk(np.random.default_rng(10))
     plan, info = csot_plan(
-        probs, features, labels, m, kappa_p=kappa, kappa_l=kappa, outer_iters=6, tol=0, log=True
+        probs, features, labels, m, kappa_p=kappa, kappa_l=kappa, max_iter=6, tol=0, log=True
     )
     hist = np.array(info["objective"])
     assert len(hist) >= 4
@@ -224,10 +224,10 @@ def test_gcg_reaches_a_stationary_point():
     """At a solution Q = CurriculumOT(C + kappa grad Omega(Q)) (first-order optimality)."""
     probs, features, labels = chunk(np.random.default_rng(11))
     m = 0.5
-    plan = csot_plan(probs, features, labels, m, outer_iters=200, tol=1e-15)
+    plan = csot_plan(probs, features, labels, m, max_iter=200, tol=1e-15)
     _, grad = coherence_energy(plan, features, probs, labels)
     a, b = marginals(*probs.shape, m)
-    fixed = curriculum_ot(-np.log(probs) + grad, a, b, 0.1, n_iter=5000, tol=1e-13)
+    fixed = curriculum_ot(-np.log(probs) + grad, a, b, 0.1, max_iter=5000, tol=1e-13)
     assert np.abs(fixed - plan).max() / plan.max() < 1e-3
 
 
@@ -239,7 +239,7 @@ def test_two_cluster_coherence_toy(kappa):
     features = np.eye(2)[labels] + 0.01 * rng.standard_normal((10, 2))
     probs = np.where(np.eye(2)[labels] > 0, 0.8, 0.2)
     probs[4], probs[9] = (0.3, 0.7), (0.7, 0.3)
-    plan = csot_plan(probs, features, labels, 1.0, kappa_p=kappa, kappa_l=kappa, outer_iters=50, tol=1e-12)
+    plan = csot_plan(probs, features, labels, 1.0, kappa_p=kappa, kappa_l=kappa, max_iter=50, tol=1e-12)
     pseudo, _, _ = select(plan, 1.0)
     share = plan[4, 0] / plan[4].sum()
     if kappa == 0:
@@ -370,7 +370,7 @@ def test_bad_input_raises_value_error():
     a, b = marginals(*probs.shape, 0.5)
     with pytest.raises(ValueError, match="infeasible"):
         curriculum_ot(-np.log(probs), a, b * 3, 0.1)
-    with pytest.raises(ValueError, match="eps"):
+    with pytest.raises(ValueError, match="reg"):
         curriculum_ot(-np.log(probs), a, b, 0.0)
     with pytest.raises(ValueError, match="row_cap"):
         curriculum_ot(-np.log(probs), a[:-1], b, 0.1)
@@ -415,3 +415,43 @@ def test_load_data_keeps_clean_labels():
     changed = (a.train.y != a.train.y_clean).float().mean().item()
     assert 0.35 < changed < 0.55  # 0.5 * (1 - 1/10) expected
     assert torch.equal(a.test.y, a.test.y_clean)
+
+
+# ----------------------------------------------------------------------------- the solver convention
+
+
+def test_deprecated_names_warn_and_give_the_same_plans():
+    probs, features, labels = chunk(np.random.default_rng(20))
+    a, b = marginals(*probs.shape, 0.5)
+    with pytest.warns(DeprecationWarning, match="n_iter"):
+        old = curriculum_ot(-np.log(probs), a, b, eps=0.1, n_iter=50)
+    np.testing.assert_array_equal(old, curriculum_ot(-np.log(probs), a, b, reg=0.1, max_iter=50))
+    new = csot_plan(probs, features, labels, 0.5, reg=0.2, max_iter=3, inner_max_iter=20, warn=False)
+    with pytest.warns(DeprecationWarning, match="outer_iters"):
+        old = csot_plan(probs, features, labels, 0.5, eps=0.2, outer_iters=3, inner_iters=20, warn=False)
+    np.testing.assert_array_equal(old, new)
+    # the task's call (tasks/noisy_labels.py) through allocate keeps working
+    with pytest.warns(DeprecationWarning):
+        old = allocate(probs, features, labels, 0.5, solve_batch=16, eps=0.2, outer_iters=3, inner_iters=20)
+    new = allocate(probs, features, labels, 0.5, solve_batch=16, reg=0.2, max_iter=3, inner_max_iter=20)
+    for x, y in zip(old, new):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_log_keys_and_convergence_warnings():
+    probs, features, labels = chunk(np.random.default_rng(21))
+    a, b = marginals(*probs.shape, 0.5)
+    _, log = curriculum_ot(-np.log(probs), a, b, 0.1, max_iter=2000, log=True)
+    assert log["converged"] and log["err"] <= 1e-9 and log["n_iter"] < 2000
+    with pytest.warns(UserWarning, match="curriculum_ot did not converge") as record:
+        _, log = curriculum_ot(-np.log(probs), a, b, 0.1, max_iter=2, anderson=0, log=True)
+    assert record[0].filename == __file__ and log["n_iter"] == 2 and not log["converged"]
+    with pytest.warns(UserWarning, match="csot_plan did not converge"):
+        _, log = csot_plan(probs, features, labels, 0.5, max_iter=1, tol=1e-15, log=True)
+    assert log["n_iter"] == 1 and not log["converged"] and log["err"] > 1e-15
+    _, log = csot_plan(probs, features, labels, 0.5, max_iter=200, tol=1e-9, log=True)
+    assert log["converged"] and log["err"] < 1e-9 and log["n_iter"] == len(log["steps"])
+    # allocate: one warning for the epoch, naming how many chunks missed
+    with pytest.warns(UserWarning, match="3 of 3 chunks") as record:
+        *_, log = allocate(probs, features, labels, 0.5, solve_batch=16, max_iter=1, tol=1e-15, log=True)
+    assert len(record) == 1 and log["chunks"] == 3 and not log["converged"]

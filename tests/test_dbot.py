@@ -4,8 +4,6 @@ import numpy as np
 import ot
 import pytest
 import torch
-from scipy import sparse
-from scipy.optimize import linprog
 
 from runner.methods.dbot import (
     SOLVERS,
@@ -13,6 +11,7 @@ from runner.methods.dbot import (
     dbot_cluster,
     dbot_dual,
     dbot_loss,
+    dbot_lp,
     dbot_objective,
     dbot_predict,
     marginal_violation,
@@ -34,20 +33,7 @@ def random_problem(seed, m=30, n=5, delta=0.4, scale=1.0):
 
 def lp_value(cost, a, b_low, b_up):
     """Exact bounded-marginal LP min <C,P> s.t. P1 = a, b_low <= P^T 1 <= b_up, P >= 0 (HiGHS)."""
-    m, n = cost.shape
-    rows = sparse.kron(sparse.eye(m), np.ones((1, n)))
-    cols = sparse.kron(np.ones((1, m)), sparse.eye(n))
-    res = linprog(
-        cost.ravel(),
-        A_ub=sparse.vstack([-cols, cols]),
-        b_ub=np.r_[-b_low, b_up],
-        A_eq=rows,
-        b_eq=a,
-        bounds=(0, None),
-        method="highs",
-    )
-    assert res.status == 0
-    return res.fun
+    return dbot_lp(cost, a, b_low, b_up, log=True)[1]["cost"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -71,7 +57,8 @@ def test_stops_on_marginal_violation_not_plan_change():
         plan, log = dbot(cost, a, b_low, b_up, 0.05, log=True, tol=tol)
         assert log["converged"]
         assert marginal_violation(plan.sum(1), plan.sum(0), a, b_low, b_up) < tol
-    _, capped = dbot(cost, a, b_low, b_up, 0.05, log=True, tol=1e-15, max_iter=7)
+    with pytest.warns(UserWarning, match="did not converge"):
+        _, capped = dbot(cost, a, b_low, b_up, 0.05, log=True, tol=1e-15, max_iter=7)
     assert capped["n_iter"] == 7 and not capped["converged"]
 
 
@@ -293,7 +280,7 @@ def test_infeasible_and_malformed_input_raise_value_error():
         dbot(cost, a, 0.0, 0.3, 0.1)
     with pytest.raises(ValueError, match="b_low\\[1\\]"):
         dbot(cost, a, [0.1, 0.5, 0.1], [1.0, 0.4, 1.0], 0.1)
-    with pytest.raises(ValueError, match="eps"):
+    with pytest.raises(ValueError, match="reg"):
         dbot(cost, a, 0.0, 1.0, 0.0)
     with pytest.raises(ValueError, match="method"):
         dbot(cost, a, 0.0, 1.0, 0.1, method="lbfgs")
@@ -342,7 +329,7 @@ def blobs_with_outliers(seed):
 def test_cluster_masses_respect_bounds_every_round():
     x, _ = blobs_with_outliers(0)
     tau = np.linspace(0.1, 0.6, 5)
-    _, _, log = dbot_cluster(x, 5, tau=tau, eps=0.05, n_outer=6, seed=1, log=True)
+    _, _, log = dbot_cluster(x, 5, tau=tau, reg=0.05, n_outer=6, seed=1, log=True)
     assert log["masses"].shape == (6, 5)
     assert (log["masses"] >= log["b_low"] - 1e-7).all() and (log["masses"] <= log["b_up"] + 1e-7).all()
     np.testing.assert_allclose(log["b_low"], (1 - tau) / 5)
@@ -361,7 +348,7 @@ def test_cluster_tau_zero_forces_equal_masses_and_seed_is_deterministic():
 def test_cluster_sizes_on_blobs_with_outliers(seed):
     x, _ = blobs_with_outliers(seed)
     tau, k = 0.5, 5
-    labels, _ = dbot_cluster(x, k, tau=tau, eps=0.05, n_outer=20, seed=seed)
+    labels, _ = dbot_cluster(x, k, tau=tau, reg=0.05, n_outer=20, seed=seed)
     sizes = np.bincount(labels, minlength=k)
     assert sizes.min() >= 0.5 * (1 - tau) * len(x) / k
 
@@ -418,7 +405,7 @@ def test_predict_histogram_follows_prior_at_delta_zero_and_argmax_at_large_delta
     k, n = 6, 600
     prior = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
     logits = rng.normal(size=(n, k)) + 2.0 * np.eye(k)[rng.choice(k, n)]
-    counts = np.bincount(dbot_predict(logits, prior, delta=0.0, eps=0.03, tol=1e-9), minlength=k)
+    counts = np.bincount(dbot_predict(logits, prior, delta=0.0, reg=0.03, tol=1e-9), minlength=k)
     assert np.abs(counts - n * prior).max() <= k
     assert np.abs(np.bincount(logits.argmax(1), minlength=k) - n * prior).max() > 5 * k
     np.testing.assert_array_equal(dbot_predict(logits, prior, delta=1e3), logits.argmax(1))
@@ -438,3 +425,38 @@ def test_predict_per_batch_solves_each_batch_alone():
     assert not np.array_equal(per_batch, dbot_predict(logits, prior, delta=0.1))
     with pytest.raises(ValueError, match="batch_size"):
         dbot_predict(logits, prior, batch_size=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 14. The solver convention (runner.methods._common): reg, deprecated eps, log keys, warnings
+def test_lp_oracle_is_feasible_and_below_the_entropic_objective():
+    cost, a, b_low, b_up = random_problem(3, m=12, n=4)
+    plan, log = dbot_lp(cost, a, b_low, b_up, log=True)
+    assert marginal_violation(plan.sum(1), plan.sum(0), a, b_low, b_up) < 1e-9 and plan.min() >= -1e-12
+    entropic = dbot(cost, a, b_low, b_up, 0.01, method="dual", tol=1e-12, max_iter=100_000)
+    assert log["cost"] <= (cost * entropic).sum() + 1e-12 and log["converged"]
+
+
+def test_deprecated_eps_alias_warns_and_gives_the_same_result():
+    cost, a, b_low, b_up = random_problem(4, m=10, n=3)
+    with pytest.warns(DeprecationWarning, match="eps"):
+        old = dbot(cost, a, b_low, b_up, eps=0.2)
+    np.testing.assert_array_equal(old, dbot(cost, a, b_low, b_up, reg=0.2))
+    with pytest.raises(TypeError, match="both"):
+        dbot(cost, a, b_low, b_up, eps=0.2, reg=0.2)
+    logits = np.random.default_rng(0).normal(size=(20, 3))
+    with pytest.warns(DeprecationWarning):
+        np.testing.assert_array_equal(
+            dbot_predict(logits, [1, 1, 1], eps=0.5), dbot_predict(logits, [1, 1, 1], reg=0.5)
+        )
+    with pytest.warns(DeprecationWarning):
+        assert dbot_objective(cost, old, eps=0.2) == dbot_objective(cost, old, 0.2)
+
+
+def test_log_keys_and_one_warning_when_not_converged():
+    cost, a, b_low, b_up = random_problem(5, delta=0.3)
+    for method in SOLVERS:
+        with pytest.warns(UserWarning, match=f"dbot.method='{method}'.* did not converge") as record:
+            _, log = dbot(cost, a, b_low, b_up, 0.05, method=method, max_iter=2, tol=1e-14, log=True)
+        assert len(record) == 1 and record[0].filename == __file__  # attributed to the caller
+        assert log["n_iter"] == 2 and not log["converged"] and log["err"] > 1e-14

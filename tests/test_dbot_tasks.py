@@ -20,10 +20,7 @@ from runner.methods.dbot import (
     ldam_margins,
     weighted_focal_loss,
 )
-from runner.schema import ConfigError
-from tasks.clustering import BalancedClusterConfig, DBOTClusterConfig, cluster_scores
-from tasks.longtail import (
-    LongTailConfig,
+from runner.methods.dbot_training import (
     LossHook,
     evaluate_rules,
     group_accuracies,
@@ -31,6 +28,9 @@ from tasks.longtail import (
     longtail_loss,
     resampled_test_sets,
 )
+from runner.schema import ConfigError
+from tasks.clustering import BalancedClusterConfig, DBOTClusterConfig, cluster_scores
+from tasks.longtail import LongTailConfig
 
 
 # ----------------------------------------------------------------------------------------------------

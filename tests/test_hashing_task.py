@@ -1,6 +1,7 @@
 """The hashing task (`+method=hier_hash`), its dataset `synthetic_hier` and its config checks."""
 
 import json
+import random
 from types import SimpleNamespace
 
 import numpy as np
@@ -9,9 +10,13 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.cli import _compose
-from runner.data import Split, load_data
+from runner.data import Data, Split, load_data
+from runner.data.samplers import ClassBalancedSampler
+from runner.methods import hash_training
 from runner.methods import hier_hash as hh
-from runner.schema import ConfigError, validate
+from runner.schema import ConfigError, TrainConfig, validate
+from runner.track import Tracker
+from runner.train import fit
 from tasks import hashing
 
 
@@ -92,7 +97,7 @@ def test_presets_compose():
 def test_learning_rate_at_given_iterations():
     net = torch.nn.Linear(2, 2)
     optimizer = torch.optim.Adam([{"params": net.weight, "lr": 1e-3}, {"params": net.bias, "lr": 1e-4}])
-    scheduler = hashing.lr_schedule(optimizer, [20000], 0.3)  # the paper's Cifar-100 rule
+    scheduler = hash_training.lr_schedule(optimizer, [20000], 0.3)  # the paper's Cifar-100 rule
     seen = {}
     for i in range(1, 70001):  # the lr iteration i runs at, then the step
         if i in (1, 20000, 20001, 70000):
@@ -104,7 +109,7 @@ def test_learning_rate_at_given_iterations():
     for preset, at in (("hier_hash_imagenet32_npairs", 15000), ("hier_hash_imagenet32_triplet", 30000)):
         method = composed(f"+experiment={preset}")["method"]
         optimizer = torch.optim.Adam(net.parameters(), lr=1.0)
-        scheduler = hashing.lr_schedule(optimizer, method.decay_at, method.decay)
+        scheduler = hash_training.lr_schedule(optimizer, method.decay_at, method.decay)
         for _ in range(at - 1):
             optimizer.step()
             scheduler.step()
@@ -122,23 +127,25 @@ def test_level1_baseline_trains_on_class_labels_with_its_own_settings(monkeypatc
         seen["labels"], seen["codes"] = labels, codes
         return outputs.sum() * 0
 
-    monkeypatch.setattr(hashing.hh, "hash_loss", spy)
+    monkeypatch.setattr(hash_training.hh, "hash_loss", spy)
     nc, d = 6, 3
     net = torch.nn.Linear(4, d)
     step = dict(nc=nc, m=2, k=1, d=d, ks=1, beta=0.3, margin=1.0, l2_reg=0.003)
     method = SimpleNamespace(loss="npairs", alpha=100.0, solver="ortools", cost_scale=None)
     torch.manual_seed(0)
     x = torch.randn(nc * 2, 4)
-    hashing.hash_step(net, torch.optim.SGD(net.parameters(), 0.1), x, method=method, remap=False, **step)
+    hash_training.hash_step(
+        net, torch.optim.SGD(net.parameters(), 0.1), x, method=method, remap=False, **step
+    )
     np.testing.assert_array_equal(seen["labels"], [np.arange(nc)])  # classes, although codes repeat
     assert len({tuple(c) for c in seen["codes"][0]}) < nc  # 6 classes in 3 buckets: shared codes
-    hashing.hash_step(net, torch.optim.SGD(net.parameters(), 0.1), x, method=method, remap=True, **step)
+    hash_training.hash_step(net, torch.optim.SGD(net.parameters(), 0.1), x, method=method, remap=True, **step)
     np.testing.assert_array_equal(seen["labels"], [hh.remap_labels(seen["codes"][0])])
 
 
 def test_class_balanced_sampler():
     labels = np.repeat(np.arange(10), [5, 5, 5, 5, 5, 5, 5, 5, 1, 1])
-    sampler = hashing.ClassBalancedSampler(labels, nc=6, m=3, seed=0)
+    sampler = ClassBalancedSampler(labels, nc=6, m=3, seed=0)
     for i in range(20):
         batch = sampler.batch(i)
         assert batch.shape == (6, 3)
@@ -147,7 +154,7 @@ def test_class_balanced_sampler():
     assert np.array_equal(sampler.stream(3, 5)[1].numpy(), sampler.batch(4).ravel())  # resumable by index
     assert not np.array_equal(sampler.batch(0), sampler.batch(1))
     with pytest.raises(ConfigError, match=r"only 8 classes .* set method.classes_per_batch<=8"):
-        hashing.ClassBalancedSampler(labels, nc=9, m=2, seed=0)
+        ClassBalancedSampler(labels, nc=9, m=2, seed=0)
 
 
 @pytest.mark.parametrize("loss", hh.LOSSES)
@@ -160,62 +167,131 @@ def test_hash_step_learns_and_reports_code_time(loss):
     optimizer = torch.optim.Adam(net.parameters(), 1e-2)
     method = SimpleNamespace(loss=loss, alpha=10.0, solver="ortools", cost_scale=None)
     step = dict(nc=nc, m=m, k=k, d=d, ks=ks, method=method, beta=0.1, margin=0.3, l2_reg=0.003, remap=True)
-    losses = [hashing.hash_step(net, optimizer, x, **step) for _ in range(60)]
+    losses = [hash_training.hash_step(net, optimizer, x, **step) for _ in range(60)]
     assert all(seconds > 0 for _, seconds in losses)
     assert np.mean([v for v, _ in losses[-10:]]) < np.mean([v for v, _ in losses[:10]])
 
 
-def trainer_setup(tmp_path, eval_every=0.0, n=8):
+def hash_setup(tmp_path, eval_every=0.0, n=8):
+    """A tiny run: n items of 4 classes, batches of 2 x 2 (n / 4 iterations per epoch), a real tracker."""
     from runner.hardware import RunContext
+    from runner.track import Tracker
 
     x, y = torch.randn(n, 3), torch.arange(4).repeat(n // 4)
-    data = SimpleNamespace(train=Split(x, y, y))
+    data = Data(Split(x, y, y), Split(x[:0], y[:0], y[:0]), Split(x[:0], y[:0], y[:0]), 4, (3,))
     method = SimpleNamespace(classes_per_batch=2, per_class=2, decay_at=[], decay=1.0, eval_every=eval_every,
-                             log_every=1, checkpoint_every=1)  # fmt: skip
-    cfg = SimpleNamespace(method=method, dataset=SimpleNamespace(augment="none", crop_pad=4), seed=0,
-                          train=SimpleNamespace(checkpoint=True))  # fmt: skip
-    logged = []
-    ctx = RunContext(torch.device("cpu"), tmp_path, SimpleNamespace(log=logged.append))
-    return hashing.Trainer(cfg, ctx, data), logged
+                             iters=8)  # fmt: skip
+    train = OmegaConf.structured(TrainConfig(progress=False, checkpoint_every_minutes=0))
+    cfg = SimpleNamespace(method=method, dataset=SimpleNamespace(augment="none"), seed=0, train=train)
+    ctx = RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path))
+    return cfg, ctx, data
 
 
-def test_trainer_logs_its_iteration_timing_with_checkpoints_on(tmp_path, caplog):
-    trainer, _ = trainer_setup(tmp_path)
-    net = torch.nn.Linear(3, 2)
+def add_one(net, x):
+    """A loss whose optimizer step (lr 0) changes nothing; each call adds 1 to the bias instead."""
+    with torch.no_grad():
+        net.bias += 1
+    return net(x).sum() * 0, 0.0
 
-    def step(optimizer, x):
-        optimizer.step()
-        return 0.0, 0.0
 
-    with caplog.at_level("INFO", logger="tasks.hashing"):
-        timing = trainer.run("t", net, [{"params": net.parameters(), "lr": 1e-3}], step, iters=2)
-    assert timing["iters"] == 2 and (tmp_path / "checkpoints" / "hier_hash_t.pt").exists()
-    assert "t: 2 iterations" in caplog.text
+def rows(run_dir, tag):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if any(key.startswith(f"{tag}/") for key in r)]
+
+
+def test_a_net_trains_through_fit_by_iterations_and_logs_its_rows(tmp_path, caplog):
+    cfg, ctx, data = hash_setup(tmp_path, n=12)  # 3 iterations per epoch: epochs of 3, 3, 2
+    net = torch.nn.Linear(3, 1)
+    torch.nn.init.zeros_(net.bias)
+    seen = []
+    net.register_forward_pre_hook(lambda module, args: seen.append(len(args[0])))
+    with caplog.at_level("INFO", logger="runner.train"):
+        timing = hashing.train_net(
+            cfg, ctx, data, "t", net, [{"params": net.parameters(), "lr": 0.0}], add_one, 8
+        )
+    assert net.bias.item() == 8 and seen == [4] * 8  # 8 iterations of 2 classes x 2
+    assert (tmp_path / "checkpoints" / "t.pt").exists() and timing["val_p@1"] is None
+    assert [r["t/epoch"] for r in rows(tmp_path, "t")] == [1, 2, 3]
+    assert "t: epoch 3/3" in caplog.text
+
+
+def test_hash_lr_steps_per_iteration(tmp_path):
+    cfg, ctx, data = hash_setup(tmp_path)  # epochs of 2 iterations
+    cfg.method.decay_at, cfg.method.decay = [3], 0.5
+    net = torch.nn.Linear(3, 1)
+    lrs = []
+
+    class Recording(hash_training.HashHooks):
+        def optimizer(self, model):
+            self.opt, scheduler, per_step = super().optimizer(model)
+            return self.opt, scheduler, per_step
+
+    def loss(net, x):
+        lrs.append(hooks.opt.param_groups[0]["lr"])
+        return net(x).sum() * 0, 0.0
+
+    hooks = Recording(cfg.method, data.train.y.numpy(), 0, [{"params": net.parameters(), "lr": 1.0}], loss)
+    fit(net, data, hash_training.train_config(cfg.train, hooks), ctx, hooks, tag="lr")
+    assert lrs == [1.0] * 3 + [0.5] * 5  # iteration i runs at lr * 0.5^#{3 < i}, across epochs
 
 
 def test_validation_each_epoch_restores_the_best_validation_net(tmp_path):
-    trainer, logged = trainer_setup(tmp_path, eval_every=1.0, n=8)  # 8 items, batches of 4: 2 its per epoch
+    cfg, ctx, data = hash_setup(tmp_path, eval_every=1.0, n=8)  # 8 items, batches of 4: 2 its per epoch
     net = torch.nn.Linear(3, 1)
     torch.nn.init.zeros_(net.bias)
-
-    def step(optimizer, x):  # each iteration adds 1 to the bias
-        optimizer.step()
-        with torch.no_grad():
-            net.bias += 1
-        return 0.0, 0.0
-
+    groups = [{"params": net.parameters(), "lr": 0.0}]
     scores = iter([0.2, 0.5, 0.9, 0.4, 0.6])  # before training, then after iterations 2, 4, 6, 8
-
-    def val_score():
-        return next(scores)
-
-    timing = trainer.run("v", net, [{"params": net.parameters(), "lr": 1e-3}], step, 8, val_score)
+    timing = hashing.train_net(cfg, ctx, data, "v", net, groups, add_one, 8, lambda: next(scores))
     assert net.bias.item() == 4 and timing["val_p@1"] == 0.9  # the net after iteration 4
-    assert [m["iter"] for m in logged if "v/val_p@1" in m] == [0, 2, 4, 6, 8]
+    assert [(r["v/epoch"], r["v/val/p@1"]) for r in rows(tmp_path, "v")] == [
+        (0, 0.2), (1, 0.5), (2, 0.9), (3, 0.4), (4, 0.6)
+    ]  # fmt: skip
     never_better = iter([0.9, 0.1, 0.2, 0.3, 0.4])
     torch.nn.init.zeros_(net.bias)
-    trainer.run("w", net, [{"params": net.parameters(), "lr": 1e-3}], step, 8, lambda: next(never_better))
+    hashing.train_net(cfg, ctx, data, "w", net, groups, add_one, 8, lambda: next(never_better))
     assert net.bias.item() == 0  # the untrained net stays, as the authors' selection
+
+
+class Killed(Exception):
+    pass
+
+
+def test_restart_resumes_exactly_and_writes_no_duplicate_rows(tmp_path):
+    """A net killed during its 3rd epoch (after the 2nd's checkpoint), then restarted: each epoch's row
+    once, another net's rows kept, every RNG restored (the draws of the uninterrupted run), the best kept."""
+    scores = {0: 0.1, 2: 0.3, 4: 0.2, 6: 0.8, 8: 0.4}  # by the bias, the iterations done
+
+    def run(run_dir, kill_at=None):
+        cfg, ctx, data = hash_setup(run_dir, eval_every=1.0)  # epochs of 2 iterations
+        torch.manual_seed(0), np.random.seed(0), random.seed(0)
+        net = torch.nn.Linear(3, 1)
+        torch.nn.init.zeros_(net.bias)
+        draws = []
+
+        def loss(net, x):
+            draws.append((torch.rand(1).item(), np.random.rand(), random.random()))
+            return add_one(net, x)
+
+        def score():
+            if net.bias.item() == kill_at:
+                raise Killed
+            return scores[round(net.bias.item())]
+
+        groups = [{"params": net.parameters(), "lr": 0.0}]
+        return net, hashing.train_net(cfg, ctx, data, "h", net, groups, loss, 8, score), draws
+
+    straight_net, straight, straight_draws = run(tmp_path / "a")
+    Tracker(tmp_path / "b").log({"other/epoch": 1, "other/val/p@1": 0.5})  # a net trained before
+    with pytest.raises(Killed):
+        run(tmp_path / "b", kill_at=6)
+    assert [r["h/epoch"] for r in rows(tmp_path / "b", "h")] == [0, 1, 2]
+    net, timing, draws = run(tmp_path / "b")
+    assert [r["h/epoch"] for r in rows(tmp_path / "b", "h")] == [0, 1, 2, 3, 4]
+    assert len(rows(tmp_path / "b", "other")) == 1
+    assert draws == straight_draws[4:] and len(straight_draws) == 8
+    assert (
+        net.bias.item() == straight_net.bias.item() == 6 and timing["val_p@1"] == straight["val_p@1"] == 0.8
+    )
 
 
 def test_pixel_mean_input_is_x_over_255_minus_the_mean_image(tmp_path):
@@ -228,11 +304,11 @@ def test_pixel_mean_input_is_x_over_255_minus_the_mean_image(tmp_path):
     data = SimpleNamespace(
         train=Split(x, y, y), meta={"normalize": (tuple(mean.tolist()), tuple(std.tolist()))}
     )
-    norm = hashing.pixel_mean_input(data, RunContext(torch.device("cpu"), tmp_path, None), batch_size=3)
+    norm = hash_training.pixel_mean_input(data, RunContext(torch.device("cpu"), tmp_path, None), batch_size=3)
     expected = raw / 255 - (raw / 255).mean(0)
     assert torch.allclose(norm(x), expected, atol=1e-6)
     with pytest.raises(ConfigError, match="input_norm=pixel_mean"):
-        hashing.pixel_mean_input(SimpleNamespace(train=Split(x, y, y), meta={}), None, 3)
+        hash_training.pixel_mean_input(SimpleNamespace(train=Split(x, y, y), meta={}), None, 3)
 
 
 def test_cli_synthetic_reports_every_row(cli, tmp_path):
@@ -272,7 +348,10 @@ def test_cli_pretrained_base_train_table_and_resume(cli, tmp_path):
     } <= set(first)
     assert (run_dir / "checkpoints" / "hier_hash_base_final.pt").exists()
     proc = cli(*args)  # every net's checkpoint is complete: the rerun only evaluates
-    assert "resumed at iteration" in proc.stderr + proc.stdout
+    assert (
+        "resumed from" in proc.stderr + proc.stdout
+        and "ours_ks1.pt (end of epoch" in proc.stderr + proc.stdout
+    )
     second = json.loads((run_dir / "summary.json").read_text())
     assert {k: v for k, v in second.items() if not k.startswith("time/")} == {
         k: v for k, v in first.items() if not k.startswith("time/")

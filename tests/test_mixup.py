@@ -291,7 +291,9 @@ def test_numpy_in_numpy_out_and_bad_input():
         puzzle_mix(x, y, np.ones((8, 8, 8)), grid=3)
     with pytest.raises(ValueError, match="saliency_maps"):
         puzzle_mix(x, y, np.full((8, 8, 8), np.nan), grid=2)
-    with pytest.raises(ValueError, match="solver='bf'"):
+    with pytest.raises(ValueError, match="method='bf'"):
+        puzzle_mix(x, y, np.ones((8, 8, 8)), grid=2, method="bf")
+    with pytest.warns(DeprecationWarning, match="use method"), pytest.raises(ValueError, match="method='bf'"):
         puzzle_mix(x, y, np.ones((8, 8, 8)), grid=2, solver="bf")
 
 
@@ -320,3 +322,13 @@ def test_puzzle_mix_hooks_adversarial_option_perturbs_within_the_ball():
     assert hooks.loss(
         model, x_mix, y_mix, None, 0
     ).requires_grad  # the mixed loss plus the kept clean gradient
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import runner.methods.mixup
+
+    for module in (runner.methods.mixup,):
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__

@@ -7,23 +7,26 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from runner.augment import cutout, shift
 from runner.data import Data, Split
+from runner.data.samplers import PoolBatches, pool_batches
+from runner.data.views import Views
+from runner.faults import Interrupted
 from runner.hardware import RunContext
 from runner.methods.csot import allocate
-from runner.models import MLP
-from runner.schema import ConfigError
-from tasks.noisy_labels import (
-    METHODS,
+from runner.methods.csot_training import (
     NoisyLabelHooks,
-    NoisyLabelNet,
-    PoolBatches,
-    Views,
-    _gmm_clean_probability,
-    pool_batches,
+    gmm_clean_probability,
+    probabilities_and_features,
     selection_stats,
 )
+from runner.models import MLP
+from runner.models.noisy_labels import NoisyLabelNet
+from runner.schema import ConfigError, TrainConfig
+from runner.train import EpochBatches, fit
+from tasks.noisy_labels import METHODS
 
 
 class _Tracker:
@@ -32,6 +35,9 @@ class _Tracker:
 
     def log(self, metrics, step=None):
         self.records.append((step, metrics))
+
+    def truncate(self, last_step):
+        self.records = [(step, m) for step, m in self.records if step is None or step <= last_step]
 
 
 def _toy(n=120, k=4, noise=0.4, seed=0):
@@ -137,7 +143,7 @@ def test_views_keep_shapes_and_content():
 def test_gmm_separates_small_losses():
     rng = np.random.default_rng(0)
     losses = np.r_[rng.normal(0.1, 0.05, 80), rng.normal(2.0, 0.3, 40)]
-    p = _gmm_clean_probability(losses)
+    p = gmm_clean_probability(losses)
     assert (p[:80] > 0.5).mean() > 0.95 and (p[80:] < 0.5).mean() > 0.95
 
 
@@ -152,16 +158,24 @@ def test_pool_batches_cycle_fresh_permutations():
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_pool_loader_takes_the_rank_shard(tmp_path, rank):
-    data = _toy()
-    global_batches = torch.arange(24).view(3, 8) * 2
-    loader = PoolBatches(data.train, _ctx(tmp_path, rank, 2), global_batches)
-    for row in global_batches:
-        x, idx = loader.next()
-        assert idx.tolist() == row[rank::2].tolist()
-        torch.testing.assert_close(x, data.train.x[idx])
-    with pytest.raises(RuntimeError, match="ran out"):
-        loader.next()
+def test_pool_batches_take_the_rank_shard_of_each_pool_for_the_longer_pool(rank):
+    pools = [torch.arange(10), torch.arange(10, 40)]  # 10 // 4 = 2 and 30 // 4 = 7 batches: 7 steps
+    sampler = PoolBatches(lambda: pools, 4, rank, 2, seed=0)
+    sampler.set_epoch(3)
+    steps = list(sampler)
+    assert len(sampler) == len(steps) == 7
+    one_process = PoolBatches(lambda: pools, 4, seed=0)
+    one_process.set_epoch(3)
+    for mine, whole in zip(steps, one_process):
+        assert mine.tolist() == whole[:4][rank::2].tolist() + whole[4:][rank::2].tolist()
+        assert all(i < 10 for i in whole[:4]) and all(i >= 10 for i in whole[4:])
+    assert len({i for step in one_process for i in step[4:].tolist()}) == 28  # 7 x 4 of 30, no repeats
+    sampler.set_epoch(3, start=5)  # mid-epoch resume: the same batches from step 5 on
+    assert [b.tolist() for b in sampler] == [b.tolist() for b in steps[5:]]
+    pools = [torch.arange(0), torch.arange(10)]  # an empty pool: the other's batches alone
+    sampler.set_epoch(4)
+    assert [len(b) for b in sampler] == [2, 2]
+    assert [len(b) for b in PoolBatches(lambda: None, 4, fallback=EpochBatches(12, 4))] == [4, 4, 4]
 
 
 def test_warmup_batch_is_weakly_augmented(tmp_path):
@@ -180,32 +194,83 @@ def test_warmup_batch_is_weakly_augmented(tmp_path):
 @pytest.mark.parametrize("loss", ["paper", "simple"])
 def test_each_step_takes_a_clean_batch_and_an_unlabeled_batch(tmp_path, loss):
     data = _toy(n=120)
-    hooks, model, _ = _hooks("csot", data, tmp_path, batch_size=16, loss=loss)
+    hooks, model, ctx = _hooks("csot", data, tmp_path, batch_size=16, loss=loss)
+    default = EpochBatches(120, 16)
+    sampler = hooks.batch_sampler(default)
+    sampler.set_epoch(0)
+    assert len(sampler) == 120 // 16 and not hooks.selecting  # warm-up: fit's own batches
     hooks.on_epoch_start(1, model, data)
+    sampler.set_epoch(1)
     clean = set(hooks.clean.nonzero()[:, 0].tolist())
     assert 0 < len(clean) < 120
+    steps = max(len(clean) // 16, (120 - len(clean)) // 16)  # the longer loader, drop_last
+    batches = list(sampler)
+    assert len(sampler) == len(batches) == steps
     seen = {"labeled": [], "unlabeled": []}
-    for name, loader in zip(seen, hooks.loaders):
-        take = loader.next
-
-        def record(take=take, name=name):
-            x, idx = take()
-            seen[name].append(idx.tolist())
-            return x, idx
-
-        loader.next = record
-    steps = 120 // 16  # fit's epoch: len(train) // batch_size
-    x_fit = data.train.x[:16]
-    for _ in range(steps):
-        hooks.loss(model, x_fit, None, torch.arange(16), 1).backward()
+    calls = []
+    hooks._paper_loss = hooks._simple_loss = lambda net, lab, unl: calls.append((lab, unl)) or 0.0
+    for idx in batches:  # what the loss makes of fit's batch: its first 16 labeled, the rest unlabeled
+        calls.clear()
+        hooks.loss(model, data.train.x[idx], None, idx, 1)
+        ((labeled, unlabeled),) = calls
+        for name, (x, part) in (("labeled", labeled), ("unlabeled", unlabeled)):
+            torch.testing.assert_close(x, data.train.x[part])
+            seen[name].append(part.tolist())
+        assert idx[:16].tolist() == labeled[1].tolist() and idx[16:].tolist() == unlabeled[1].tolist()
     for name, members in (("labeled", clean), ("unlabeled", set(range(120)) - clean)):
         assert len(seen[name]) == steps and all(len(b) == 16 for b in seen[name])
         flat = [i for b in seen[name] for i in b]
         assert set(flat) <= members
         if len(members) <= len(flat):  # the shorter loader cycles: every member is seen
             assert set(flat) == members
-    with pytest.raises(RuntimeError, match="ran out"):
-        hooks.loss(model, x_fit, None, torch.arange(16), 1)
+
+
+def test_fit_epochs_run_for_the_longer_loader(tmp_path):
+    """Counted in fit: the warm-up epoch is len(train) // batch, each later one max over the two pools."""
+    data = _toy(n=120)
+    hooks, model, ctx = _hooks("csot", data, tmp_path, batch_size=16, loss="simple")
+    steps = []
+    loss = hooks.loss
+    hooks.loss = lambda net, x, y, idx, epoch: steps.append((epoch, len(idx))) or loss(net, x, y, idx, epoch)
+    train = OmegaConf.structured(TrainConfig(epochs=3, batch_size=16, progress=False, checkpoint=False))
+    fit(model, data, train, ctx, hooks)
+    per_epoch = [sum(1 for e, _ in steps if e == epoch) for epoch in range(3)]
+    n_clean = [stats["select/n_clean"] for _, stats in ctx.tracker.records if "select/n_clean" in stats]
+    assert per_epoch == [120 // 16] + [max(c // 16, (120 - c) // 16) for c in n_clean]
+    assert {n for e, n in steps if e > 0} == {32} and per_epoch[1] != 120 // 16
+
+
+def test_stop_mid_epoch_then_resume_matches_the_uninterrupted_run(tmp_path):
+    """A stop signal inside a selection epoch: fit checkpoints the step (the selection in the hooks'
+    state, every RNG), and a restart ends with the weights of a run never stopped."""
+    import os
+    import signal
+
+    data = _toy(n=120)
+    train = OmegaConf.structured(TrainConfig(epochs=3, batch_size=16, progress=False, lr=0.05))
+
+    def run(run_dir, stop_at=None):
+        torch.manual_seed(0), np.random.seed(0)
+        hooks, model, ctx = _hooks("csot", data, run_dir, batch_size=16)
+        calls = []
+        loss = hooks.loss
+
+        def counted(net, x, y, idx, epoch):
+            calls.append(epoch)
+            if len(calls) == stop_at:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            return loss(net, x, y, idx, epoch)
+
+        hooks.loss = counted
+        fit(model, data, train, ctx, hooks)
+        return torch.cat([p.detach().flatten() for p in model.parameters()]), calls
+
+    straight, _ = run(tmp_path / "a")
+    with pytest.raises(Interrupted):
+        run(tmp_path / "b", stop_at=120 // 16 + 3)  # the 3rd step of epoch 1, the first selection epoch
+    resumed, calls = run(tmp_path / "b")
+    assert calls[0] == 1 and len(calls) < 3 * 120 // 16  # it went on inside epoch 1
+    torch.testing.assert_close(resumed, straight, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", ["csot", "cot", "ot", "small_loss"])
@@ -227,7 +292,7 @@ def test_selection_hook_matches_the_solver(tmp_path, name):
     m = 1.0 if name == "ot" else 0.3 + 1 / 4  # the paper's ramp: t = 2, T_sup = 5: 0.3 + (2 - 1)/(5 - 1)
     assert stats["select/m"] == pytest.approx(m)
     # the hook's sets are the solver's: same inputs, same chunking seed
-    probs, feats = hooks._outputs(data.train)
+    probs, feats = probabilities_and_features(model, data.train, ctx)
     with torch.no_grad():
         expected = F.softmax(model(data.train.x).double(), dim=1).numpy()
     np.testing.assert_allclose(probs, expected, atol=1e-6)
@@ -256,20 +321,25 @@ def _paper_hooks(tmp_path, **overrides):
     hooks.on_epoch_start(1, model, data)
     hooks.views.weak = hooks.views.strong = lambda x: x
     hooks.clean[:] = False
-    hooks.loaders = hooks._loaders(1)
     hooks.stage2 = True
     return hooks, model, data
+
+
+def _fit_batch(hooks, data, y_soft=None):
+    """The first (x, y_soft, idx) fit would hand the loss in epoch 1: the shards of both pools' batches
+    (`y_soft` unused after the warm-up)."""
+    sampler = hooks.batch_sampler(EpochBatches(len(data.train), hooks.batch_size))
+    sampler.set_epoch(1)
+    idx = next(iter(sampler))
+    return data.train.x[idx], y_soft, idx
 
 
 @pytest.mark.parametrize("correction", ["ot", "threshold"])
 def test_stage2_correction_targets(tmp_path, correction):
     hooks, model, data = _paper_hooks(tmp_path, correction=correction, simsiam=False)
-    assert hooks.loaders[0] is None
-    loader = hooks.loaders[1]
-    take, taken = loader.next, []
-    loader.next = lambda: taken.append(take()) or taken[-1]
-    loss = hooks.loss(model, None, None, None, 1)
-    x, idx = taken[0]
+    x, _, idx = _fit_batch(hooks, data)
+    assert not hooks.clean[idx].any()  # no clean pool: an unlabeled batch only
+    loss = hooks.loss(model, x, None, idx, 1)
     with torch.no_grad():
         logits = model(x)
         if correction == "threshold":  # FixMatch: the model's own argmax, every sample (threshold 0)
@@ -282,9 +352,9 @@ def test_stage2_correction_targets(tmp_path, correction):
 
 @pytest.mark.parametrize("simsiam", [True, False])
 def test_simsiam_switch(tmp_path, simsiam):
-    hooks, model, _ = _paper_hooks(tmp_path, simsiam=simsiam)
+    hooks, model, data = _paper_hooks(tmp_path, simsiam=simsiam)
     hooks.stage2 = False
-    hooks.loss(model, None, None, None, 1).backward()
+    hooks.loss(model, *_fit_batch(hooks, data), 1).backward()
     grad = model.predictor[0].weight.grad
     assert grad is not None  # in the graph either way (DDP)
     assert (grad.abs().sum() > 0) == simsiam
@@ -306,14 +376,13 @@ def test_every_parameter_gets_a_gradient_every_step(tmp_path, loss):
 
     check(hooks.loss(model, x, y_soft, torch.arange(32), 0))  # warm-up
     hooks.on_epoch_start(1, model, data)
-    check(hooks.loss(model, x, y_soft, None, 1))
+    check(hooks.loss(model, *_fit_batch(hooks, data, y_soft), 1))
     assert model.classifier.weight.grad.abs().sum() > 0
     hooks.stage2 = True
-    check(hooks.loss(model, x, y_soft, None, 1))
-    for everything_clean in (True, False):
+    check(hooks.loss(model, *_fit_batch(hooks, data, y_soft), 1))
+    for everything_clean in (True, False):  # one pool empty
         hooks.clean[:] = everything_clean
-        hooks.loaders = hooks._loaders(1)
-        check(hooks.loss(model, x, y_soft, None, 1))
+        check(hooks.loss(model, *_fit_batch(hooks, data, y_soft), 1))
 
 
 def _cli_selection_runs(cli, tmp_path, methods):

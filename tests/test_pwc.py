@@ -9,12 +9,13 @@ import ot
 import pytest
 from scipy.optimize import linprog
 
+from runner.methods._common import ConvergenceWarning, transport_constraints
 from runner.methods.pwc import (
     BASELINES,
     PW_METHODS,
     cover,
-    entropic_partial_wasserstein,
-    partial_wasserstein,
+    entropic_partial_wasserstein_dual,
+    partial_wasserstein_dual,
 )
 
 SEQUENTIAL = ("greedy", "sensitivity", "ctrans", "entropic")
@@ -32,9 +33,7 @@ def random_instance(rng, n, m, zero_cols=0, zero_rows=0, slack=True):
 
 
 def highs_partial(cost, a, b):
-    n, m = cost.shape
-    rows = np.kron(np.eye(n), np.ones(m))
-    cols = np.kron(np.ones(n), np.eye(m))
+    rows, cols = transport_constraints(*cost.shape)
     res = linprog(cost.ravel(), A_eq=rows, b_eq=a, A_ub=cols, b_ub=b, method="highs")
     assert res.status == 0
     return res.fun
@@ -48,7 +47,7 @@ def pw_reduced(X_app, X_dev, added):
     """PW(X_app, X_dev + added) on the reduced LP, built independently of the library's [cand|dev]."""
     cols = np.vstack([X_dev, added]) if len(added) else X_dev
     a = np.full(len(X_app), 1 / len(X_app))
-    return partial_wasserstein(ot.dist(X_app, cols), a, np.full(len(cols), 1 / len(X_dev)))[0]
+    return partial_wasserstein_dual(ot.dist(X_app, cols), a, np.full(len(cols), 1 / len(X_dev)))[0]
 
 
 def brute_force(X_app, X_dev, k, cand=None):
@@ -69,7 +68,7 @@ def test_primal_matches_pot_and_highs(seed, zero_cols, zero_rows, slack):
     rng = np.random.default_rng(seed)
     n, m = rng.integers(2, 13, size=2)
     cost, a, b = random_instance(rng, n, m + zero_cols, zero_cols, zero_rows, slack)
-    value, f, g, log = partial_wasserstein(cost, a, b, log=True)
+    value, f, g, log = partial_wasserstein_dual(cost, a, b, log=True)
     reference = ot.partial.partial_wasserstein2(a, b, cost, m=min(a.sum(), b.sum()))
     assert value == pytest.approx(reference, abs=1e-9)
     assert value == pytest.approx(highs_partial(cost, a, b), abs=1e-9)
@@ -78,6 +77,7 @@ def test_primal_matches_pot_and_highs(seed, zero_cols, zero_rows, slack):
     np.testing.assert_allclose(plan.sum(1), a, atol=1e-12)
     assert (plan.sum(0) <= b + 1e-12).all()
     assert np.sum(plan * cost) == pytest.approx(value, abs=1e-12)
+    assert log["converged"] and log["n_iter"] == 1 and log["err"] < 1e-9
     # 2: dual feasibility and strong duality, zero-mass entries included
     assert g.max() <= 1e-12
     assert (f[:, None] + g[None, :] - cost).max() <= 1e-9
@@ -94,10 +94,25 @@ def test_empty_selection_is_the_wasserstein_distance():
             assert pw[0] == pytest.approx(w2, abs=1e-12)
 
 
+def test_old_names_warn_and_give_the_same_result():
+    import runner.methods.pwc as pwc
+
+    cost, a, b = random_instance(np.random.default_rng(2), 5, 6)
+    value, f, g = partial_wasserstein_dual(cost, a, b)
+    with pytest.warns(DeprecationWarning, match="use partial_wasserstein_dual"):
+        old = pwc.partial_wasserstein(cost, a, b, num_iter_max=10**6)
+    np.testing.assert_array_equal(np.r_[old[0], old[1], old[2]], np.r_[value, f, g])
+    with pytest.warns(DeprecationWarning, match=r"num_iter_max=\.\.\.\) is deprecated: use max_iter"):
+        partial_wasserstein_dual(cost, a, b, num_iter_max=10**6)
+    with pytest.warns(DeprecationWarning, match="use entropic_partial_wasserstein_dual"):
+        old = pwc.entropic_partial_wasserstein(cost, a, b, 0.1)
+    assert old[0] == entropic_partial_wasserstein_dual(cost, a, b, 0.1)[0]
+
+
 def test_simplex_iteration_limit_is_an_error():
     cost, a, b = random_instance(np.random.default_rng(1), 30, 40)
     with pytest.raises(RuntimeError, match="ot.emd"):
-        partial_wasserstein(cost, a, b, num_iter_max=2)
+        partial_wasserstein_dual(cost, a, b, max_iter=2)
 
 
 # --- 4-6: monotone submodular objective, greedy guarantee, MILP -----------------------------------------
@@ -164,7 +179,7 @@ def test_ctransform_gain_is_an_upper_bound():
         cost = np.hstack([ot.dist(X_app, X_app), ot.dist(X_app, X_dev)])
         b = np.r_[np.zeros(n_app), np.full(n_dev, 1 / n_dev)]
         b[S] = 1 / n_dev
-        value, f, g = partial_wasserstein(cost, np.full(n_app, 1 / n_app), b)
+        value, f, g = partial_wasserstein_dual(cost, np.full(n_app, 1 / n_app), b)
         g_c = np.minimum(0, (cost[:, :n_app] - f[:, None]).min(0))
         for j in set(range(n_app)) - set(S):
             assert g[j] == pytest.approx(g_c[j], abs=1e-12)
@@ -176,7 +191,8 @@ def test_ctransform_gain_is_exact_for_one_point():
     rng = np.random.default_rng(1)
     for _ in range(10):
         x, y, s = rng.normal(size=(3, 1, 2))
-        value, f, g = partial_wasserstein(ot.dist(x, np.vstack([s, y])), np.ones(1), np.array([0.0, 1.0]))
+        cost = ot.dist(x, np.vstack([s, y]))
+        value, f, g = partial_wasserstein_dual(cost, np.ones(1), np.array([0.0, 1.0]))
         gain = value - pw_reduced(x, y, s)
         assert gain == pytest.approx(max(0.0, ot.dist(x, y)[0, 0] - ot.dist(x, s)[0, 0]), abs=1e-12)
         assert gain == pytest.approx(-g[0], abs=1e-12)
@@ -280,10 +296,10 @@ def test_entropic_converges_to_the_lp():
     rng = np.random.default_rng(0)
     cost, a, b = random_instance(rng, 8, 10)
     cost /= cost.max()
-    exact = partial_wasserstein(cost, a, b)[0]
+    exact = partial_wasserstein_dual(cost, a, b)[0]
     errors = []
     for reg in (0.1, 0.03, 0.01):
-        _, f, g, log = entropic_partial_wasserstein(cost, a, b, reg, max_iter=100_000, tol=1e-10, log=True)
+        _, f, g, log = entropic_partial_wasserstein_dual(cost, a, b, reg, 100_000, 1e-10, log=True)
         plan = log["plan"]
         assert np.abs(plan.sum(1) - a).sum() < 1e-6 and (plan.sum(0) - b).max() < 1e-6
         assert g.max() <= 0
@@ -296,12 +312,12 @@ def test_entropic_gradient_matches_finite_differences():
     rng = np.random.default_rng(1)
     cost, a, b = random_instance(rng, 6, 7)
     cost /= cost.max()
-    _, _, g = entropic_partial_wasserstein(cost, a, b, 0.05, max_iter=200_000, tol=1e-14)
+    _, _, g = entropic_partial_wasserstein_dual(cost, a, b, 0.05, max_iter=200_000, tol=1e-14)
     h = 1e-6
     for j in range(7):
         step = np.eye(7)[j] * h
-        plus = entropic_partial_wasserstein(cost, a, b + step, 0.05, max_iter=200_000, tol=1e-14)[0]
-        minus = entropic_partial_wasserstein(cost, a, b - step, 0.05, max_iter=200_000, tol=1e-14)[0]
+        plus = entropic_partial_wasserstein_dual(cost, a, b + step, 0.05, max_iter=200_000, tol=1e-14)[0]
+        minus = entropic_partial_wasserstein_dual(cost, a, b - step, 0.05, max_iter=200_000, tol=1e-14)[0]
         assert (plus - minus) / (2 * h) == pytest.approx(g[j], abs=1e-6)
 
 
@@ -320,9 +336,9 @@ def test_entropic_epsilon_is_absolute_by_default(monkeypatch):
     import runner.methods.pwc as pwc
 
     used = []
-    solve = pwc.entropic_partial_wasserstein
+    solve = pwc.entropic_partial_wasserstein_dual
     monkeypatch.setattr(
-        pwc, "entropic_partial_wasserstein", lambda *a, **kw: used.append(kw["reg"]) or solve(*a, **kw)
+        pwc, "entropic_partial_wasserstein_dual", lambda *a, **kw: used.append(kw["reg"]) or solve(*a, **kw)
     )
     rng = np.random.default_rng(4)
     X_app, X_dev = rng.normal(size=(12, 2)), rng.normal(size=(6, 2))
@@ -350,10 +366,11 @@ def test_entropy_baseline_takes_the_highest_scores():
 def test_entropic_rejects_zero_mass_and_warns_when_not_converged():
     cost, a, b = random_instance(np.random.default_rng(3), 5, 6, zero_cols=1)
     with pytest.raises(ValueError, match="log domain"):
-        entropic_partial_wasserstein(cost, a, b, 0.1)
+        entropic_partial_wasserstein_dual(cost, a, b, 0.1)
     b[0] = 0.1
-    with pytest.warns(RuntimeWarning, match="max_iter"):
-        entropic_partial_wasserstein(cost, a, b, 1e-3, max_iter=3)
+    with pytest.warns(ConvergenceWarning, match="max_iter=3"):
+        _, _, _, log = entropic_partial_wasserstein_dual(cost, a, b, 1e-3, max_iter=3, log=True)
+    assert log["n_iter"] == 3 and not log["converged"] and log["err"] >= 1e-9
 
 
 # --- bad input -------------------------------------------------------------------------------------------
@@ -401,4 +418,15 @@ def test_bad_input_is_a_clear_value_error(kwargs, match):
 )
 def test_partial_wasserstein_bad_input(a, b, match):
     with pytest.raises(ValueError, match=match):
-        partial_wasserstein(np.ones((3, 2)), a, b)
+        partial_wasserstein_dual(np.ones((3, 2)), a, b)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import runner.methods.pwc
+    import runner.methods.pwc_training
+
+    for module in (runner.methods.pwc, runner.methods.pwc_training,):
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__

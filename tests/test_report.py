@@ -2,7 +2,10 @@
 
 import json
 import logging
+import re
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from runner.report import SweepSummary, build_report, main, markdown
+from runner.cli import CONF_DIR, _compose
+from runner.report import SweepSummary, build_report, check_claims, load_claims, main, markdown
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -190,3 +194,119 @@ def test_callback_records_a_failed_job_and_logs_its_traceback(tmp_path, caplog):
     single = {"mode": RunMode.RUN, "runtime": {"output_dir": str(run_dir)}}
     SweepSummary().on_job_end(OmegaConf.create({"hydra": single}), failed)
     assert not (run_dir / "summary.json").exists() and len(caplog.records) == 1
+
+
+# ------------------------------------------------------------------- the papers' numbers and the claims
+
+
+def preset_run(path: Path, overrides: list[str], summary: dict) -> None:
+    """A run dir of `runner` with these overrides: Hydra's composed config (with the preset's `paper:`)
+    under .hydra/, the runner's own config.yaml (without it, as the runner saves it), the summary."""
+    composed = _compose(overrides)
+    (path / ".hydra").mkdir(parents=True)
+    (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    OmegaConf.save(composed, path / ".hydra" / "config.yaml")
+    saved = OmegaConf.to_container(composed)
+    saved.pop("paper", None)
+    (path / "config.yaml").write_text(yaml.safe_dump(saved))
+    (path / "summary.json").write_text(json.dumps(summary))
+
+
+def tables(text: str) -> list[list[list[str]]]:
+    """Every Markdown table of `text`: its rows below the header, cells stripped."""
+    blocks = re.findall(r"(?:^\|.*\|\n)+", text, re.M)
+    return [[[c.strip() for c in ln.strip("|").split("|")] for ln in b.splitlines()[2:]] for b in blocks]
+
+
+def test_paper_column_and_difference_for_the_rows_that_ran_the_presets_setting(tmp_path):
+    """A DB-OT sweep over the training loss on the CIFAR-10-LT preset: only the DB-OT-loss row at the
+    preset's own imbalance ran the setting of the paper's numbers; a device override does not matter."""
+    preset = "dbot_cifar10_lt"
+    paper = yaml.safe_load((CONF_DIR / "experiment" / f"{preset}.yaml").read_text())["paper"]
+    assert paper["test/acc"]["value"] == 0.819  # Table 1: 81.9 %, the runner logs fractions
+    accs = {("dbot", 200): [0.80, 0.83], ("ce", 200): [0.70, 0.72], ("dbot", 100): [0.85, 0.86]}
+    job = 0
+    for (loss, imbalance), values in accs.items():
+        for seed, acc in enumerate(values):
+            overrides = [f"+experiment={preset}", f"method.loss={loss}", "hardware=cpu", f"seed={seed}"]
+            overrides += [f"dataset.imbalance={imbalance}"] if imbalance != 200 else []
+            preset_run(tmp_path / str(job), overrides, {"test/acc": acc, "uniform/argmax/few": acc - 0.2})
+            job += 1
+    report = build_report(tmp_path, metric="test/acc")
+    assert report.swept == ["method.loss", "dataset.imbalance"]
+    main_table, paper_table = tables(markdown(report))
+    assert len(main_table) == 3
+    rows = {row[2]: row for row in paper_table}
+    assert list(rows) == list(paper) and {(r[0], r[1]) for r in paper_table} == {("dbot", "200")}
+    mean = statistics.mean(accs[("dbot", 200)])
+    _, _, _, ours, value, diff, source = rows["test/acc"]
+    assert mean_std(ours) == pytest.approx((mean, statistics.stdev(accs[("dbot", 200)])), abs=5e-5)
+    assert (float(value), source) == (0.819, paper["test/acc"]["table"])
+    assert float(diff) == pytest.approx(mean - 0.819, abs=5e-5) and diff.startswith("-")
+    few = rows["uniform/argmax/few"]
+    assert float(few[5]) == pytest.approx(mean - 0.2 - paper["uniform/argmax/few"]["value"], abs=5e-5)
+    assert rows["lt/sinkhorn/all"][3:6] == ["-", "0.895", "-"]  # a number the runs did not log
+
+
+def test_claims_about_a_cpu_study_hold_or_fail_with_their_numbers(tmp_path):
+    csot = {"csot": [0.95, 0.93], "ce": [0.80, 0.82]}  # CSOT 0.94 >= CE 0.81 + 0.10: holds
+    for job, (method, seed) in enumerate((m, s) for m in csot for s in range(2)):
+        overrides = [f"+method={method}", "+experiment=csot_digits", f"seed={seed}"]
+        preset_run(tmp_path / "csot" / str(job), overrides, {"test/acc": csot[method][seed]})
+    ((verdict, line),) = check_claims(build_report(tmp_path / "csot", metric="test/acc"), load_claims())
+    assert verdict == "holds"
+    assert "CSOT's test accuracy at least 10 points above CE" in line and "(csot_digits; issue 8)" in line
+    assert line.endswith("method=csot] 0.94 >= test/acc [dataset.label_noise.kind=symmetric "
+                         "dataset.label_noise.rate=0.5 method=ce] 0.81 + 0.1 = 0.91")  # fmt: skip
+
+    shares = {"sensitivity": [0.30, 0.34], "random": [0.10, 0.08]}  # 0.32 >= 4 x 0.09 = 0.36: fails
+    for job, (selector, seed) in enumerate((m, s) for m in shares for s in range(2)):
+        overrides = ["+experiment=pwc_digits", f"method.selector={selector}", f"seed={seed}"]
+        preset_run(tmp_path / "pwc" / str(job), overrides, {"cover/missing_share": shares[selector][seed]})
+    text = markdown(build_report(tmp_path / "pwc", metric="cover/missing_share"))
+    claims = text.split("Claims:\n")[1].splitlines()
+    assert claims == [
+        "- fails: sensitivity picks at least 4x random's share of zeros (zeros at 0.5% of dev) (pwc_digits; "
+        "issue 3): cover/missing_share [method.selector=sensitivity] 0.32 >= cover/missing_share "
+        "[method.selector=random] 0.09 x 4 = 0.36",
+        "- untested: ctrans picks at least 4x random's share of zeros (zeros at 0.5% of dev) (pwc_digits; "
+        "issue 3): 0 rows with method.selector=ctrans (need 1)",
+    ]
+    assert "The paper's numbers" not in text  # a CPU study has no `paper:` block
+
+
+def test_claims_file_names_existing_presets_and_is_well_formed():
+    ops = {">=", ">", "<=", "<"}
+    for preset, claims in load_claims().items():
+        assert (CONF_DIR / "experiment" / f"{preset}.yaml").exists(), preset
+        for claim in claims:
+            assert claim["op"] in ops and claim["claim"] and claim["source"], claim
+            assert {"left", "right"} <= set(claim) and "metric" in claim["left"], claim
+            for side in (claim["left"], claim["right"]):
+                assert side.get("stat", "mean") in {"mean", "min", "max"}, claim
+
+
+def test_help_opens_with_the_name_and_a_line_per_config_group():
+    out = subprocess.run([sys.executable, "-m", "runner.cli", "--help"], capture_output=True, text=True,
+                         check=True, cwd=CONF_DIR.parent).stdout  # fmt: skip
+    assert out.startswith("runner: ") and "powered by Hydra" not in out
+    intro, usage = out.split("\nUsage:\n")
+    groups = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
+    groups += [f"hydra/{p.name}" for p in (CONF_DIR / "hydra").iterdir() if p.name != "help"]
+    for group in groups:
+        assert re.search(rf"^  {re.escape(group)} +\S", intro, re.M), group
+    for shown in ("runner -m ", "+experiment=", "+debug=smoke", "runner-report"):
+        assert shown in usage.split("\n\n")[0], shown
+
+
+def test_every_paper_scale_preset_has_a_paper_block_of_values_and_tables():
+    """The GPU presets carry the paper's numbers (some none: a comment says why); the CPU studies none."""
+    for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
+        preset = yaml.safe_load(path.read_text())
+        gpu = {"override /hardware": "gpu"} in preset["defaults"]
+        assert ("paper" in preset) == gpu, path.name
+        for metric, entry in (preset.get("paper") or {}).items():
+            assert set(entry) == {"value", "table"} and isinstance(entry["value"], float), (path.name, metric)
+            assert entry["table"].startswith("Table "), (path.name, metric)
+            level1 = re.match(r"hash/\w+/k1-d(\d+)/", metric)  # [11]'s row is named by its width
+            assert not level1 or int(level1.group(1)) in preset["method"]["level1_d"], (path.name, metric)

@@ -103,6 +103,31 @@ def test_hooks_are_called_every_batch(tmp_path):
     assert hooks.transforms == hooks.losses == 2 * per_epoch and metrics["test/acc"] > 0.5
 
 
+class SelectWorst:
+    """Keep the weights of the highest val/loss: the untrained net's, so the restore is visible."""
+
+    select = ("val/loss", "max")
+
+
+def test_select_restores_the_best_validation_weights_and_reports_them(tmp_path):
+    model_cfg, train_cfg, ctx = setup(tmp_path, "train.epochs=3")
+    torch.manual_seed(0)
+    model = build_model(model_cfg, (4,), 3)
+    initial = [p.detach().clone() for p in model.parameters()]
+    data = blobs()
+    metrics = fit(model, data, train_cfg, ctx, SelectWorst())
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [-1, 0, 1, 2]  # the initial evaluation, then each epoch
+    best = max(records, key=lambda r: r["val/loss"])
+    assert best["step"] == -1 and records[-1]["val/loss"] < best["val/loss"]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), initial))
+    assert metrics["val/loss"] == best["val/loss"] and metrics["test/acc"] == best["test/acc"]
+    assert evaluate(model, data.val, ctx)["loss"] == pytest.approx(best["val/loss"], rel=1e-6)
+    again = fit(build_model(model_cfg, (4,), 3), data, train_cfg, ctx, SelectWorst())  # finished: resumed
+    assert again["val/loss"] == best["val/loss"] and len(records) == 4
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4  # no row written twice
+
+
 def test_crop_flip_shifts_content_and_keeps_shape():
     torch.manual_seed(0)
     x = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).view(2, 3, 8, 8)

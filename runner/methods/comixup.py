@@ -34,6 +34,9 @@ partitions of a batch are solved together, one graph cut per output index over t
 their grids (the cuts separate, so this is the same algorithm with 1/P of the calls), and an
 output's label set leaves out inputs that another input dominates in every cell (which keeps the
 optimum and the swap local minima; see `_label_step`).
+
+The solvers follow the convention of `runner.methods._common`: `method=` picks the graph-cut
+algorithm, `max_iter` caps the sweeps and `tol` is the relative energy change that ends them early.
 """
 
 from __future__ import annotations
@@ -46,24 +49,48 @@ import os
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gco import cgco
 
+from runner.methods._common import renamed_kwargs
+
+__all__ = [
+    "OPTIONS",
+    "CONFIG_KEYS",
+    "RANDOM_GRIDS",
+    "SOLVERS",
+    "THRES_TYPES",
+    "ComixupPool",
+    "auto_workers",
+    "comixup",
+    "comixup_masks",
+    "compatibility",
+    "grid_cut",
+    "objective",
+    "pool_saliency",
+    "salient_locations",
+    "saliency",
+]
+
 THRES_TYPES = ("hard", "soft", "none")
-SOLVERS = ("gco_swap", "gco_expansion", "brute")
+SOLVERS = ("gco_swap", "gco_expansion", "brute")  # the values of `method=`
 RANDOM_GRIDS = (2, 4, 8, 16)  # grid=-1 draws one of these at every call (the authors' `m_block_num -1`)
+_RENAMED = {"n_iter": "max_iter", "solver": "method"}  # old keyword -> new, accepted one more release
 
 _BLEND_SLOTS = ((0, 1), (0, 2), (1, 2))  # blended labels: halves of the three most used inputs
 _MIX_BONUS = 5e-4  # favours a blend on ties, as the authors do
 _BRUTE_MAX_STATES = 2_000_000
 _GCO_DISABLED = 10**9  # int unary of a label a site may not take
 _GCO_MAX_TERM = 1e8  # largest scaled finite energy term sent to gco (int32)
-# the keyword options of `comixup` besides data, rng and log (what a config or `ComixupPool.submit` sets)
-OPTIONS = ("beta", "gamma", "eta", "tau", "thres_type", "omega", "alpha", "grid", "part", "n_iter",
-           "set_resolve", "mixed_labels", "solver")  # fmt: skip
+# The keyword options of `comixup` that a method config sets (`max_iter` and `method` under the config
+# keys `n_iter` and `solver`: `method.method` would read badly on a command line).
+OPTIONS = ("beta", "gamma", "eta", "tau", "thres_type", "omega", "alpha", "grid", "part", "max_iter",
+           "set_resolve", "mixed_labels", "method")  # fmt: skip
+CONFIG_KEYS = {"max_iter": "n_iter", "method": "solver"}
 
 
 def _gco_api():
@@ -253,7 +280,7 @@ def _brute_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int):
     """Exact minimiser by enumeration of all L^n labelings (tiny grids only)."""
     P, n, L = unary.shape
     if L**n > _BRUTE_MAX_STATES:
-        raise ValueError(f"solver='brute': {L}^{n} labelings is too many; use grid <= 3 and few inputs")
+        raise ValueError(f"method='brute': {L}^{n} labelings is too many; use grid <= 3 and few inputs")
     labelings = _all_labelings(n, L)
     s1, s2, _ = _grid_edges(1, grid)
     edge_costs = pairwise[labelings[:, s1], labelings[:, s2]]  # (S, E)
@@ -267,16 +294,24 @@ def _brute_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int):
     ).astype(np.intc)
 
 
-def grid_cut(unary, pairwise, smooth_weight, solver: str = "gco_swap") -> np.ndarray:
+@renamed_kwargs(**_RENAMED)
+def grid_cut(unary, pairwise, smooth_weight, method: str = "gco_swap") -> np.ndarray:
     """Minimise sum_k unary[k, l_k] + sum_{4-neighbours e = (k,k')} w_e pairwise[l_k, l_k'] on a grid.
 
     unary: (g, g, L) or (P, g, g, L) for P independent grids (+inf forbids a label at a site);
     pairwise: (L, L) symmetric, zero diagonal (a metric for `gco_expansion`); smooth_weight: w >= 0,
     a scalar or (P, E) per edge (the g(g-1) vertical edges row by row, then the horizontal ones).
-    Solvers: `gco_swap` (alpha-beta swap, a local minimum; exact for L = 2), `gco_expansion`,
-    `brute` (exact, L^(g^2) <= 2e6). Returns labels of shape unary.shape[:-1].
+    method (`solver` before, deprecated): `gco_swap` (alpha-beta swap, a local minimum; exact for
+    L = 2), `gco_expansion`, `brute` (exact, L^(g^2) <= 2e6). Returns labels of shape unary.shape[:-1].
+    One cut, run by gco to its own fixed point: no iteration options, no log.
+
+    >>> unary = np.zeros((2, 2, 2))
+    >>> unary[..., 1] = 1.0  # every cell prefers label 0 ...
+    >>> unary[0, 0] = [5.0, 0.0]  # ... but the corner, strongly enough to pay for its two edges
+    >>> grid_cut(unary, 1 - np.eye(2), smooth_weight=0.1).tolist()
+    [[1, 0], [0, 0]]
     """
-    _check_choice("solver", solver, SOLVERS)
+    _check_choice("method", method, SOLVERS)
     unary = np.asarray(unary, dtype=np.float64)
     single = unary.ndim == 3
     batch = unary[None] if single else unary
@@ -284,16 +319,16 @@ def grid_cut(unary, pairwise, smooth_weight, solver: str = "gco_swap") -> np.nda
     if g != g2:
         raise ValueError(f"unary: shape {unary.shape}, expected (g, g, L) or (P, g, g, L)")
     pairwise = np.asarray(pairwise, dtype=np.float64)
-    labels = _cut(batch.reshape(P, g * g, L), pairwise, smooth_weight, g, solver).reshape(P, g, g)
+    labels = _cut(batch.reshape(P, g * g, L), pairwise, smooth_weight, g, method).reshape(P, g, g)
     return labels[0] if single else labels
 
 
-def _cut(unary, pairwise, edge_weight, grid, solver):
+def _cut(unary, pairwise, edge_weight, grid, method):
     if unary.shape[2] == 1:  # nothing to choose (and gco aborts on fewer than 2 labels)
         return np.zeros(unary.shape[:2], np.intc)
-    if solver == "brute":
+    if method == "brute":
         return _brute_cut(unary, pairwise, edge_weight, grid)
-    return _gco_cut(unary, pairwise, edge_weight, grid, swap=solver == "gco_swap")
+    return _gco_cut(unary, pairwise, edge_weight, grid, swap=method == "gco_swap")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -338,7 +373,7 @@ def _resolve(o: np.ndarray) -> np.ndarray:
     return R
 
 
-def _label_step(U, counts, grid, beta_n, solver, mixed, stats):
+def _label_step(U, counts, grid, beta_n, method, mixed, stats):
     """Solve output j's MRF for each active partition; U (a, n, m) unary, counts (a, m) its current o_j.
 
     Returns source weights (a, n, m). Inputs are reordered per partition into label slots shared by
@@ -375,7 +410,7 @@ def _label_step(U, counts, grid, beta_n, solver, mixed, stats):
         )
         U = np.concatenate([U, unary_blend], axis=2)
     tic = time.perf_counter()
-    labels = _cut(U, pairwise, beta_n, grid, solver)
+    labels = _cut(U, pairwise, beta_n, grid, method)
     stats["gc_seconds"] += time.perf_counter() - tic
     stats["gc_calls"] += 1
     W = np.zeros((a, n, m))
@@ -383,30 +418,46 @@ def _label_step(U, counts, grid, beta_n, solver, mixed, stats):
     return W
 
 
-def _solve_partitions(
-    s_grid,
-    A,
-    lam,
-    z0,
-    sizes,
-    *,
-    beta,
-    gamma,
-    eta,
-    tau,
-    thres_type,
-    n_iter,
-    set_resolve,
-    mixed_labels,
-    solver,
-    log=False,
-):
+class _Sweeps(NamedTuple):
+    """The options of Algorithm 1 (`comixup_masks`), validated by `_checked`."""
+
+    beta: float
+    gamma: float
+    eta: float
+    tau: float
+    thres_type: str
+    max_iter: int
+    tol: float
+    set_resolve: bool
+    mixed_labels: bool
+    method: str
+
+    def _checked(self):
+        _check_choice("thres_type", self.thres_type, THRES_TYPES)
+        _check_choice("method", self.method, SOLVERS)
+        if self.method == "gco_expansion" and self.mixed_labels:
+            raise ValueError(
+                "method='gco_expansion' needs mixed_labels=False: the squared-distance costs of "
+                "blended labels are not a metric, and gco aborts the process on a non-metric expansion"
+            )
+        if not (isinstance(self.max_iter, int | np.integer) and self.max_iter >= 1):
+            raise ValueError(f"max_iter={self.max_iter}: must be an integer >= 1")
+        for name in ("beta", "gamma", "eta", "tau"):
+            _check_range(name, getattr(self, name), 0.0, math.inf)
+        if not self.tol >= 0:
+            raise ValueError(f"tol={self.tol}: must be >= 0")
+        return self
+
+
+def _solve_partitions(s_grid, A, lam, z0, sizes, sweeps: _Sweeps, log=False):
     """Algorithm 1 on P padded partitions at once.
 
     s_grid: (P, m, n) normalised saliency; A: (P, m, m); lam: (P, m); z0: (P, m, n) initial input
     index of each cell; sizes: (P,) real inputs per partition (slots >= size are padding).
+    A partition stops once a sweep changes its energy by less than tol relative to it.
     Returns source weights W (P, m', n, m) with m' = m (padding outputs are zero) and the log.
     """
+    beta, gamma, eta, tau, thres_type, max_iter, tol, set_resolve, mixed_labels, method = sweeps
     P, m, n = s_grid.shape
     grid = math.isqrt(n)
     beta_n, gamma_n, eta_n, threshold = beta / n, gamma / n, eta / n, tau * n
@@ -421,11 +472,11 @@ def _solve_partitions(
     R = np.zeros((P, m, m))
     done = np.zeros(P, bool)
     energies = [_energy(W, cost, A, grid, beta_n, gamma_n, threshold, "none")]
-    trace, stats, sweeps = [], {"gc_seconds": 0.0, "gc_calls": 0}, 0
-    for t in range(n_iter):
+    trace, stats, n_iter, err = [], {"gc_seconds": 0.0, "gc_calls": 0}, 0, math.inf
+    for t in range(max_iter):
         if done.all():
             break
-        sweeps += 1
+        n_iter += 1
         mixed = mixed_labels and t > 0
         for j in range(m):
             act = np.flatnonzero(~done & (j < sizes))
@@ -433,20 +484,23 @@ def _solve_partitions(
                 continue
             others = total[act] - o[act, j]
             u = 2.0 * gamma_n * _diversity_cost(A[act], others, threshold, thres_type) + gamma_n * R[act, j]
-            z_j = _label_step(unary_base[act] + u[:, None, :], o[act, j], grid, beta_n, solver, mixed, stats)
+            z_j = _label_step(unary_base[act] + u[:, None, :], o[act, j], grid, beta_n, method, mixed, stats)
             W[act, j] = z_j
             o_j = z_j.sum(1)
             total[act] += o_j - o[act, j]
             o[act, j] = o_j
             if log:
                 trace.append(_energy(W, cost, A, grid, beta_n, gamma_n, threshold, thres_type))
-        if set_resolve and t == n_iter - 2:
+        if set_resolve and t == max_iter - 2:
             R = _resolve(o)
         energies.append(_energy(W, cost, A, grid, beta_n, gamma_n, threshold, "none"))
-        done |= np.abs(energies[-1] - energies[-2]) < 1e-6 * np.abs(energies[-1])
+        change, size = np.abs(energies[-1] - energies[-2]), np.abs(energies[-1])
+        done |= change < tol * size
+        err = float((change / np.maximum(size, np.finfo(float).tiny)).max())
     info = None
     if log:
-        info = {"energy": np.stack(energies), "trace": np.stack(trace), "sweeps": sweeps, **stats}
+        info = {"n_iter": n_iter, "err": err, "converged": bool(done.all()), "energy": np.stack(energies),
+                "trace": np.stack(trace), **stats}  # fmt: skip
     return W, info
 
 
@@ -455,19 +509,22 @@ def objective(
     saliency_grid,
     lam,
     A,
-    beta: float = 0.32,
-    gamma: float = 1.0,
-    eta: float = 0.05,
-    tau: float = 0.83,
+    beta: float | None = None,
+    gamma: float | None = None,
+    eta: float | None = None,
+    tau: float | None = None,
     thres_type: str = "none",
 ):
     """Energy f(z) of one partition (module docstring), in the units of normalised saliency.
 
     masks: (..., m', g, g, m) source weights z (leading dims are independent labelings);
-    saliency_grid: (m, g, g) pooled saliency, normalised; lam: (m,) prior; A: (m, m).
+    saliency_grid: (m, g, g) pooled saliency, normalised; lam: (m,) prior; A: (m, m); beta, gamma,
+    eta, tau: None takes the default of `comixup`; thres_type "none" is the paper's Eq. 1.
     Returns a float, or an array of the leading shape.
     """
     _check_choice("thres_type", thres_type, THRES_TYPES)
+    given = {"beta": beta, "gamma": gamma, "eta": eta, "tau": tau}
+    beta, gamma, eta, tau = (_option_defaults()[k] if v is None else v for k, v in given.items())
     W = np.asarray(masks, dtype=np.float64)
     m_out, g, _, m = W.shape[-4:]
     lead = W.shape[:-4]
@@ -489,51 +546,38 @@ def objective(
     return float(f[0]) if not lead else f.reshape(lead)
 
 
-def comixup_masks(
-    saliency_grid,
-    A,
-    lam,
-    beta: float = 0.32,
-    gamma: float = 1.0,
-    eta: float = 0.05,
-    tau: float = 0.83,
-    thres_type: str = "hard",
-    n_iter: int = 4,
-    set_resolve: bool = True,
-    mixed_labels: bool = True,
-    solver: str = "gco_swap",
-    rng=None,
-    log: bool = False,
-):
+@renamed_kwargs(**_RENAMED)
+def comixup_masks(saliency_grid, A, lam, rng=None, log: bool = False, **options):
     """Algorithm 1 on one partition: masks (m', g, g, m) minimising `objective` (approximately).
 
     saliency_grid: (m, g, g) pooled, normalised saliency; A: (m, m) compatibility; lam: (m,) the
-    Dirichlet draw. The start is iid uniform one-hot (from rng). With log=True also returns a dict:
-    `energy` (unclipped f before and after each sweep), `trace` (f with the clipping rule after each
-    output update), `sweeps`, `gc_calls` and `gc_seconds` (time inside the graph cuts).
+    Dirichlet draw. The start is iid uniform one-hot (from rng). `options` are those of `comixup`
+    that Algorithm 1 takes (beta, gamma, eta, tau, thres_type, max_iter, tol, set_resolve,
+    mixed_labels, method), with its defaults (the paper's). At most `max_iter` sweeps (`n_iter`
+    before, deprecated; the paper's 4), fewer once a sweep changes f by less than `tol` relative to
+    it; `method` (`solver` before, deprecated) is the graph cut of `grid_cut`. The sweep count is
+    the algorithm's budget, as in the paper, so stopping at max_iter does not warn. With log=True
+    also returns a dict: `n_iter` (sweeps run), `err` (the last sweep's relative change of f),
+    `converged` (err < tol), `energy` (unclipped f before and after each sweep), `trace` (f with
+    the clipping rule after each output update), `gc_calls` and `gc_seconds` (time in the cuts).
+
+    >>> s = np.random.default_rng(0).random((3, 2, 2))
+    >>> s /= s.sum((1, 2), keepdims=True)
+    >>> masks, info = comixup_masks(s, np.eye(3), np.full(3, 1 / 3), rng=0, log=True)
+    >>> masks.shape, bool(np.allclose(masks.sum(-1), 1)), 1 <= info["n_iter"] <= 4
+    ((3, 2, 2, 3), True, True)
     """
-    _check_solver_args(thres_type, solver, mixed_labels, n_iter)
+    unknown = set(options) - set(_Sweeps._fields)
+    if unknown:
+        raise ValueError(f"unknown option(s) {sorted(unknown)}; allowed: {', '.join(_Sweeps._fields)}")
+    defaults = _option_defaults()
+    sweeps = _Sweeps(*(options.get(k, defaults[k]) for k in _Sweeps._fields))
     s = np.asarray(saliency_grid, dtype=np.float64)
     m, g, _ = s.shape
     rng = np.random.default_rng(rng)
     z0 = rng.integers(0, m, size=(1, m, g * g))
-    W, info = _solve_partitions(
-        s.reshape(1, m, g * g),
-        np.asarray(A, float)[None],
-        np.asarray(lam, float)[None],
-        z0,
-        np.array([m]),
-        beta=beta,
-        gamma=gamma,
-        eta=eta,
-        tau=tau,
-        thres_type=thres_type,
-        n_iter=n_iter,
-        set_resolve=set_resolve,
-        mixed_labels=mixed_labels,
-        solver=solver,
-        log=log,
-    )
+    A, lam = np.asarray(A, float)[None], np.asarray(lam, float)[None]
+    W, info = _solve_partitions(s.reshape(1, m, g * g), A, lam, z0, np.array([m]), sweeps._checked(), log)
     masks = W[0].reshape(m, g, g, m)
     if not log:
         return masks
@@ -545,6 +589,7 @@ def comixup_masks(
 # batch transform
 
 
+@renamed_kwargs(**_RENAMED)
 def comixup(
     x,
     y_onehot,
@@ -558,71 +603,46 @@ def comixup(
     alpha: float = 2.0,
     grid: int = 4,
     part: int = 20,
-    n_iter: int = 4,
+    max_iter: int = 4,
+    tol: float = 1e-6,
     set_resolve: bool = True,
     mixed_labels: bool = True,
-    solver: str = "gco_swap",
+    method: str = "gco_swap",
     rng=None,
     log: bool = False,
 ):
     """Co-Mixup of a batch: x (B, C, H, W), y_onehot (B, K), saliency_maps (B, H, W) per-pixel saliency.
 
     The batch is cut into ceil(B / part) near-equal partitions, each mixed into as many outputs by
-    `comixup_masks`. Returns (x_mixed (B, C, H, W), y_mixed (B, K), masks (B, g, g, B)) where
-    masks[j, :, :, i] is the weight of input i in the cells of output j (zero outside j's
-    partition) and y_mixed[j] = sum_i mean(masks[j, :, :, i]) y_onehot[i]. Outputs are torch
-    tensors on x's device when x is a tensor, numpy arrays otherwise. grid=-1 draws g from
-    {2, 4, 8, 16} (among those dividing H and W) at every call. With log=True a dict of solver
-    statistics (see `comixup_masks`, per partition) is returned fourth.
+    `comixup_masks` (whose options, `max_iter`, `tol` and `method` included, these are). Returns
+    (x_mixed (B, C, H, W), y_mixed (B, K), masks (B, g, g, B)) where masks[j, :, :, i] is the
+    weight of input i in the cells of output j (zero outside j's partition) and
+    y_mixed[j] = sum_i mean(masks[j, :, :, i]) y_onehot[i]. Outputs are torch tensors on x's device
+    when x is a tensor, numpy arrays otherwise. grid=-1 draws g from {2, 4, 8, 16} (among those
+    dividing H and W) at every call. With log=True the log of `comixup_masks` (over all partitions:
+    the most sweeps, the largest err; energies per partition) is returned fourth.
+
+    >>> x, y = torch.rand(4, 3, 8, 8), torch.eye(4)
+    >>> x_mix, y_mix, masks, info = comixup(x, y, torch.rand(4, 8, 8), grid=2, rng=0, log=True)
+    >>> tuple(x_mix.shape), bool(torch.allclose(y_mix.sum(1), torch.ones(4))), sorted(info)[:3]
+    ((4, 3, 8, 8), True, ['converged', 'energy', 'err'])
     """
-    problem = _prepare(
-        x,
-        y_onehot,
-        saliency_maps,
-        beta=beta,
-        gamma=gamma,
-        eta=eta,
-        tau=tau,
-        thres_type=thres_type,
-        omega=omega,
-        alpha=alpha,
-        grid=grid,
-        part=part,
-        n_iter=n_iter,
-        set_resolve=set_resolve,
-        mixed_labels=mixed_labels,
-        solver=solver,
-        rng=rng,
-    )
-    W, info = _solve_partitions(*problem["arrays"], **problem["options"], log=log)
+    sweeps = _Sweeps(beta, gamma, eta, tau, thres_type, max_iter, tol, set_resolve, mixed_labels, method)
+    problem = _prepare(x, y_onehot, saliency_maps, sweeps, omega, alpha, grid, part, rng)
+    W, info = _solve_partitions(*problem["arrays"], sweeps, log=log)
     out = _mix(x, y_onehot, W, problem)
     return (*out, info) if log else out
 
 
-def _prepare(
-    x,
-    y_onehot,
-    saliency_maps,
-    *,
-    beta,
-    gamma,
-    eta,
-    tau,
-    thres_type,
-    omega,
-    alpha,
-    grid,
-    part,
-    n_iter,
-    set_resolve,
-    mixed_labels,
-    solver,
-    rng,
-):
+def _option_defaults() -> dict:
+    """The keyword options of `comixup` (besides rng and log) and their defaults."""
+    parameters = inspect.signature(comixup).parameters.items()
+    return {k: p.default for k, p in parameters if p.default is not p.empty and k not in ("rng", "log")}
+
+
+def _prepare(x, y_onehot, saliency_maps, sweeps: _Sweeps, omega, alpha, grid, part, rng):
     """Validate, pool saliency, split the batch into padded partitions and draw lambda and the start."""
-    _check_solver_args(thres_type, solver, mixed_labels, n_iter)
-    for name, value in (("beta", beta), ("gamma", gamma), ("eta", eta), ("tau", tau)):
-        _check_range(name, value, 0.0, math.inf)
+    sweeps._checked()
     _check_range("omega", omega, 0.0, 1.0)
     if not alpha > 0:
         raise ValueError(f"alpha={alpha}: must be > 0")
@@ -664,18 +684,9 @@ def _prepare(
     gammas = rng.gamma(alpha, size=real.shape) * real
     lam = gammas / gammas.sum(1, keepdims=True)
     z0 = rng.integers(0, sizes[:, None, None], size=(*real.shape, n))
-    options = dict(
-        beta=beta,
-        gamma=gamma,
-        eta=eta,
-        tau=tau,
-        thres_type=thres_type,
-        n_iter=n_iter,
-        set_resolve=set_resolve,
-        mixed_labels=mixed_labels,
-        solver=solver,
-    )
-    return {"arrays": (s_grid, A, lam, z0, sizes), "options": options, "index": index, "grid": grid}
+    return {"arrays": (s_grid, A, lam, z0, sizes), "sweeps": sweeps, "index": index, "grid": grid}
+
+
 
 
 def _mix(x, y_onehot, W, problem):
@@ -739,17 +750,20 @@ class ComixupPool:
         self.workers = workers
         self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
 
+    @renamed_kwargs(**_RENAMED)
     def submit(self, x, y_onehot, saliency_maps, rng=None, **kwargs) -> _PendingMix:
-        defaults = {k: p.default for k, p in inspect.signature(comixup).parameters.items() if k in OPTIONS}
-        unknown = set(kwargs) - set(defaults)
+        options = _option_defaults()
+        unknown = set(kwargs) - set(options)
         if unknown:
-            raise ValueError(f"unknown comixup option(s) {sorted(unknown)}; allowed: {sorted(defaults)}")
-        problem = _prepare(x, y_onehot, saliency_maps, **{**defaults, **kwargs}, rng=rng)
+            raise ValueError(f"unknown comixup option(s) {sorted(unknown)}; allowed: {sorted(options)}")
+        options.update(kwargs)
+        sweeps = _Sweeps(*(options[k] for k in _Sweeps._fields))
+        shape = (options[k] for k in ("omega", "alpha", "grid", "part"))
+        problem = _prepare(x, y_onehot, saliency_maps, sweeps, *shape, rng)
         arrays = problem["arrays"]
         shares = np.array_split(np.arange(len(arrays[-1])), min(self.workers, len(arrays[-1])))
         futures = [
-            self._executor.submit(_solve_partitions, *(a[share] for a in arrays), **problem["options"])
-            for share in shares
+            self._executor.submit(_solve_partitions, *(a[share] for a in arrays), sweeps) for share in shares
         ]
         return _PendingMix(x, y_onehot, problem, futures)
 
@@ -789,14 +803,3 @@ def _check_choice(name, value, allowed):
     if value not in allowed:
         raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
 
-
-def _check_solver_args(thres_type, solver, mixed_labels, n_iter):
-    _check_choice("thres_type", thres_type, THRES_TYPES)
-    _check_choice("solver", solver, SOLVERS)
-    if solver == "gco_expansion" and mixed_labels:
-        raise ValueError(
-            "solver='gco_expansion' needs mixed_labels=False: the squared-distance costs of "
-            "blended labels are not a metric, and gco aborts the process on a non-metric expansion"
-        )
-    if not (isinstance(n_iter, int | np.integer) and n_iter >= 1):
-        raise ValueError(f"n_iter={n_iter}: must be an integer >= 1")

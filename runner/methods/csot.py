@@ -22,7 +22,9 @@ with cost :math:`\hat C = -\log P` and the local-coherence (structure) terms
 (the curriculum budget); the equal columns impose class balance. The plan gives pseudo-labels
 (row argmax), confidences ``clip(B max_k Q_ik, 0, 1)`` and the ``floor(mB)`` selected rows.
 
-Solvers (all take numpy arrays or torch tensors, CPU or CUDA, through POT's backend; float64):
+Solvers (all take numpy arrays or torch tensors, CPU or CUDA, through POT's backend, and compute in
+float64 where the input lives; the names follow :mod:`runner.methods._common`: ``reg`` is the paper's
+entropic weight epsilon):
 
 - :func:`curriculum_ot`: the entropic curriculum OT (the linear problem, paper Alg. 1), a capped
   Sinkhorn scaling iteration, stabilised in the log domain and Anderson-accelerated.
@@ -43,6 +45,8 @@ import math
 
 import numpy as np
 from ot.backend import get_backend
+
+from runner.methods._common import convergence_log, renamed_kwargs
 
 __all__ = [
     "allocate",
@@ -101,11 +105,13 @@ def _check_iters(value, name):
 # ----------------------------------------------------------------------------- curriculum OT
 
 
-def curriculum_ot(cost, row_cap, col_mass, eps, n_iter=100, tol=1e-9, anderson=5, g_init=None, log=False):
+@renamed_kwargs(eps="reg", n_iter="max_iter")
+def curriculum_ot(cost, row_cap, col_mass, reg, max_iter=100, tol=1e-9, anderson=5, g_init=None, log=False):
     r"""Entropic curriculum optimal transport (CSOT paper, Eq. 4 and Alg. 1).
 
     .. math::
         Q = \arg\min_Q \langle G, Q\rangle + \varepsilon \sum_{ik} Q_{ik}\log Q_{ik}
+        \quad(\varepsilon = \mathrm{reg})
         \quad\text{s.t.}\quad Q\ge 0,\; Q\mathbf 1 \le a,\; Q^\top \mathbf 1 = b
 
     The solution is :math:`Q_{ik} = \exp((f_i + g_k - G_{ik})/\varepsilon)` with dual potentials
@@ -118,8 +124,8 @@ def curriculum_ot(cost, row_cap, col_mass, eps, n_iter=100, tol=1e-9, anderson=5
 
     Without the cap (``min(., 0)``) this is Sinkhorn; the cap is what the collapsed Dykstra
     projections onto ``{Q1 <= a}`` leave (paper Lemma 1). It is the problem that
-    ``ot.partial.entropic_partial_wasserstein(a, b, G, eps, m=sum(b))`` solves, and for
-    ``sum(b) == sum(a)`` the one of ``ot.sinkhorn(a, b, G, eps)``.
+    ``ot.partial.entropic_partial_wasserstein(a, b, G, reg, m=sum(b))`` solves, and for
+    ``sum(b) == sum(a)`` the one of ``ot.sinkhorn(a, b, G, reg)``.
 
     Implementation: the kernel is kept centred on the current potentials,
     ``K = exp((f0 + g0 - G)/eps)``, and the iteration runs on matrix-vector products
@@ -145,23 +151,32 @@ def curriculum_ot(cost, row_cap, col_mass, eps, n_iter=100, tol=1e-9, anderson=5
         Row capacities ``a > 0``.
     col_mass : array (C,)
         Column masses ``b > 0`` with ``sum(b) <= sum(a)`` (the transported mass).
-    eps : float
-        Entropic regularisation, > 0.
-    n_iter : int
-        Maximum number of (row, column) scaling steps.
+    reg : float
+        Entropic regularisation (the paper's epsilon), > 0. ``eps=`` is a deprecated alias.
+    max_iter : int
+        Maximum number of (row, column) scaling steps (``n_iter=`` is a deprecated alias).
     tol : float
-        Stop when ``err <= tol`` (relative row error; 0 runs all ``n_iter`` steps).
+        Stop when ``err <= tol`` (relative row error; 0 runs all ``max_iter`` steps). A
+        ``UserWarning`` says when ``max_iter`` is reached first.
     anderson : int
         Anderson memory (0 = plain scaling iteration).
     g_init : array (C,), optional
         Warm start for the column potential (e.g. ``log["g"]`` of a nearby problem).
     log : bool
-        Also return a dict: ``f`` (B,), ``g`` (C,) potentials, ``n_iter``, ``err`` (bound above),
-        ``row_violation`` (max of ``Q1/a - 1``), ``col_error`` (max ``|Q^T 1 - b|``).
+        Also return a dict: ``n_iter``, ``err`` (bound above), ``converged``, ``f`` (B,), ``g`` (C,)
+        potentials, ``row_violation`` (max of ``Q1/a - 1``), ``col_error`` (max ``|Q^T 1 - b|``).
 
     Returns
     -------
-    Q : array (B, C), float64
+    Q : array (B, C), float64 (a tensor on the cost's device for tensor input)
+
+    Example: with full mass (``sum(b) = sum(a)``) it is Sinkhorn.
+
+    >>> cost = np.array([[0.0, 1.0], [1.0, 0.0]])
+    >>> plan = curriculum_ot(cost, [0.5, 0.5], [0.5, 0.5], reg=1.0)
+    >>> import ot
+    >>> np.allclose(plan, ot.sinkhorn(np.full(2, 0.5), np.full(2, 0.5), cost, 1.0))
+    True
     """
     cost = _float64(cost, "cost")
     if cost.ndim != 2:
@@ -179,12 +194,13 @@ def curriculum_ot(cost, row_cap, col_mass, eps, n_iter=100, tol=1e-9, anderson=5
             f"infeasible: sum(col_mass)={float(nx.sum(col_mass))} exceeds sum(row_cap)="
             f"{float(nx.sum(row_cap))}"
         )
-    _check_positive(eps, "eps")
-    _check_iters(n_iter, "n_iter")
+    _check_positive(reg, "reg")
+    _check_iters(max_iter, "max_iter")
     if not (isinstance(anderson, (int, np.integer)) and anderson >= 0):
         raise ValueError(f"anderson={anderson}: must be an integer >= 0")
 
-    plan, info = _curriculum_ot(nx, cost, row_cap, col_mass, eps, n_iter, tol, anderson, g_init)
+    plan, info = _curriculum_ot(nx, cost, row_cap, col_mass, reg, max_iter, tol, anderson, g_init)
+    info = convergence_log("curriculum_ot", tol=tol, **info)
     if not log:
         return plan
     info["row_violation"] = float(nx.max(nx.sum(plan, axis=1) / row_cap)) - 1.0
@@ -193,7 +209,9 @@ def curriculum_ot(cost, row_cap, col_mass, eps, n_iter=100, tol=1e-9, anderson=5
 
 
 def _curriculum_ot(nx, cost, row_cap, col_mass, eps, n_iter, tol, anderson, g_init):
-    """:func:`curriculum_ot` on validated float64 inputs; returns (plan, {f, g, n_iter, err})."""
+    """:func:`curriculum_ot` on validated float64 inputs (eps = reg); returns
+    (plan, {n_iter, err, converged, f, g}) and never warns (inner solves of :func:`csot_plan` stop early
+    by design)."""
     n_rows, n_cols = cost.shape
     log_a, log_b = nx.log(row_cap), nx.log(col_mass)
     # with sum(b) = sum(a) the rows are tight at the optimum and the potentials have a free
@@ -245,7 +263,14 @@ def _curriculum_ot(nx, cost, row_cap, col_mass, eps, n_iter, tol, anderson, g_in
                 lv = lv - lv_new
                 mixer.shift(lv_new)
     plan = u[:, None] * kernel * nx.exp(lv_new)[None, :]
-    return plan, {"f": f0 + eps * nx.log(u), "g": g0 + eps * lv_new, "n_iter": it, "err": err}
+    info = {
+        "n_iter": it,
+        "err": err,
+        "converged": err <= tol,
+        "f": f0 + eps * nx.log(u),
+        "g": g0 + eps * lv_new,
+    }
+    return plan, info
 
 
 class _Anderson:
@@ -457,27 +482,33 @@ def _check_chunk(plan_or_probs, features, labels, probs_name="probs", probs=None
 # ----------------------------------------------------------------------------- CSOT plan
 
 
+_PLAN_RENAMES = dict(eps="reg", outer_iters="max_iter", inner_iters="inner_max_iter")
+
+
+@renamed_kwargs(**_PLAN_RENAMES)
 def csot_plan(
     probs,
     features,
     labels,
     m,
-    eps=0.1,
+    reg=0.1,
     kappa_p=1.0,
     kappa_l=1.0,
-    outer_iters=10,
-    inner_iters=100,
+    max_iter=10,
+    inner_max_iter=100,
     omega_p_input="softmax",
     tol=1e-6,
     inner_tol=1e-6,
     anderson=5,
     log=False,
+    warn=True,
 ):
     r"""CSOT plan of one chunk by generalized conditional gradient (paper Eq. 6 and Alg. 2).
 
     Minimises :math:`F(Q) = \langle \hat C, Q\rangle + \kappa_P\Omega^P(Q) + \kappa_L\Omega^L(Q)
-    + \varepsilon\sum Q\log Q` over :math:`\{Q\ge 0,\ Q\mathbf 1 \le \mathbf 1/B,\
-    Q^\top\mathbf 1 = (m/C)\mathbf 1\}` with :math:`\hat C = -\log P` (module docstring).
+    + \varepsilon\sum Q\log Q` (:math:`\varepsilon` = ``reg``) over
+    :math:`\{Q\ge 0,\ Q\mathbf 1 \le \mathbf 1/B,\ Q^\top\mathbf 1 = (m/C)\mathbf 1\}` with
+    :math:`\hat C = -\log P` (module docstring).
     From :math:`Q^0 = a b^\top`, each step linearises the structure terms only,
 
     .. math::
@@ -487,8 +518,8 @@ def csot_plan(
     with :math:`\eta\in[0,1]` from an Armijo search on ``F`` (c1 = 1e-4, first trial 0.99,
     quadratic then cubic interpolation). The structure part of ``F`` along the segment is an
     exact quadratic in :math:`\eta` (one feature sketch of :math:`\tilde Q` per step), so the
-    search only re-evaluates the entropy. Stops when ``|F^{i+1} - F^i|`` is below ``tol`` in
-    absolute or relative terms, after ``outer_iters`` steps, or if the inner plan is not finite.
+    search only re-evaluates the entropy. Stops when ``err = |F^{i+1} - F^i| / max(1, |F^{i+1}|)``
+    is below ``tol`` (converged), after ``max_iter`` steps, or if the inner plan is not finite.
     Each inner solve is warm-started from the previous potentials. With
     ``kappa_p = kappa_l = 0`` this is :func:`curriculum_ot` on :math:`\hat C` (curriculum OT;
     entropic OT when ``m = 1``).
@@ -503,11 +534,11 @@ def csot_plan(
         Given (noisy) labels in [0, C).
     m : float in (0, 1]
         Curriculum budget: the transported mass.
-    eps, kappa_p, kappa_l : float
-        Entropy weight (> 0) and structure weights (>= 0).
-    outer_iters, inner_iters : int
+    reg, kappa_p, kappa_l : float
+        Entropy weight (the paper's epsilon, > 0) and structure weights (>= 0).
+    max_iter, inner_max_iter : int
         Conditional-gradient steps and scaling steps per inner solve (a maximum: the inner
-        solve stops at ``inner_tol``).
+        solve stops at ``inner_tol``). Deprecated aliases: ``eps``, ``outer_iters``, ``inner_iters``.
     omega_p_input : {"softmax", "log_softmax"}
         ``W`` of :math:`\Omega^P`: the paper's softmax, or the authors' code default.
     tol, inner_tol : float
@@ -515,24 +546,33 @@ def csot_plan(
     anderson : int
         Anderson memory of the inner solver (0: the paper's plain iteration).
     log : bool
-        Also return a dict: ``objective`` (F per iterate), ``steps`` (eta), ``inner_iters``,
+        Also return a dict: ``n_iter`` (steps taken), ``err``, ``converged``, ``objective`` (F per
+        iterate), ``steps`` (eta), ``inner_iters`` (scaling steps per inner solve),
         ``row_violation`` (max ``Q1 B - 1``), ``col_error``.
+    warn : bool
+        Emit a ``UserWarning`` when ``max_iter`` steps end before convergence (as POT's ``warn``).
 
     Returns
     -------
-    Q : array (B, C), float64
+    Q : array (B, C), float64 (a tensor on the input's device for tensor input)
+
+    >>> rng = np.random.default_rng(0)
+    >>> probs, features = rng.dirichlet(np.ones(3), size=6), rng.standard_normal((6, 4))
+    >>> plan = csot_plan(probs, features, rng.integers(3, size=6), m=0.5, max_iter=50)
+    >>> np.allclose(plan.sum(0), 0.5 / 3), bool(plan.sum(1).max() <= (1 + 1e-5) / 6)
+    (True, True)
     """
     probs, _, features, labels = _check_chunk(probs, features if (kappa_p or kappa_l) else None, labels)
     nx = get_backend(probs)
     if bool(nx.any(probs < 0)) or float(nx.max(nx.abs(nx.sum(probs, axis=1) - 1))) > 1e-5:
         raise ValueError("probs must be non-negative with rows summing to one (softmax outputs)")
     m = _check_budget(m)
-    _check_positive(eps, "eps")
+    _check_positive(reg, "reg")
     for name, kappa in (("kappa_p", kappa_p), ("kappa_l", kappa_l)):
         if not kappa >= 0:
             raise ValueError(f"{name}={kappa}: must be >= 0")
-    _check_iters(outer_iters, "outer_iters")
-    _check_iters(inner_iters, "inner_iters")
+    _check_iters(max_iter, "max_iter")
+    _check_iters(inner_max_iter, "inner_max_iter")
     if (kappa_p or kappa_l) and features is None:
         raise ValueError("features are required when kappa_p or kappa_l > 0")
 
@@ -542,10 +582,13 @@ def csot_plan(
     col_mass = nx.full((n_cols,), m / n_cols, type_as=probs)
 
     def inner(lin_cost, g_init=None):  # inputs already checked
-        return _curriculum_ot(nx, lin_cost, row_cap, col_mass, eps, inner_iters, inner_tol, anderson, g_init)
+        return _curriculum_ot(
+            nx, lin_cost, row_cap, col_mass, reg, inner_max_iter, inner_tol, anderson, g_init
+        )
 
-    def report(plan, history, steps, inner_counts):
-        return plan, {
+    def report(plan, history, steps, inner_counts, err, converged):
+        info = convergence_log("csot_plan", len(steps), err, tol, converged=converged, warn=warn)
+        return plan, info | {
             "objective": history,
             "steps": steps,
             "inner_iters": inner_counts,
@@ -553,19 +596,21 @@ def csot_plan(
             "col_error": float(nx.max(nx.abs(nx.sum(plan, axis=0) - col_mass))),
         }
 
-    if not (kappa_p or kappa_l):
+    if not (kappa_p or kappa_l):  # one inner solve: its convergence is the plan's
         plan, info = inner(cost)
-        if not log:
+        if not (log or warn):
             return plan
-        return report(plan, [float(nx.sum(cost * plan)) + eps * _neg_entropy(nx, plan)], [], [info["n_iter"]])
+        objective = [float(nx.sum(cost * plan)) + reg * _neg_entropy(nx, plan)]
+        out = report(plan, objective, [], [info["n_iter"]], info["err"], info["converged"])
+        return out if log else plan
 
     terms = _Coherence(features, _omega_p_weights(probs, omega_p_input), labels, kappa_p, kappa_l)
     plan = row_cap[:, None] * col_mass[None, :]
     parts = terms.parts(plan)
     lin_value = float(nx.sum(cost * plan))
-    objective = lin_value + terms.energy(parts) + eps * _neg_entropy(nx, plan)
-    history, steps, inner_counts, g = [objective], [], [], None
-    for _ in range(outer_iters):
+    objective = lin_value + terms.energy(parts) + reg * _neg_entropy(nx, plan)
+    history, steps, inner_counts, g, err, converged = [objective], [], [], None, math.inf, False
+    for _ in range(max_iter):
         lin_cost = cost + terms.gradient(plan, parts)
         target, info = inner(lin_cost, g)
         if not _all_finite(nx, target):
@@ -578,10 +623,10 @@ def csot_plan(
         c0, c1, c2 = terms.energy_along(parts, dparts)
         lin_slope = float(nx.sum(cost * direction))
         c0, c1 = c0 + lin_value, c1 + lin_slope
-        slope = float(nx.sum(direction * (lin_cost + eps * (1 + nx.log(nx.maximum(plan, _TINY))))))
+        slope = float(nx.sum(direction * (lin_cost + reg * (1 + nx.log(nx.maximum(plan, _TINY))))))
 
         def along(t, plan=plan, direction=direction, c0=c0, c1=c1, c2=c2):
-            return c0 + c1 * t + c2 * t * t + eps * _neg_entropy(nx, plan + t * direction)
+            return c0 + c1 * t + c2 * t * t + reg * _neg_entropy(nx, plan + t * direction)
 
         step, new_objective = _armijo(along, objective, slope)
         steps.append(step)
@@ -589,12 +634,16 @@ def csot_plan(
             plan = plan + step * direction
             parts = [(k, x0 + step * dx, s0 + step * ds) for (k, x0, s0), (_, dx, ds) in zip(parts, dparts)]
             lin_value += step * lin_slope
-        change = abs(new_objective - objective)
+        err = abs(new_objective - objective) / max(1.0, abs(new_objective))
         objective = new_objective
         history.append(objective)
-        if change < tol or change < tol * abs(objective):
+        converged = err < tol
+        if converged:
             break
-    return report(plan, history, steps, inner_counts) if log else plan
+    if not (log or warn):
+        return plan
+    out = report(plan, history, steps, inner_counts, err, converged)
+    return out if log else plan
 
 
 def _neg_entropy(nx, plan):
@@ -686,14 +735,26 @@ def curriculum_budget(epoch, warmup, end, m0=0.3, rule="paper"):
     raise ValueError(f"rule={rule!r}: must be one of {BUDGET_RULES}")
 
 
-def allocate(probs, features, labels, m, solve_batch=1024, seed=0, **plan_kwargs):
+@renamed_kwargs(**_PLAN_RENAMES)
+def allocate(probs, features, labels, m, solve_batch=1024, seed=0, log=False, warn=True, **plan_kwargs):
     """Run :func:`csot_plan` and :func:`select` over a whole training set in random chunks.
 
-    ``probs`` (N, C), ``features`` (N, D), ``labels`` (N,) as in :func:`csot_plan`; the samples
-    are shuffled with ``seed`` and cut into chunks of ``solve_batch`` (the last one smaller),
-    each with its own class balance ``m / C`` and selection of ``floor(m B_chunk)`` rows.
+    ``probs`` (N, C), ``features`` (N, D), ``labels`` (N,) as in :func:`csot_plan` (numpy arrays, or
+    tensors on one device: everything then stays there); the samples are shuffled with ``seed`` and
+    cut into chunks of ``solve_batch`` (the last one smaller), each with its own class balance
+    ``m / C`` and selection of ``floor(m B_chunk)`` rows. ``plan_kwargs`` go to :func:`csot_plan`
+    (``reg``, ``max_iter``, ...; the deprecated ``eps``, ``outer_iters``, ``inner_iters`` too).
+    One ``UserWarning`` (``warn``) if some chunk's plan did not converge.
 
-    Returns (pseudo_labels (N,), confidence (N,), selected (N,)) in the original order.
+    Returns (pseudo_labels (N,), confidence (N,), selected (N,)) in the original order [, log: a
+    dict with ``n_iter`` and ``err`` (the largest over the chunks), ``converged`` (all chunks),
+    ``chunks``].
+
+    >>> rng = np.random.default_rng(0)
+    >>> probs, labels = rng.dirichlet(np.ones(3), size=10), rng.integers(3, size=10)
+    >>> pseudo, confidence, selected = allocate(probs, None, labels, 0.5, solve_batch=5, kappa_p=0, kappa_l=0)
+    >>> int(selected.sum())  # floor(0.5 * 5) per chunk
+    4
     """
     _check_iters(solve_batch, "solve_batch")
     n = probs.shape[0]
@@ -702,15 +763,28 @@ def allocate(probs, features, labels, m, solve_batch=1024, seed=0, **plan_kwargs
         import torch
 
         perm = torch.as_tensor(perm, device=probs.device)
-    pseudo_labels, confidence, selected = [], [], []
+    pseudo_labels, confidence, selected, logs = [], [], [], []
     for start in range(0, n, solve_batch):
         idx = perm[start : start + solve_batch]
         chunk_features = None if features is None else features[idx]
-        plan = csot_plan(probs[idx], chunk_features, labels[idx], m, **plan_kwargs)
+        plan, info = csot_plan(
+            probs[idx], chunk_features, labels[idx], m, log=True, warn=False, **plan_kwargs
+        )
+        logs.append(info)
         out = select(plan, m)
         pseudo_labels.append(out[0])
         confidence.append(out[1])
         selected.append(out[2])
     nx = get_backend(out[1])
     inverse = np.argsort(perm) if isinstance(perm, np.ndarray) else perm.argsort()
-    return tuple(nx.concatenate(parts, axis=0)[inverse] for parts in (pseudo_labels, confidence, selected))
+    result = tuple(nx.concatenate(parts, axis=0)[inverse] for parts in (pseudo_labels, confidence, selected))
+    info = convergence_log(
+        f"allocate ({sum(not i['converged'] for i in logs)} of {len(logs)} chunks: csot_plan)",
+        max(i["n_iter"] for i in logs),
+        max(i["err"] for i in logs),
+        plan_kwargs.get("tol", 1e-6),
+        converged=all(i["converged"] for i in logs),
+        warn=warn,
+        chunks=len(logs),
+    )
+    return (*result, info) if log else result

@@ -2,25 +2,29 @@
 
 Entropic OT whose source marginal is fixed and whose target marginal only has to lie in a box::
 
-    P* = argmin_P  <C, P> + eps * sum_ij P_ij (log P_ij - 1)
+    P* = argmin_P  <C, P> + reg * sum_ij P_ij (log P_ij - 1)
          s.t.      P >= 0,   P 1_n = a,   b_low <= P^T 1_m <= b_up
 
-with C the (m, n) cost (m samples -> n classes or clusters), a in R^m_+ and 0 <= b_low <= b_up in R^n.
-It is feasible iff sum(b_low) <= sum(a) <= sum(b_up); the solution is unique and reads
+with C the (m, n) cost (m samples -> n classes or clusters), a in R^m_+ and 0 <= b_low <= b_up in R^n;
+``reg`` is the paper's epsilon (the solver convention of :mod:`runner.methods._common`). It is feasible
+iff sum(b_low) <= sum(a) <= sum(b_up); the solution is unique and reads
 
-    P* = diag(u) K diag(q * v),   K = exp(-C / eps),   u > 0,  q >= 1,  0 < v <= 1,
+    P* = diag(u) K diag(q * v),   K = exp(-C / reg),   u > 0,  q >= 1,  0 < v <= 1,
 
 where q_j > 1 only on columns at their lower bound and v_j < 1 only on columns at their upper bound.
-The dual, maximised over f, g >= 0, h <= 0 with (f, g, h) = eps * log(u, q, v) and no duality gap, is
+The dual, maximised over f, g >= 0, h <= 0 with (f, g, h) = reg * log(u, q, v) and no duality gap, is
 
-    D(f, g, h) = <f, a> + <g, b_low> + <h, b_up> - eps * sum_ij exp((f_i + g_j + h_j - C_ij) / eps).
+    D(f, g, h) = <f, a> + <g, b_low> + <h, b_up> - reg * sum_ij exp((f_i + g_j + h_j - C_ij) / reg).
 
 Special cases: b_low = b_up is Sinkhorn; b_low = 0 is entropic partial OT of mass sum(a); b_low = 0 with
-b_up >= sum(a) is the row softmax P_ij = a_i softmax(-C_i / eps)_j.
+b_up >= sum(a) is the row softmax P_ij = a_i softmax(-C_i / reg)_j.
 
 Applications (same module): :func:`dbot_cluster` (barycentric clustering with bounded cluster masses),
 :func:`dbot_loss` (the DB-OT training loss for long-tailed classification) and :func:`dbot_predict`
 (transductive DB-OT inference on a set of test logits).
+
+:func:`dbot`, :func:`dbot_predict` and :func:`dbot_loss` take numpy arrays or torch tensors (CPU or
+CUDA) and compute in float64 (the loss: in the logits' dtype) where their input lives.
 """
 
 from __future__ import annotations
@@ -28,8 +32,32 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import ot
 import torch
+from ot.backend import get_backend
 from scipy.special import xlogy
+
+from runner.methods._common import convergence_log, logsumexp, renamed_kwargs, transport_constraints
+
+__all__ = [
+    "LOSS_MODES",
+    "SOLVERS",
+    "CosineClassifier",
+    "check_problem",
+    "class_balanced_weights",
+    "dbot",
+    "dbot_cluster",
+    "dbot_dual",
+    "dbot_loss",
+    "dbot_lp",
+    "dbot_objective",
+    "dbot_predict",
+    "ldam_loss",
+    "ldam_margins",
+    "marginal_violation",
+    "round_plan",
+    "weighted_focal_loss",
+]
 
 SOLVERS = ("sinkhorn", "dual", "bregman", "bregman_plain")
 LOSS_MODES = ("paper", "official")
@@ -38,64 +66,91 @@ LOSS_MODES = ("paper", "official")
 # ----------------------------------------------------------------------------------------------------
 # Problem checks and diagnostics
 # ----------------------------------------------------------------------------------------------------
-def _vector(x, size: int, name: str, allow_inf: bool = False) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
+def _float64(x, like=None):
+    """float64 numpy array, or float64 torch tensor on ``like``'s device when ``like`` (or x) is one."""
+    if isinstance(like, torch.Tensor) or isinstance(x, torch.Tensor):
+        device = like.device if isinstance(like, torch.Tensor) else x.device
+        return torch.as_tensor(x, dtype=torch.float64, device=device)
+    return np.asarray(x, dtype=np.float64)
+
+
+def _first(mask) -> int:
+    """Index of the first True of a 1-d mask (error paths only: may copy to the host)."""
+    return int(np.flatnonzero(mask.cpu().numpy() if isinstance(mask, torch.Tensor) else mask)[0])
+
+
+def _vector(x, size: int, name: str, allow_inf: bool = False, like=None):
+    x = _float64(x, like)
     if x.ndim == 0:
-        x = np.full(size, float(x))
-    if x.shape != (size,):
-        raise ValueError(f"{name} has shape {x.shape}: must be a scalar or have shape ({size},)")
-    bad = np.isnan(x) | (x < 0) | (np.isinf(x) & (not allow_inf))
-    if bad.any():
-        j = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"{name}[{j}]={x[j]}: must be finite and >= 0")
+        x = x * (
+            np.ones(size) if isinstance(x, np.ndarray) else torch.ones(size, dtype=x.dtype, device=x.device)
+        )
+    if tuple(x.shape) != (size,):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}: must be a scalar or have shape ({size},)")
+    bad = x.isnan() if isinstance(x, torch.Tensor) else np.isnan(x)
+    bad = bad | (x < 0) | ((x == math.inf) & (not allow_inf))
+    if bool(bad.any()):
+        j = _first(bad)
+        raise ValueError(f"{name}[{j}]={float(x[j])}: must be finite and >= 0")
     return x
 
 
-def check_problem(cost, a, b_low, b_up, eps: float):
+def _check_reg(reg):
+    if not (isinstance(reg, (int, float, np.floating)) and math.isfinite(reg) and reg > 0):
+        raise ValueError(f"reg={reg}: the entropic weight (eps in the paper) must be a finite number > 0")
+
+
+@renamed_kwargs(eps="reg")
+def check_problem(cost, a, b_low, b_up, reg: float):
     """Validate a DB-OT problem; return float64 (cost, a, b_low, b_up) with b_up clipped at sum(a).
 
+    The outputs are numpy arrays, or torch tensors on ``cost``'s device when ``cost`` is a tensor.
     Clipping is harmless (no column can carry more than the total mass) and lets b_up be ``inf``.
     Raises ValueError on bad shapes or values and on infeasible bounds.
+
+    >>> cost, a, b_low, b_up = check_problem([[0.0, 1.0]], [1.0], 0.0, float("inf"), reg=0.1)
+    >>> b_up.tolist()
+    [1.0, 1.0]
     """
-    cost = np.asarray(cost, dtype=np.float64)
+    cost = _float64(cost)
     if cost.ndim != 2 or 0 in cost.shape:
-        raise ValueError(f"cost has shape {cost.shape}: must be a non-empty (m, n) matrix")
-    if not np.isfinite(cost).all():
+        raise ValueError(f"cost has shape {tuple(cost.shape)}: must be a non-empty (m, n) matrix")
+    if not bool(get_backend(cost).isfinite(cost).all()):
         raise ValueError("cost has non-finite entries: all entries must be finite")
     m, n = cost.shape
-    a = _vector(a, m, "a")
-    b_low = _vector(b_low, n, "b_low")
-    b_up = _vector(b_up, n, "b_up", allow_inf=True)
-    if not (isinstance(eps, (int, float, np.floating)) and math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps={eps}: must be a finite number > 0")
+    a = _vector(a, m, "a", like=cost)
+    b_low = _vector(b_low, n, "b_low", like=cost)
+    b_up = _vector(b_up, n, "b_up", allow_inf=True, like=cost)
+    _check_reg(reg)
     below = b_low > b_up
-    if below.any():
-        j = int(np.flatnonzero(below)[0])
-        raise ValueError(f"b_low[{j}]={b_low[j]} > b_up[{j}]={b_up[j]}: need b_low <= b_up")
-    mass = a.sum()
+    if bool(below.any()):
+        j = _first(below)
+        raise ValueError(f"b_low[{j}]={float(b_low[j])} > b_up[{j}]={float(b_up[j])}: need b_low <= b_up")
+    mass, low, up = float(a.sum()), float(b_low.sum()), float(b_up.sum())
     if mass <= 0:
         raise ValueError("sum(a)=0: the source must carry some mass")
     slack = 1e-9 * mass
-    if b_low.sum() > mass + slack:
-        raise ValueError(f"infeasible bounds: sum(b_low)={b_low.sum():.10g} > sum(a)={mass:.10g}")
-    if b_up.sum() < mass - slack:
-        raise ValueError(f"infeasible bounds: sum(b_up)={b_up.sum():.10g} < sum(a)={mass:.10g}")
-    return cost, a, b_low, np.minimum(b_up, mass)
+    if low > mass + slack:
+        raise ValueError(f"infeasible bounds: sum(b_low)={low:.10g} > sum(a)={mass:.10g}")
+    if up < mass - slack:
+        raise ValueError(f"infeasible bounds: sum(b_up)={up:.10g} < sum(a)={mass:.10g}")
+    return cost, a, b_low, b_up.clip(max=mass)
 
 
 def marginal_violation(row_sums, col_sums, a, b_low, b_up) -> float:
     """L1 violation of the constraints: ||P1 - a||_1 + ||(b_low - P^T 1)_+||_1 + ||(P^T 1 - b_up)_+||_1."""
     return float(
-        np.abs(row_sums - a).sum()
-        + np.maximum(b_low - col_sums, 0.0).sum()
-        + np.maximum(col_sums - b_up, 0.0).sum()
+        abs(row_sums - a).sum()
+        + (b_low - col_sums).clip(min=0.0).sum()
+        + (col_sums - b_up).clip(min=0.0).sum()
     )
 
 
-def dbot_objective(cost, plan, eps: float) -> float:
-    """Primal value <C, P> + eps * sum_ij P_ij (log P_ij - 1), with 0 log 0 = 0."""
+@renamed_kwargs(eps="reg")
+def dbot_objective(cost, plan, reg: float) -> float:
+    """Primal value <C, P> + reg * sum_ij P_ij (log P_ij - 1), with 0 log 0 = 0 (numpy)."""
     plan = np.asarray(plan, dtype=np.float64)
-    return float((np.asarray(cost) * plan).sum() + eps * (xlogy(plan, plan) - plan).sum())
+    return float((np.asarray(cost) * plan).sum() + reg * (xlogy(plan, plan) - plan).sum())
 
 
 def _weighted_sum(x, w) -> float:
@@ -104,85 +159,88 @@ def _weighted_sum(x, w) -> float:
         return float(np.where((x == 0) | (w == 0), 0.0, x * w).sum())
 
 
-def dbot_dual(cost, a, b_low, b_up, eps: float, f, g, h) -> float:
-    """Dual value <f,a> + <g,b_low> + <h,b_up> - eps * sum_ij exp((f_i + g_j + h_j - C_ij) / eps)."""
+@renamed_kwargs(eps="reg")
+def dbot_dual(cost, a, b_low, b_up, reg: float, f, g, h) -> float:
+    """Dual value <f,a> + <g,b_low> + <h,b_up> - reg * sum_ij exp((f_i + g_j + h_j - C_ij) / reg) (numpy)."""
     cost = np.asarray(cost, dtype=np.float64)
     f, g, h = (np.asarray(x, dtype=np.float64) for x in (f, g, h))
-    gibbs = np.exp((f[:, None] + (g + h)[None, :] - cost) / eps).sum()
-    return _weighted_sum(f, a) + _weighted_sum(g, b_low) + _weighted_sum(h, b_up) - eps * gibbs
+    gibbs = np.exp((f[:, None] + (g + h)[None, :] - cost) / reg).sum()
+    return _weighted_sum(f, a) + _weighted_sum(g, b_low) + _weighted_sum(h, b_up) - reg * gibbs
 
 
 # ----------------------------------------------------------------------------------------------------
-# Solvers
+# Solvers (numpy or torch: the same code through POT's backend `nx`)
 # ----------------------------------------------------------------------------------------------------
-def _logsumexp(x: np.ndarray, axis: int) -> np.ndarray:
-    peak = x.max(axis=axis, keepdims=True)
-    peak = np.where(np.isfinite(peak), peak, 0.0)
-    return (np.log(np.exp(x - peak).sum(axis=axis, keepdims=True)) + peak).squeeze(axis)
+def _fmax(x, bound: float):
+    """max(x, bound) with NaN -> bound (np.fmax; a column with b_up = 0 gives 0/0)."""
+    return np.fmax(x, bound) if isinstance(x, np.ndarray) else torch.fmax(x, x.new_tensor(bound))
+
+
+def _fmin(x, bound: float):
+    return np.fmin(x, bound) if isinstance(x, np.ndarray) else torch.fmin(x, x.new_tensor(bound))
 
 
 def _checkpoint(n_iter: int, max_iter: int, check_every: int) -> bool:
     return n_iter % check_every == 0 or n_iter == max_iter
 
 
-def _solve_sinkhorn(cost, a, b_low, b_up, eps, max_iter, tol, check_every):
+def _solve_sinkhorn(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every):
     """Solver II (Sinkhorn-Knopp with three scalings), one sweep:
     u = a / K(q v);  kappa = K^T u;  q = max(b_low / (kappa v), 1);  v = min(b_up / (kappa q), 1).
     """
-    offset = cost.min(axis=1, keepdims=True)  # row shifts leave P unchanged and keep each row's max at 1
-    kernel = np.exp((offset - cost) / eps)
+    offset = nx.min(cost, axis=1, keepdims=True)  # row shifts leave P unchanged, keep each row's max at 1
+    kernel = nx.exp((offset - cost) / reg)
     n = cost.shape[1]
-    q, v = np.ones(n), np.ones(n)
-    stop = tol * a.sum()
+    q, v = nx.ones(n, type_as=cost), nx.ones(n, type_as=cost)
+    stop = tol * float(a.sum())
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        u = a / (kernel @ (q * v))
-        kappa = u @ kernel
+        u = a / nx.dot(kernel, q * v)
+        kappa = nx.dot(u, kernel)
         for n_iter in range(1, max_iter + 1):
-            q = np.fmax(b_low / (kappa * v), 1.0)  # fmax/fmin: a column with b_up = 0 gives 0/0
-            v = np.fmin(b_up / (kappa * q), 1.0)
-            kw = kernel @ (q * v)
+            q = _fmax(b_low / (kappa * v), 1.0)
+            v = _fmin(b_up / (kappa * q), 1.0)
+            kw = nx.dot(kernel, q * v)
             # The row sums of the current plan come for free here, so checking costs O(m + n).
             if _checkpoint(n_iter, max_iter, check_every):
                 err = marginal_violation(u * kw, kappa * q * v, a, b_low, b_up)
                 if err < stop:
                     break
             u = a / kw
-            kappa = u @ kernel
-    plan = u[:, None] * kernel * (q * v)[None, :]
-    with np.errstate(divide="ignore"):
-        duals = dict(f=eps * np.log(u) + offset[:, 0], g=eps * np.log(q), h=eps * np.log(v))
+            kappa = nx.dot(u, kernel)
+        plan = u[:, None] * kernel * (q * v)[None, :]
+        duals = dict(f=reg * nx.log(u) + offset[:, 0], g=reg * nx.log(q), h=reg * nx.log(v))
     return plan, n_iter, err, duals
 
 
-def _solve_dual(cost, a, b_low, b_up, eps, max_iter, tol, check_every):
-    """Solver III (dual block ascent in the log domain, potentials in units of eps), one sweep:
-    f = log a - LSE_j(g_j + h_j - C_ij/eps);  lam = LSE_i(f_i - C_ij/eps);
+def _solve_dual(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every):
+    """Solver III (dual block ascent in the log domain, potentials in units of reg), one sweep:
+    f = log a - LSE_j(g_j + h_j - C_ij/reg);  lam = LSE_i(f_i - C_ij/reg);
     g = max(log b_low - lam - h, 0);  h = min(log b_up - lam - g, 0).
     """
-    neg_cost = -cost / eps
+    neg_cost = -cost / reg
     with np.errstate(divide="ignore"):
-        log_a, log_low, log_up = np.log(a), np.log(b_low), np.log(b_up)
+        log_a, log_low, log_up = nx.log(a), nx.log(b_low), nx.log(b_up)
     n = cost.shape[1]
-    g, h = np.zeros(n), np.zeros(n)
-    stop = tol * a.sum()
+    g, h = nx.zeros(n, type_as=cost), nx.zeros(n, type_as=cost)
+    stop = tol * float(a.sum())
     with np.errstate(invalid="ignore", over="ignore"):
-        f = log_a - _logsumexp(neg_cost, axis=1)
-        lam = _logsumexp(neg_cost + f[:, None], axis=0)
+        f = log_a - logsumexp(neg_cost, axis=1)
+        lam = logsumexp(neg_cost + f[:, None], axis=0)
         for n_iter in range(1, max_iter + 1):
-            g = np.fmax(log_low - lam - h, 0.0)  # b_low_j = 0 gives -inf -> g_j = 0; fmax drops NaN
-            h = np.fmin(log_up - lam - g, 0.0)
-            row_lse = _logsumexp(neg_cost + (g + h)[None, :], axis=1)
+            g = _fmax(log_low - lam - h, 0.0)  # b_low_j = 0 gives -inf -> g_j = 0; fmax drops NaN
+            h = _fmin(log_up - lam - g, 0.0)
+            row_lse = logsumexp(neg_cost + (g + h)[None, :], axis=1)
             if _checkpoint(n_iter, max_iter, check_every):
-                err = marginal_violation(np.exp(f + row_lse), np.exp(lam + g + h), a, b_low, b_up)
+                err = marginal_violation(nx.exp(f + row_lse), nx.exp(lam + g + h), a, b_low, b_up)
                 if err < stop:
                     break
             f = log_a - row_lse
-            lam = _logsumexp(neg_cost + f[:, None], axis=0)
-    plan = np.exp(neg_cost + f[:, None] + (g + h)[None, :])
-    return plan, n_iter, err, dict(f=eps * f, g=eps * g, h=eps * h)
+            lam = logsumexp(neg_cost + f[:, None], axis=0)
+    plan = nx.exp(neg_cost + f[:, None] + (g + h)[None, :])
+    return plan, n_iter, err, dict(f=reg * f, g=reg * g, h=reg * h)
 
 
-def _solve_bregman(cost, a, b_low, b_up, eps, max_iter, tol, check_every, dykstra):
+def _solve_bregman(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every, dykstra):
     """Solver I (KL projections of the plan itself), one sweep starting from P = K:
     P <- diag(a / P1) P;  P <- P diag(max(b_low / P^T 1, 1));  P <- P diag(min(b_up / P^T 1, 1)).
 
@@ -191,24 +249,24 @@ def _solve_bregman(cost, a, b_low, b_up, eps, max_iter, tol, check_every, dykstr
     scaling z it last applied and undoes it before re-projecting, P diag(z) -> P diag(s), z <- 1/s.
     The row set is affine and needs no correction.
     """
-    plan = np.exp((cost.min(axis=1, keepdims=True) - cost) / eps)
+    plan = nx.exp((nx.min(cost, axis=1, keepdims=True) - cost) / reg)
     n = cost.shape[1]
-    undo = {"low": np.ones(n), "up": np.ones(n)}
-    stop = tol * a.sum()
+    undo = {"low": nx.ones(n, type_as=cost), "up": nx.ones(n, type_as=cost)}
+    stop = tol * float(a.sum())
     row_sums = plan.sum(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         for n_iter in range(1, max_iter + 1):
             plan *= (a / row_sums)[:, None]
             col_sums = plan.sum(axis=0)
             # Both column projections only rescale columns: track the sums and scale P once.
-            column_scale = np.ones(n)
-            for key, bound, clip in (("low", b_low, np.fmax), ("up", b_up, np.fmin)):
+            column_scale = nx.ones(n, type_as=cost)
+            for key, bound, clip in (("low", b_low, _fmax), ("up", b_up, _fmin)):
                 col_sums = col_sums * undo[key]
                 step = clip(bound / col_sums, 1.0)
                 column_scale *= undo[key] * step
                 col_sums = col_sums * step
                 if dykstra:  # a column forced to 0 (b_up = 0) stays 0 whatever it is scaled by
-                    undo[key] = np.where(step > 0, 1.0 / step, 1.0)
+                    undo[key] = nx.where(step > 0, 1.0 / step, nx.ones(n, type_as=cost))
             plan *= column_scale[None, :]
             row_sums = plan.sum(axis=1)
             if _checkpoint(n_iter, max_iter, check_every):
@@ -218,12 +276,13 @@ def _solve_bregman(cost, a, b_low, b_up, eps, max_iter, tol, check_every, dykstr
     return plan, n_iter, err, {}
 
 
+@renamed_kwargs(eps="reg")
 def dbot(
     cost,
     a,
     b_low,
     b_up,
-    eps: float,
+    reg: float,
     method: str = "sinkhorn",
     max_iter: int = 1000,
     tol: float = 1e-6,
@@ -234,22 +293,30 @@ def dbot(
 
     Parameters
     ----------
-    cost : (m, n) array, the cost C (any units; only C / eps matters).
+    cost : (m, n) array or tensor, the cost C (any units; only C / reg matters).
     a : (m,) source masses, >= 0.
     b_low, b_up : (n,) or scalar column bounds, 0 <= b_low <= b_up (b_up may be inf).
-    eps : entropic regularisation, > 0, in the units of C.
+    reg : entropic regularisation (the paper's eps), > 0, in the units of C. ``eps=`` is a deprecated
+        alias.
     method : "sinkhorn" (scalings u, q, v; fastest), "dual" (log-domain dual ascent; use for small
-        eps), "bregman" (KL projections of the plan with Dykstra's correction; exact) or
+        reg), "bregman" (KL projections of the plan with Dykstra's correction; exact) or
         "bregman_plain" (the paper's cycle of projections; exact only when b_low = b_up).
     max_iter : maximum number of sweeps.
     tol : stop once the L1 marginal violation (:func:`marginal_violation`) is below tol * sum(a);
-        it is checked every ``check_every`` sweeps and at the cap.
+        it is checked every ``check_every`` sweeps and at the cap. A ``UserWarning`` says when
+        ``max_iter`` is reached first.
     log : also return a dict with ``n_iter``, ``err`` (final violation), ``converged`` and, for
         "sinkhorn" and "dual", the dual potentials ``f`` (m,), ``g`` >= 0, ``h`` <= 0 (n,).
 
     Returns
     -------
-    plan : (m, n) float64 array [, log dict].
+    plan : (m, n) float64 array, or tensor on ``cost``'s device [, log dict].
+
+    Example: with b_low = 0 and b_up >= sum(a) the plan is the row softmax of -C / reg.
+
+    >>> plan = dbot([[0.0, 1.0], [1.0, 0.0]], [0.5, 0.5], 0.0, 1.0, reg=1.0)
+    >>> np.round(plan, 4).tolist()
+    [[0.3655, 0.1345], [0.1345, 0.3655]]
     """
     if method not in SOLVERS:
         raise ValueError(f"method={method!r}: must be one of {SOLVERS}")
@@ -259,39 +326,59 @@ def dbot(
         raise ValueError(f"check_every={check_every}: must be an integer >= 1")
     if not tol > 0:
         raise ValueError(f"tol={tol}: must be > 0")
-    cost, a, b_low, b_up = check_problem(cost, a, b_low, b_up, eps)
-    args = (cost, a, b_low, b_up, eps, max_iter, tol, check_every)
+    cost, a, b_low, b_up = check_problem(cost, a, b_low, b_up, reg)
+    nx = get_backend(cost)
+    args = (nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every)
     if method == "sinkhorn":
         plan, n_iter, err, duals = _solve_sinkhorn(*args)
     elif method == "dual":
         plan, n_iter, err, duals = _solve_dual(*args)
     else:
         plan, n_iter, err, duals = _solve_bregman(*args, dykstra=method == "bregman")
-    if not np.isfinite(err):
+    if not math.isfinite(err):
         raise FloatingPointError(
-            f"eps={eps} is too small for method={method!r} (the Gibbs kernel underflows): use method='dual'"
+            f"reg={reg} is too small for method={method!r} (the Gibbs kernel underflows): use method='dual'"
         )
-    if not log:
-        return plan
-    return plan, dict(n_iter=n_iter, err=err, converged=err < tol * a.sum(), **duals)
+    info = convergence_log(f"dbot(method={method!r})", n_iter, err, tol * float(a.sum()), **duals)
+    return (plan, info) if log else plan
 
 
 # ----------------------------------------------------------------------------------------------------
 # Barycentric clustering with bounded cluster masses (paper Eq. 15-17)
 # ----------------------------------------------------------------------------------------------------
-def _sq_dists(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    d = (x * x).sum(1)[:, None] - 2.0 * x @ y.T + (y * y).sum(1)[None, :]
-    return np.maximum(d, 0.0)
+def _bounded_lp(cost, a, b_low, b_up, var_upper=None, method="highs-ds"):
+    """HiGHS on min <C, P> s.t. P 1 = a, b_low <= P^T 1 <= b_up, 0 <= P <= var_upper (C (m, n))."""
+    from scipy import sparse
+    from scipy.optimize import linprog
+
+    rows, cols = transport_constraints(*cost.shape)
+    res = linprog(
+        cost.ravel(),
+        A_ub=sparse.vstack([-cols, cols]).tocsr(),
+        b_ub=np.r_[-b_low, b_up],
+        A_eq=rows,
+        b_eq=a,
+        bounds=(0, var_upper),
+        method=method,
+    )
+    if res.status != 0:
+        raise RuntimeError(f"HiGHS failed on the bounded transportation LP: {res.message}")
+    return res
 
 
-def _kmeans_pp(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    centers = [x[rng.integers(len(x))]]
-    d2 = _sq_dists(x, centers[0][None])[:, 0]
-    for _ in range(1, k):
-        p = d2 / d2.sum() if d2.sum() > 0 else None
-        centers.append(x[rng.choice(len(x), p=p)])
-        d2 = np.minimum(d2, _sq_dists(x, centers[-1][None])[:, 0])
-    return np.stack(centers)
+def dbot_lp(cost, a, b_low, b_up, log: bool = False):
+    """Unregularised DB-OT, the ``reg -> 0`` limit of :func:`dbot`, solved exactly by HiGHS (numpy).
+
+    min_P <C, P> s.t. P >= 0, P 1 = a, b_low <= P^T 1 <= b_up. Returns the (m, n) plan [, log with
+    ``cost`` (the optimal value), ``n_iter`` (simplex iterations), ``err`` = 0, ``converged``].
+
+    >>> dbot_lp(np.array([[0.0, 1.0], [0.0, 2.0]]), [0.5, 0.5], [0.0, 0.25], 1.0).tolist()
+    [[0.25, 0.25], [0.5, 0.0]]
+    """
+    cost, a, b_low, b_up = check_problem(np.asarray(cost, dtype=np.float64), a, b_low, b_up, reg=1.0)
+    res = _bounded_lp(cost, a, b_low, b_up, method="highs")
+    plan = res.x.reshape(cost.shape)
+    return (plan, dict(cost=float(res.fun), n_iter=int(res.nit), err=0.0, converged=True)) if log else plan
 
 
 def round_plan(plan, low_counts, up_counts) -> np.ndarray:
@@ -300,9 +387,6 @@ def round_plan(plan, low_counts, up_counts) -> np.ndarray:
     The integer bounds make this a transportation LP with a totally unimodular constraint matrix, so
     the simplex vertex that HiGHS returns is integral.  ``plan`` is (m, n) >= 0; the counts are (n,).
     """
-    from scipy import sparse
-    from scipy.optimize import linprog
-
     plan = np.asarray(plan, dtype=np.float64)
     m, n = plan.shape
     low, up = np.asarray(low_counts, dtype=np.float64), np.asarray(up_counts, dtype=np.float64)
@@ -310,27 +394,16 @@ def round_plan(plan, low_counts, up_counts) -> np.ndarray:
         raise ValueError(
             f"count bounds sum(low)={low.sum()}, sum(up)={up.sum()} admit no assignment of {m} rows"
         )
-    cost = -np.log(np.maximum(plan, 1e-300)).ravel()
-    cols = sparse.kron(np.ones((1, m)), sparse.eye(n))
-    res = linprog(
-        cost,
-        A_ub=sparse.vstack([-cols, cols]).tocsr(),
-        b_ub=np.r_[-low, up],
-        A_eq=sparse.kron(sparse.eye(m), np.ones((1, n))).tocsr(),
-        b_eq=np.ones(m),
-        bounds=(0, 1),
-        method="highs-ds",
-    )
-    if res.status != 0:
-        raise RuntimeError(f"rounding LP failed: {res.message}")
+    res = _bounded_lp(-np.log(np.maximum(plan, 1e-300)), np.ones(m), low, up, var_upper=1)
     return res.x.reshape(m, n).argmax(axis=1)
 
 
+@renamed_kwargs(eps="reg")
 def dbot_cluster(
     X,
     n_clusters: int,
     tau=0.1,
-    eps: float = 0.05,
+    reg: float = 0.05,
     n_outer: int = 5,
     seed: int = 0,
     weights=None,
@@ -345,7 +418,7 @@ def dbot_cluster(
     r"""Barycentric clustering whose cluster masses stay within [(1 - tau) b, (1 + tau) b].
 
     Each of ``n_outer`` rounds: D_st = ||x_s - c_t||^2 / median(D) (N, K); P = DBOT(D, 1/N,
-    (1 - tau) b, (1 + tau) b, eps); labels z_s = argmax_t P_st; W = P * onehot(z) (or W = P when
+    (1 - tau) b, (1 + tau) b, reg); labels z_s = argmax_t P_st; W = P * onehot(z) (or W = P when
     ``hard_assign`` is False, the paper's "without reweighting" variant); c_t = sum_s W_st x_s / sum_s W_st
     (an empty cluster keeps its centroid).  The bounds hold on the *mass* sum_s P_st; with the paper's
     argmax the hard counts follow N * [b_low, b_up] only roughly.  ``assign="rounded"`` replaces the
@@ -355,9 +428,11 @@ def dbot_cluster(
     Parameters
     ----------
     X : (N, d) samples.  n_clusters : K.  tau : scalar or (K,) bound rate, >= 0 (tau = 0 forces the
-    masses to b exactly).  eps : entropic regularisation relative to the median squared distance.
+    masses to b exactly).  reg : entropic regularisation relative to the median squared distance
+    (``eps=`` is a deprecated alias).  seed : the initialisation's random state.
     weights : (K,) target cluster proportions b (normalised; default uniform 1/K).
-    init : "kmeans++" or "random" (K distinct samples).  assign : "argmax" or "rounded" (see above).
+    init : "kmeans++" (sklearn's greedy k-means++) or "random" (K distinct samples).
+    assign : "argmax" or "rounded" (see above).
     method, max_iter, tol : passed to :func:`dbot`.
     log : also return a dict with ``masses`` (n_outer, K), the column sums of P at every round, and the
     bounds ``b_low``, ``b_up``.
@@ -365,6 +440,11 @@ def dbot_cluster(
     Returns
     -------
     labels : (N,) int64,  centroids : (K, d) float64 [, log].
+
+    >>> x = np.r_[np.zeros((3, 2)), np.ones((3, 2))] + np.arange(6)[:, None] * 1e-3
+    >>> labels, centroids = dbot_cluster(x, 2, tau=0.0, seed=0)
+    >>> np.bincount(labels).tolist()
+    [3, 3]
     """
     X = np.asarray(X, dtype=np.float64)
     if X.ndim != 2 or len(X) == 0:
@@ -389,16 +469,17 @@ def dbot_cluster(
     if low_counts.sum() > n or up_counts.sum() < n:  # e.g. tau = 0 with K not dividing N
         low_counts, up_counts = np.floor(n * b_low + 1e-9), np.ceil(n * b_up - 1e-9)
 
-    rng = np.random.default_rng(seed)
     if init == "kmeans++":
-        centroids = _kmeans_pp(X, n_clusters, rng)
+        from sklearn.cluster import kmeans_plusplus
+
+        centroids = kmeans_plusplus(X, n_clusters, random_state=seed)[0]
     else:
-        centroids = X[rng.choice(n, n_clusters, replace=False)].copy()
+        centroids = X[np.random.default_rng(seed).choice(n, n_clusters, replace=False)].copy()
     masses = []
     for _ in range(n_outer):
-        dists = _sq_dists(X, centroids)
+        dists = ot.dist(X, centroids)  # squared Euclidean
         scale = np.median(dists)
-        plan = dbot(dists / (scale if scale > 0 else 1.0), a, b_low, b_up, eps, method, max_iter, tol)
+        plan = dbot(dists / (scale if scale > 0 else 1.0), a, b_low, b_up, reg, method, max_iter, tol)
         masses.append(plan.sum(axis=0))
         labels = plan.argmax(axis=1) if assign == "argmax" else round_plan(plan, low_counts, up_counts)
         w = plan * (labels[:, None] == np.arange(n_clusters)) if hard_assign else plan
@@ -411,7 +492,7 @@ def dbot_cluster(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Long-tailed classification: training loss and transductive inference (C = -logits, eps = 1)
+# Long-tailed classification: training loss and transductive inference (C = -logits, reg = 1)
 # ----------------------------------------------------------------------------------------------------
 def _log_bregman_sweeps(log_kernel, log_low, log_up, n_sweeps: int, end_on_rows: bool):
     """Unrolled solver-I sweeps in the log domain with a = 1/B (differentiable)."""
@@ -429,7 +510,7 @@ def _log_bregman_sweeps(log_kernel, log_low, log_up, n_sweeps: int, end_on_rows:
 def dbot_loss(logits, target, prior, delta: float = 0.0, n_sweeps: int = 1, mode: str = "paper"):
     r"""DB-OT training loss for long-tailed classification (a torch scalar, differentiable).
 
-    The batch is an OT problem with cost C = -logits (B, K), eps = 1, a = 1/B and column bounds
+    The batch is an OT problem with cost C = -logits (B, K), reg = 1, a = 1/B and column bounds
     (1 -/+ delta) r from the training prior r.  Softmax cross-entropy is inverse OT with the row
     constraint only; DB-OT adds the column bounds.
 
@@ -448,6 +529,13 @@ def dbot_loss(logits, target, prior, delta: float = 0.0, n_sweeps: int = 1, mode
     logits : (B, K) tensor.  target : (B,) int64 labels or (B, K) soft labels (rows summing to 1).
     prior : (K,) training class frequencies or counts, all > 0.  delta : bound rate in [0, 1).
     n_sweeps : K_train >= 1.  mode : "paper" or "official".
+
+    Runs in the logits' dtype on their device. With one sweep the paper loss is Balanced Softmax:
+
+    >>> logits, y, prior = torch.tensor([[1.0, 0.0]]), torch.tensor([0]), torch.tensor([3.0, 1.0])
+    >>> bool(torch.isclose(dbot_loss(logits, y, prior), torch.nn.functional.cross_entropy(
+    ...     logits + torch.log(prior / 4), y)))
+    True
     """
     if mode not in LOSS_MODES:
         raise ValueError(f"mode={mode!r}: must be one of {LOSS_MODES}")
@@ -463,7 +551,8 @@ def dbot_loss(logits, target, prior, delta: float = 0.0, n_sweeps: int = 1, mode
         raise ValueError(f"prior must have shape ({n_classes},) with all entries > 0")
     prior = prior / prior.sum()
     if target.ndim == 1:
-        target = torch.nn.functional.one_hot(target, n_classes).to(logits.dtype)
+        target = torch.nn.functional.one_hot(target, n_classes)
+    target = target.to(logits.dtype)  # soft labels may come in another float dtype
     log_low, log_up = torch.log((1.0 - delta) * prior), torch.log((1.0 + delta) * prior)
 
     if mode == "paper":
@@ -558,38 +647,43 @@ class CosineClassifier(torch.nn.Module):
         return self.scale * cos
 
 
+@renamed_kwargs(eps="reg")
 def dbot_predict(
     logits,
     prior,
     delta: float = 0.0,
-    eps: float = 1.0,
+    reg: float = 1.0,
     batch_size: int | None = None,
     method: str = "sinkhorn",
     max_iter: int = 1000,
     tol: float = 1e-6,
 ):
-    r"""Transductive DB-OT inference: argmax_j P_ij, P = DBOT(-logits, 1/B, (1 -/+ delta) r, eps).
+    r"""Transductive DB-OT inference: argmax_j P_ij, P = DBOT(-logits, 1/B, (1 -/+ delta) r, reg).
 
     Parameters
     ----------
-    logits : (N, K) array or tensor.  prior : (K,) expected label frequencies r of the test set (or
-    counts; normalised here; zeros allowed).  delta : bound rate >= 0 (delta = 0 is Sinkhorn with
-    column marginal r; delta >= max(1, 1/r_min - 1) makes both bounds inactive, i.e. argmax).
-    eps : entropic regularisation in logit units.  batch_size : solve each consecutive batch of this
-    many rows on its own (None: the whole set at once).  method, max_iter, tol : passed to :func:`dbot`.
+    logits : (N, K) array or tensor (a tensor is solved where it lives, CPU or CUDA, in float64).
+    prior : (K,) expected label frequencies r of the test set (or counts; normalised here; zeros
+    allowed).  delta : bound rate >= 0 (delta = 0 is Sinkhorn with column marginal r;
+    delta >= max(1, 1/r_min - 1) makes both bounds inactive, i.e. argmax).
+    reg : entropic regularisation in logit units (``eps=`` is a deprecated alias).  batch_size : solve
+    each consecutive batch of this many rows on its own (None: the whole set at once).
+    method, max_iter, tol : passed to :func:`dbot`.
 
     Returns
     -------
-    (N,) int64 predicted classes.
+    (N,) int64 predicted classes: a numpy array, or a tensor on the logits' device.
+
+    >>> logits = np.array([[2.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    >>> dbot_predict(logits, [2, 1]).tolist(), dbot_predict(logits, [1, 2]).tolist()
+    ([0, 0, 1], [0, 1, 1])
     """
-    if isinstance(logits, torch.Tensor):
-        logits = logits.detach().cpu().numpy()
-    logits = np.asarray(logits, dtype=np.float64)
+    logits = _float64(logits.detach() if isinstance(logits, torch.Tensor) else logits)
     if logits.ndim != 2:
-        raise ValueError(f"logits has shape {logits.shape}: must be (N, K)")
+        raise ValueError(f"logits has shape {tuple(logits.shape)}: must be (N, K)")
     n, n_classes = logits.shape
-    prior = _vector(prior, n_classes, "prior")
-    if prior.sum() <= 0:
+    prior = _vector(prior, n_classes, "prior", like=logits)
+    if float(prior.sum()) <= 0:
         raise ValueError("prior sums to 0: must have a positive entry")
     if not delta >= 0:
         raise ValueError(f"delta={delta}: must be >= 0")
@@ -598,10 +692,10 @@ def dbot_predict(
     prior = prior / prior.sum()
     b_low, b_up = max(1.0 - delta, 0.0) * prior, (1.0 + delta) * prior
     step = n if batch_size is None else batch_size
-    labels = np.empty(n, dtype=np.int64)
+    labels = []
     for start in range(0, n, step):
         chunk = logits[start : start + step]
-        a = np.full(len(chunk), 1.0 / len(chunk))
-        plan = dbot(-chunk, a, b_low, b_up, eps, method=method, max_iter=max_iter, tol=tol)
-        labels[start : start + step] = plan.argmax(axis=1)
-    return labels
+        a = _float64(np.full(len(chunk), 1.0 / len(chunk)), like=chunk)
+        plan = dbot(-chunk, a, b_low, b_up, reg, method=method, max_iter=max_iter, tol=tol)
+        labels.append(plan.argmax(1))
+    return get_backend(logits).concatenate(labels, axis=0)

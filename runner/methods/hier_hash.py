@@ -21,21 +21,61 @@ flow on ``s -> a_p -> [b_{r,q}] -> b_q -> t`` whose convex parallel arcs price t
 load at ``i*alpha`` (group layer) and ``j*beta`` (bucket layer).
 
 Arrays in, arrays out; no Hydra, no files. The numpy parts (flow, buckets, index, metrics) and the
-torch parts (losses) share nothing but shapes.
+torch parts (losses) share nothing but shapes. The code solvers follow the convention of
+:mod:`runner.methods._common` (``method=`` picks the min-cost-flow algorithm).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from scipy.sparse import csr_matrix
+from scipy.sparse import coo_matrix, csr_matrix
+from sklearn.metrics import normalized_mutual_info_score
 
-BACKENDS = ("networkx", "ortools", "highs")
+from runner.methods._common import integral_solution, renamed_kwargs
+
+__all__ = [
+    "LOSSES",
+    "SOLVERS",
+    "FlowNetwork",
+    "HashIndex",
+    "assign_codes",
+    "bucket_ids",
+    "bundle_cap",
+    "cascade_codes",
+    "class_unaries",
+    "code_energy",
+    "decode_buckets",
+    "encode_buckets",
+    "exhaustive_search",
+    "flow_network",
+    "hash_loss",
+    "level_labels",
+    "lsh_activations",
+    "masked_distance",
+    "nmi",
+    "npairs_loss",
+    "precision_at_k",
+    "probe_buckets",
+    "remap_labels",
+    "speedup_factor",
+    "triplet_semihard_loss",
+]
+
+SOLVERS = ("networkx", "ortools", "highs")  # the values of `method=`
 LOSSES = ("triplet", "npairs")
+
+
+def __getattr__(name):
+    if name == "BACKENDS":  # the old name of SOLVERS, kept one release
+        warnings.warn("hier_hash.BACKENDS is deprecated: use SOLVERS", DeprecationWarning, stacklevel=2)
+        return SOLVERS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Integer backends price arcs in units of 1/cost_scale. OR-tools' cost scaling needs
 # max|cost| * (n_nodes + 1) well inside int64; 2**56 leaves a 64x margin.
@@ -65,6 +105,16 @@ class FlowNetwork(NamedTuple):
     @property
     def n_nodes(self) -> int:
         return len(self.supply)
+
+    def incidence(self) -> csr_matrix:
+        """Node-arc incidence (n_nodes, n_arcs): +1 at an arc's tail, -1 at its head, so that a flow x
+        is feasible iff ``incidence() @ x == supply`` and 0 <= x <= capacity (the LP of Theorem 1)."""
+        n_arcs = len(self.tail)
+        arc = np.arange(n_arcs)
+        return coo_matrix(
+            (np.r_[np.ones(n_arcs), -np.ones(n_arcs)], (np.r_[self.tail, self.head], np.r_[arc, arc])),
+            shape=(self.n_nodes, n_arcs),
+        ).tocsr()
 
 
 def _check_unary(unary) -> np.ndarray:
@@ -186,41 +236,28 @@ def _flow_ortools(net: FlowNetwork, int_cost: np.ndarray) -> np.ndarray:
 
 def _flow_highs(net: FlowNetwork) -> np.ndarray:
     from scipy.optimize import linprog
-    from scipy.sparse import coo_matrix
 
-    n_arcs = len(net.tail)
-    arc = np.arange(n_arcs)
-    # node-arc incidence: out-flow minus in-flow equals supply
-    incidence = coo_matrix(
-        (np.r_[np.ones(n_arcs), -np.ones(n_arcs)], (np.r_[net.tail, net.head], np.r_[arc, arc])),
-        shape=(net.n_nodes, n_arcs),
-    ).tocsr()
-    bounds = np.stack([np.zeros(n_arcs), net.capacity], axis=1)
-    res = linprog(net.cost, A_eq=incidence, b_eq=net.supply, bounds=bounds, method="highs-ds")
+    bounds = np.stack([np.zeros(len(net.tail)), net.capacity], axis=1)
+    res = linprog(net.cost, A_eq=net.incidence(), b_eq=net.supply, bounds=bounds, method="highs-ds")
     if res.status != 0:
         raise RuntimeError(f"HiGHS failed on the flow LP: {res.message}")
-    flow = np.rint(res.x)
-    # totally unimodular constraints: a simplex vertex is integral
-    if np.abs(res.x - flow).max() > 1e-6:
-        raise RuntimeError(
-            f"HiGHS returned a fractional flow (max deviation {np.abs(res.x - flow).max():.2g})"
-        )
-    return flow.astype(np.int64)
+    return integral_solution(res.x, "flow")  # totally unimodular constraints: a vertex is integral
 
 
-def _solve_flow(net: FlowNetwork, backend, cost_scale):
+def _solve_flow(net: FlowNetwork, method, cost_scale):
     """Per-arc optimal flow, its cost in energy units, and the integer cost scale used."""
-    if backend == "highs":
+    if method == "highs":
         flow = _flow_highs(net)
         return flow, float(flow @ net.cost), None
     scale = float(cost_scale) if cost_scale is not None else _auto_cost_scale(net)
     int_cost = np.rint(net.cost * scale).astype(np.int64)
-    flow = _flow_ortools(net, int_cost) if backend == "ortools" else _flow_networkx(net, int_cost)
+    flow = _flow_ortools(net, int_cost) if method == "ortools" else _flow_networkx(net, int_cost)
     return flow, float(flow @ int_cost) / scale, scale
 
 
+@renamed_kwargs(backend="method")
 def assign_codes(
-    unary, sparsity, alpha, beta, groups=None, backend="networkx", cost_scale=None, log=False
+    unary, sparsity, alpha, beta, groups=None, method="networkx", cost_scale=None, log=False
 ) -> np.ndarray | tuple[np.ndarray, dict]:
     r"""Exact minimizer of the per-level code energy (see ``code_energy``) by min-cost flow.
 
@@ -239,25 +276,36 @@ def assign_codes(
     groups : (nc,) int array, optional
         Sibling group id per class (equal ids = equal codes at all earlier levels); ``None`` means
         no siblings (level 1).
-    backend : {"networkx", "ortools", "highs"}
-        ``networkx``: network simplex on a MultiDiGraph (the reference). ``ortools``: OR-tools'
-        C++ cost-scaling min-cost flow (fast). ``highs``: dual simplex on the arc LP with float
-        costs (integral vertex by total unimodularity, asserted).
+    method : {"networkx", "ortools", "highs"}
+        The min-cost-flow algorithm (``backend`` before, deprecated). ``networkx``: network simplex
+        on a MultiDiGraph (the reference). ``ortools``: OR-tools' C++ cost-scaling min-cost flow
+        (fast). ``highs``: dual simplex on the arc LP with float costs (integral vertex by total
+        unimodularity, asserted).
     cost_scale : float, optional
         Integer backends solve with costs ``round(cost * cost_scale)``; the result is exactly
         optimal for those costs, i.e. within ``n_flow_arcs / cost_scale`` of the float optimum.
         Default: the largest power of two that keeps OR-tools' arithmetic in int64 (<= 1e12).
     log : bool
-        Also return a dict: ``energy``, ``flow_cost`` (in energy units), ``flow`` (per arc),
-        ``network`` (the ``FlowNetwork`` last solved), ``load_factor`` (its bundle caps),
-        ``cost_scale``.
+        Also return a dict: ``n_iter`` (flow problems solved: the bundle caps double until no bundle
+        is full), ``err`` (|flow cost - E(z)|, the integer-cost rounding; 0 for ``highs``),
+        ``converged`` (True: the solve is exact), ``energy``, ``flow_cost`` (in energy units),
+        ``flow`` (per arc), ``network`` (the ``FlowNetwork`` last solved), ``load_factor`` (its
+        bundle caps), ``cost_scale``.
 
     Returns
     -------
     z : (nc, d) int64 array of 0/1, each row summing to ``sparsity``.
+
+    Examples
+    --------
+    Two classes both prefer bucket 0; the orthogonality penalty beta sends the weaker one away:
+
+    >>> unary = np.array([[1.0, 0.9], [1.0, 0.2]])
+    >>> assign_codes(unary, 1, alpha=0.0, beta=0.5, method="highs").tolist()
+    [[0, 1], [1, 0]]
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: must be one of {BACKENDS}")
+    if method not in SOLVERS:
+        raise ValueError(f"method={method!r}: must be one of {SOLVERS}")
     if cost_scale is not None and not (np.isfinite(cost_scale) and cost_scale > 0):
         raise ValueError(f"cost_scale={cost_scale}: must be a positive finite number or None")
     unary, sparsity, alpha, beta, groups = _check_problem(unary, sparsity, alpha, beta, groups)
@@ -267,10 +315,11 @@ def assign_codes(
     # and an unused kept arc of the same bundle costs no more). Else double the bundles.
     group_of = np.arange(nc) if groups is None else np.unique(groups, return_inverse=True)[1].reshape(nc)
     group_size = np.bincount(group_of)
-    load_factor = 4
+    load_factor, n_iter = 4, 0
     while True:
+        n_iter += 1
         net = flow_network(unary, sparsity, alpha, beta, groups, load_factor)
-        flow, flow_cost, scale = _solve_flow(net, backend, cost_scale)
+        flow, flow_cost, scale = _solve_flow(net, method, cost_scale)
         z = flow[nc : nc + nc * d].reshape(nc, d).astype(np.int64)
         group_load = np.zeros((len(group_size), d), dtype=np.int64)
         np.add.at(group_load, group_of, z)
@@ -284,7 +333,8 @@ def assign_codes(
         return z
     energy = code_energy(z, unary, alpha, beta, groups)
     diagnostics = {"flow": flow, "network": net, "load_factor": load_factor, "cost_scale": scale}
-    return z, {"energy": energy, "flow_cost": flow_cost, **diagnostics}
+    info = {"n_iter": n_iter, "err": abs(flow_cost - energy), "converged": True}  # exact: nothing to warn
+    return z, {**info, "energy": energy, "flow_cost": flow_cost, **diagnostics}
 
 
 def code_energy(z, unary, alpha, beta, groups=None) -> float:
@@ -311,26 +361,40 @@ def code_energy(z, unary, alpha, beta, groups=None) -> float:
     return energy
 
 
-def cascade_codes(unary, ks, alpha, beta, backend="networkx", cost_scale=None) -> np.ndarray:
+@renamed_kwargs(backend="method")
+def cascade_codes(unary, ks, alpha, beta, method="networkx", cost_scale=None, log=False):
     """Class codes for all levels, solved level by level (Alg. 1).
 
     ``unary`` is (k, nc, d). Level v < k takes one bit, level k takes ``ks``; the sibling groups
-    at level v are the classes whose codes agree at levels 1..v-1 (none at level 1).
-    Returns (k, nc, d) int64 0/1 codes.
+    at level v are the classes whose codes agree at levels 1..v-1 (none at level 1). ``method``
+    and ``cost_scale`` are those of ``assign_codes`` (``backend`` before, deprecated).
+    Returns (k, nc, d) int64 0/1 codes; with ``log=True`` also a dict with ``n_iter`` (flow
+    problems solved, all levels), ``err`` (the largest level's), ``converged`` and ``levels``
+    (each level's ``assign_codes`` log).
+
+    Examples
+    --------
+    >>> codes = cascade_codes(np.random.default_rng(0).normal(size=(2, 4, 3)), ks=2, alpha=1.0, beta=0.1)
+    >>> codes.shape, codes.sum(2).tolist()  # one bit at level 1, ks bits at the last level
+    ((2, 4, 3), [[1, 1, 1, 1], [2, 2, 2, 2]])
     """
     unary = np.asarray(unary, dtype=np.float64)
     if unary.ndim != 3:
         raise ValueError(f"unary has shape {unary.shape}: must be (k levels, nc classes, d)")
     k, nc, d = unary.shape
-    codes, groups = [], None
+    codes, levels, groups = [], [], None
     for level in range(k):
         sparsity = ks if level == k - 1 else 1
-        z = assign_codes(unary[level], sparsity, alpha, beta, groups, backend, cost_scale)
+        z, info = assign_codes(unary[level], sparsity, alpha, beta, groups, method, cost_scale, log=True)
         codes.append(z)
+        levels.append(info)
         if level < k - 1:
             path = z.argmax(1) if groups is None else groups * d + z.argmax(1)  # (group, child) id
             groups = np.unique(path, return_inverse=True)[1].reshape(nc)
-    return np.stack(codes)
+    if not log:
+        return np.stack(codes)
+    n_iter, err = sum(info["n_iter"] for info in levels), max(info["err"] for info in levels)
+    return np.stack(codes), {"n_iter": n_iter, "err": err, "converged": True, "levels": levels}
 
 
 def remap_labels(codes) -> np.ndarray:
@@ -558,19 +622,11 @@ def speedup_factor(n_candidates, n_db) -> float:
 
 
 def nmi(clusters, labels) -> float:
-    """Normalized mutual information, I(C; Y) / ((H(C) + H(Y)) / 2); 1 if both are constant."""
-    _, c = np.unique(np.asarray(clusters), return_inverse=True)
-    _, y = np.unique(np.asarray(labels), return_inverse=True)
-    joint = np.zeros((c.max() + 1, y.max() + 1))
-    np.add.at(joint, (c, y), 1.0)
-    joint /= joint.sum()
-    pc, py = joint.sum(1), joint.sum(0)
-    nz = joint > 0
-    mutual = float((joint[nz] * np.log(joint[nz] / np.outer(pc, py)[nz])).sum())
-    h_c, h_y = -float((pc * np.log(pc)).sum()), -float((py * np.log(py)).sum())
-    if h_c + h_y == 0:
-        return 1.0
-    return max(mutual, 0.0) / ((h_c + h_y) / 2)
+    """Normalized mutual information, I(C; Y) / ((H(C) + H(Y)) / 2); 1 if both are constant.
+
+    scikit-learn's ``normalized_mutual_info_score`` with its default arithmetic mean.
+    """
+    return float(normalized_mutual_info_score(np.asarray(labels).ravel(), np.asarray(clusters).ravel()))
 
 
 # --------------------------------------------------------------------------------------------

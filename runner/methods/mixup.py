@@ -13,6 +13,8 @@ lambda ~ Beta(alpha, alpha) drawn once per batch:
                                                                                      (Kim et al. 2020)
 
 and y~ = w y + (1 - w) y[perm] with w the share of x in x~. Tensors or arrays in, the same out.
+Puzzle Mix's graph cut is chosen by `method=` (`solver` before, deprecated), as in
+`runner.methods.comixup.grid_cut`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner.methods._common import renamed_kwargs
 from runner.methods.comixup import RANDOM_GRIDS, SOLVERS, _check_choice, _cut, pool_saliency
+
+__all__ = [
+    "cutmix",
+    "default_mixup_layers",
+    "input_mixup",
+    "manifold_mixup",
+    "none",
+    "puzzle_costs",
+    "puzzle_mix",
+    "seam_penalty",
+    "transport_plan",
+]
 
 
 def _tensor_io(fn):
@@ -232,6 +247,12 @@ def transport_plan(mask: torch.Tensor, saliency: torch.Tensor, t_eps: float = 0.
     +1 for that cell in the next round. mask, saliency (normalised, sum 1): (B, g, g). Returns the
     last round's winners (B, n, n) in {0, 1}, plan[src, dst] = 1 when block src goes to cell dst:
     each cell receives at most one block, and a cell left empty stays zero (hidden cells mostly).
+
+    The salient block 0 leaves the hidden cell 0 for the nearest visible one:
+
+    >>> mask, saliency = torch.tensor([[[0.0, 1.0], [1.0, 1.0]]]), torch.tensor([[[1.0, 0.0], [0.0, 0.0]]])
+    >>> transport_plan(mask, saliency)[0, 0].tolist()
+    [0.0, 1.0, 0.0, 0.0]
     """
     B, g, _ = mask.shape
     n = g * g
@@ -267,6 +288,7 @@ def _transport(x: torch.Tensor, plan: torch.Tensor, g: int) -> torch.Tensor:
     return _uncells(moved, x.shape)
 
 
+@renamed_kwargs(solver="method")
 @_tensor_io
 def puzzle_mix(
     x,
@@ -286,7 +308,7 @@ def puzzle_mix(
     std=None,
     noise=None,
     adv_mask: tuple[bool, bool] = (False, False),
-    solver: str = "gco_swap",
+    method: str = "gco_swap",
     rng=None,
 ):
     """Puzzle Mix of each x with x[perm]: a saliency-guided mask by graph cut, then masked transport.
@@ -299,10 +321,16 @@ def puzzle_mix(
     pixel units), x (adv_mask[0]) and the partner (adv_mask[1]) get it before the transport, clipped
     to [0, 1] (the adversarial option). x~ = M x + (1 - M) x', y~ = mean(M) y + (1 - mean(M)) y'.
     x is the network input; raw pixels are x * std + mean (per channel; None: x is raw).
-    saliency_maps: (B, H, W) per-pixel saliency of x. Everything runs on x's device but the cut.
+    saliency_maps: (B, H, W) per-pixel saliency of x. Everything runs on x's device but the cut, by
+    `method` (a `grid_cut` method; `solver` before, deprecated).
+
+    >>> x, y = torch.rand(4, 3, 8, 8), torch.eye(4)
+    >>> x_mix, y_mix = puzzle_mix(x, y, torch.rand(4, 8, 8), grid=2, rng=0)
+    >>> tuple(x_mix.shape), bool(torch.allclose(y_mix.sum(1), torch.ones(4)))
+    ((4, 3, 8, 8), True)
     """
     _check_batch(x, y)
-    _check_choice("solver", solver, SOLVERS)
+    _check_choice("method", method, SOLVERS)
     rng = np.random.default_rng(rng)
     B, C, H, W = x.shape
     lam, perm = _pairing(B, alpha, rng)
@@ -334,7 +362,7 @@ def puzzle_mix(
     unary, edge_weight, pairwise = puzzle_costs(
         s_grid, s_grid[index], raw, raw[index], lam, beta, gamma, eta, n_labels, neigh_size
     )
-    labels = torch.as_tensor(_cut(unary, pairwise, edge_weight, grid, solver), device=x.device)
+    labels = torch.as_tensor(_cut(unary, pairwise, edge_weight, grid, method), device=x.device)
     mask = 1 - labels.reshape(B, 1, grid, grid).to(x.dtype) / (n_labels - 1)  # weight of x
     own, partner = x, x[index]
     if noise is not None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runner.methods.comixup import CONFIG_KEYS as COMIXUP_CONFIG_KEYS
 from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
 from runner.methods.comixup import ComixupPool, auto_workers, comixup
 from runner.methods.mixup import cutmix, default_mixup_layers, input_mixup, manifold_mixup, puzzle_mix
@@ -121,7 +122,7 @@ class MixupHooks:
         return self.pool
 
     def _comixup_options(self):
-        return {k: self.cfg[k] for k in COMIXUP_OPTIONS}
+        return {k: self.cfg[COMIXUP_CONFIG_KEYS.get(k, k)] for k in COMIXUP_OPTIONS}
 
     def _clean_pass(self, model, x, y_soft, defer_weights=False):
         """Saliency (B, H, W) of the clean batch when the method needs it; keeps the clean gradient.

@@ -20,11 +20,14 @@ one LP (sensitivity), from the C-transform of the reduced LP's f (ctrans), or fr
 dual (entropic).
 
 Masses are probability weights and costs are in squared feature units; PW is in squared units.
-Everything here is numpy + POT + scipy; no Hydra.
+Everything here is numpy + POT + scipy; no Hydra. The solvers follow the convention of
+:mod:`runner.methods._common`; unlike POT's ``ot.partial.partial_wasserstein`` (the plan), they return
+the value and the optimal dual potentials, hence the ``_dual`` in their names.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 
@@ -32,14 +35,16 @@ import numpy as np
 import ot
 from scipy import optimize, sparse
 
+from runner.methods._common import convergence_log, logsumexp, renamed_kwargs, transport_constraints
+
 __all__ = [
     "BASELINES",
     "BATCHED",
     "PW_METHODS",
     "CoverResult",
     "cover",
-    "entropic_partial_wasserstein",
-    "partial_wasserstein",
+    "entropic_partial_wasserstein_dual",
+    "partial_wasserstein_dual",
 ]
 
 #: Network-simplex pivot limit. POT's default (1e5) stops short from about 3k x 1.5k on and only warns.
@@ -81,7 +86,7 @@ def _check_masses(cost, a, b):
     return cost, a, b
 
 
-def _partial_lp(cost_ext, a, b, num_iter_max=NUM_ITER_MAX):
+def _partial_lp(cost_ext, a, b, max_iter=NUM_ITER_MAX):
     """Solve Eq. 1 for positive a (n,) and b (m,) with ``cost_ext`` (n + 1, m) whose last row is 0.
 
     The zero-cost dummy row carries sigma = sum(b) - sum(a) so that ``ot.emd`` sees balanced
@@ -93,15 +98,16 @@ def _partial_lp(cost_ext, a, b, num_iter_max=NUM_ITER_MAX):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # POT only warns when the simplex stops early
         try:
-            plan, log = ot.emd(np.append(a, sigma), b, cost_ext, numItermax=num_iter_max, log=True)
+            plan, log = ot.emd(np.append(a, sigma), b, cost_ext, numItermax=max_iter, log=True)
         except UserWarning as warning:
             raise RuntimeError(f"ot.emd did not reach the optimum: {warning}") from None
     u_dummy = -log["v"].max()
     return float(log["cost"]), log["u"][:-1] - u_dummy, log["v"] + u_dummy, plan[:-1]
 
 
-def partial_wasserstein(cost, a, b, num_iter_max=NUM_ITER_MAX, log=False):
-    r"""One-sided partial Wasserstein: rows exact, columns capped, with optimal dual potentials.
+@renamed_kwargs(num_iter_max="max_iter")
+def partial_wasserstein_dual(cost, a, b, max_iter=NUM_ITER_MAX, log=False):
+    r"""One-sided partial Wasserstein: rows exact, columns capped; its value and optimal dual potentials.
 
     .. math::
         PW = \min_{P \ge 0,\ P 1 = a,\ P^\top 1 \le b} \langle P, C\rangle
@@ -118,8 +124,10 @@ def partial_wasserstein(cost, a, b, num_iter_max=NUM_ITER_MAX, log=False):
     cost : (n, m) array, ground costs (any unit; PW comes back in the same unit).
     a : (n,) array >= 0, row masses, transported exactly.
     b : (m,) array >= 0, column capacities; sum(b) >= sum(a).
-    num_iter_max : network-simplex pivot limit; reaching it raises RuntimeError.
-    log : also return a dict with the optimal ``plan`` (n, m).
+    max_iter : network-simplex pivot limit (``num_iter_max`` before); reaching it raises RuntimeError,
+        since the covering methods rely on an exact optimum.
+    log : also return a dict with the optimal ``plan`` (n, m), ``n_iter`` (1: one exact LP; POT does
+        not report its pivots), ``err`` (the duality gap <P, C> - <f, a> - <g, b>) and ``converged``.
 
     Returns
     -------
@@ -127,12 +135,21 @@ def partial_wasserstein(cost, a, b, num_iter_max=NUM_ITER_MAX, log=False):
     f : (n,) array, row potentials.
     g : (m,) array, column potentials, all <= 0.
     log : dict, only when ``log=True``.
+
+    Examples
+    --------
+    Row 0 fits only 0.25 of its 0.5 into its free column, the rest pays 1:
+
+    >>> value, f, g = partial_wasserstein_dual(
+    ...     np.array([[0.0, 1.0], [2.0, 0.0]]), np.array([0.5, 0.5]), np.array([0.25, 1.0]))
+    >>> float(value), g.tolist()
+    (0.25, [-1.0, 0.0])
     """
     cost, a, b = _check_masses(cost, a, b)
     rows, cols = a > 0, b > 0
     sub = cost[np.ix_(rows, cols)]
     value, f_sub, g_sub, plan_sub = _partial_lp(
-        np.vstack([sub, np.zeros(sub.shape[1])]), a[rows], b[cols], num_iter_max
+        np.vstack([sub, np.zeros(sub.shape[1])]), a[rows], b[cols], max_iter
     )
     f, g = np.empty(cost.shape[0]), np.empty(cost.shape[1])
     f[rows], g[cols] = f_sub, g_sub
@@ -144,18 +161,14 @@ def partial_wasserstein(cost, a, b, num_iter_max=NUM_ITER_MAX, log=False):
         return value, f, g
     plan = np.zeros(cost.shape)
     plan[np.ix_(rows, cols)] = plan_sub
-    return value, f, g, {"plan": plan}
+    gap = abs(float(np.sum(plan * cost)) - float(f @ a + g @ b))
+    return value, f, g, {"plan": plan, "n_iter": 1, "err": gap, "converged": True}
 
 
 _ABSORB = 50.0  # |log| of a scaling beyond which it is absorbed into the log-domain potentials
 
 
-def _logsumexp(x, axis):
-    top = x.max(axis=axis, keepdims=True)
-    return (top + np.log(np.exp(x - top).sum(axis=axis, keepdims=True))).squeeze(axis)
-
-
-def entropic_partial_wasserstein(cost, a, b, reg, max_iter=10_000, tol=1e-9, log=False):
+def entropic_partial_wasserstein_dual(cost, a, b, reg, max_iter=10_000, tol=1e-9, log=False):
     r"""Entropic one-sided partial Wasserstein by log-domain (stabilized) block dual ascent.
 
     .. math::
@@ -180,14 +193,23 @@ def entropic_partial_wasserstein(cost, a, b, reg, max_iter=10_000, tol=1e-9, log
     ----------
     cost : (n, m) array; a : (n,) > 0; b : (m,) > 0 (log domain: give empty columns a small mass).
     reg : eps > 0, in the unit of ``cost``.
-    max_iter, tol : sweep limit and L1 row-marginal tolerance; reaching max_iter warns.
-    log : also return a dict with ``plan``, ``n_iter`` and ``residual``.
+    max_iter, tol : sweep limit and L1 row-marginal tolerance; stopping at max_iter first emits the
+        shared ``ConvergenceWarning`` (a UserWarning) and returns the potentials reached.
+    log : also return a dict with ``plan``, ``n_iter``, ``err`` (the final L1 row residual) and
+        ``converged``.
 
     Returns
     -------
     value : float, PW_eps (the regularized optimum).
     f : (n,) array; g : (m,) array <= 0.
     log : dict, only when ``log=True``.
+
+    Examples
+    --------
+    >>> cost, a, b = np.array([[0.0, 1.0], [2.0, 0.0]]), np.array([0.5, 0.5]), np.array([0.25, 1.0])
+    >>> value, f, g, info = entropic_partial_wasserstein_dual(cost, a, b, reg=0.01, log=True)
+    >>> info["converged"], round(float(np.sum(info["plan"] * cost)), 3)  # -> the LP's 0.25 as reg -> 0
+    (True, 0.25)
     """
     cost, a, b = _check_masses(cost, a, b)
     if (a <= 0).any() or (b <= 0).any():
@@ -197,7 +219,7 @@ def entropic_partial_wasserstein(cost, a, b, reg, max_iter=10_000, tol=1e-9, log
     # Potentials in units of eps: F = f / eps, G = g / eps. One exact sweep from G = 0 in the log
     # domain makes every kernel row sum to a_i, so the kernel cannot underflow row-wise.
     scaled = cost / reg
-    F = np.log(a) - _logsumexp(-scaled, axis=1)
+    F = np.log(a) - logsumexp(-scaled, axis=1)
     G = np.zeros(cost.shape[1])
     u, v = np.ones(cost.shape[0]), np.ones(cost.shape[1])
     kernel, residual, n_iter = None, np.inf, 0
@@ -213,20 +235,34 @@ def entropic_partial_wasserstein(cost, a, b, reg, max_iter=10_000, tol=1e-9, log
         rows = kernel @ v
         residual = float(np.abs(u * rows - a).sum())  # |P 1 - a|_1 before the f-step
         u = a / rows  # f-step
-    if residual >= tol:
-        warnings.warn(
-            f"entropic partial Wasserstein: row residual {residual:.2e} > tol={tol:g} after "
-            f"max_iter={max_iter} sweeps (eps={reg:g}); raise max_iter or reg",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    info = convergence_log("entropic_partial_wasserstein_dual", n_iter, residual, tol)
     F, G = F + np.log(u), G + np.log(v)
     plan = np.exp(F[:, None] + G[None, :] - scaled)
     f, g = reg * F, reg * G
     value = float(f @ a + g @ b - reg * plan.sum())
     if not log:
         return value, f, g
-    return value, f, g, {"plan": plan, "n_iter": n_iter, "residual": residual}
+    return value, f, g, {"plan": plan, **info}
+
+
+def _deprecated_alias(func, old, reason):
+    """``func`` under its old name for one more release, with a DeprecationWarning."""
+
+    @functools.wraps(func)
+    def alias(*args, **kwargs):
+        warnings.warn(f"{old} is deprecated: use {func.__name__} ({reason})", DeprecationWarning, 2)
+        return func(*args, **kwargs)
+
+    alias.__name__ = alias.__qualname__ = old
+    alias.__doc__ = f"Deprecated alias of :func:`{func.__name__}` ({reason})."
+    return alias
+
+
+_NOT_POT = "POT's function of this name returns the plan; this one the value and dual potentials"
+partial_wasserstein = _deprecated_alias(partial_wasserstein_dual, "partial_wasserstein", _NOT_POT)
+entropic_partial_wasserstein = _deprecated_alias(
+    entropic_partial_wasserstein_dual, "entropic_partial_wasserstein", _NOT_POT
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,7 +304,7 @@ class _Covering:
     def solve(self, selected, eta=0.0):
         """(value, f, g) of Eq. 1 on all columns; with eta = 0 this is the reduced LP on dev + S."""
         self.n_lp += 1
-        value, f, g = partial_wasserstein(self.cost, self.a, self.masses(selected, eta))
+        value, f, g = partial_wasserstein_dual(self.cost, self.a, self.masses(selected, eta))
         if eta == 0:
             self._pw[frozenset(selected)] = value
         return value, f, g
@@ -312,7 +348,7 @@ def _entropic_scores(problem, selected, opts):
     eps = opts["reg"]
     if opts["reg_relative"]:  # PW({}) = 0: nothing to cover, any scale will do
         eps *= problem.pw([]) or problem.cost.mean()
-    g = entropic_partial_wasserstein(
+    g = entropic_partial_wasserstein_dual(
         problem.cost,
         problem.a,
         problem.masses(selected, eta=opts["eta"]),
@@ -354,8 +390,7 @@ def _select_milp(problem, k, opts):
     # Objective = 1000 PW(S) / PW({}): HiGHS' fixed absolute gap (1e-6) is then negligible too.
     scale = n * pw_empty / 1000 if pw_empty > 0 else 1.0
     cap = n / problem.n_dev
-    row_sums = sparse.kron(sparse.eye(n), np.ones((1, m)))
-    col_sums = sparse.kron(np.ones((1, n)), sparse.eye(m))
+    row_sums, col_sums = transport_constraints(n, m)
     open_cols = sparse.vstack([-cap * sparse.eye(nc), sparse.csr_matrix((m - nc, nc))])
     A = sparse.vstack(
         [
@@ -467,6 +502,16 @@ def cover(
     Returns
     -------
     CoverResult with ``indices`` (k,), ``pw`` (k + 1,) and ``n_lp``.
+
+    Examples
+    --------
+    The application set has a far cluster (indices 20..24) that the development set lacks:
+
+    >>> rng = np.random.default_rng(0)
+    >>> X_app = np.vstack([rng.normal(size=(20, 2)), rng.normal(5.0, 0.1, size=(5, 2))])
+    >>> result = cover(X_app, rng.normal(size=(20, 2)), k=3, method="ctrans")
+    >>> bool((result.indices >= 20).all()), bool(result.pw[-1] < result.pw[0])
+    (True, True)
     """
     if method not in PW_METHODS + BASELINES:
         raise ValueError(f"method={method!r}: must be one of {', '.join(PW_METHODS + BASELINES)}")

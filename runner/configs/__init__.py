@@ -1,0 +1,1 @@
+"""Method configs: one dataclass per method, its defaults and checks (the `method` group's schemas)."""

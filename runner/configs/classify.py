@@ -1,0 +1,121 @@
+"""Method configs of tasks/classify.py: ERM and the mixup family (Co-Mixup and its baselines)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runner.methods.comixup import SOLVERS, THRES_TYPES
+from runner.schema import ConfigError, check_choice, check_range
+
+LOSSES = ("ce", "bce")
+
+
+@dataclass
+class ERMConfig:
+    name: str = "erm"
+    task: str = "classify"
+    loss: str = "ce"  # ce (soft-target CE) | bce (BCE on the softmax, the Puzzle Mix / Co-Mixup code)
+
+    def __post_init__(self):
+        check_choice("method.loss", self.loss, LOSSES)
+
+
+# --- the mixup family (runner/methods/mixup.py, comixup.py; hooks in mixup_training.py) ---------------
+
+
+@dataclass
+class InputMixupConfig(ERMConfig):
+    name: str = "input_mixup"
+    loss: str = "bce"  # the authors' code trains every row of the Co-Mixup table with it
+    alpha: float = 1.0  # mixing ratio ~ Beta(alpha, alpha) (Co-Mixup: Dirichlet(alpha))
+    clean_lam: float = 0.0  # weight of the clean-input loss added to the mixed loss
+    preview: bool = True  # write mixup_preview.png of the first mixed batch and log it
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("method.alpha", self.alpha, 0.0, lo_open=True)
+        check_range("method.clean_lam", self.clean_lam, 0.0)
+
+
+@dataclass
+class ManifoldMixupConfig(InputMixupConfig):
+    name: str = "manifold_mixup"
+    alpha: float = 2.0
+
+
+@dataclass
+class CutMixConfig(InputMixupConfig):
+    name: str = "cutmix"
+
+
+@dataclass
+class PuzzleMixConfig(InputMixupConfig):
+    """Defaults: the PuzzleMix README's CIFAR-100 command (its Tiny-ImageNet one: t_size=-1, clean_lam=1)."""
+
+    name: str = "puzzle_mix"
+    beta: float = 1.2  # label smoothness (x 1 / (16 g))
+    gamma: float = 0.5  # data (seam) smoothness
+    eta: float = 0.2  # prior weight
+    n_labels: int = 3  # mask levels in [0, 1]
+    grid: int = -1  # mask grid; -1 draws g from {2, 4, 8, 16} per batch
+    neigh_size: int = 4  # pixels pooled per seam sample
+    transport: bool = True
+    t_eps: float = 0.8  # transport distance cost
+    t_size: int = 4  # transport cells of this many pixels where finer than the cut's; -1: the cut's grid
+    adv_p: float = 0.0  # probability of adversarial noise on x and on its partner (each, per batch)
+    adv_eps: float = 10.0  # its L-inf radius, in /255 pixel units
+
+    def __post_init__(self):
+        super().__post_init__()
+        for key in ("beta", "gamma", "eta", "t_eps", "adv_eps"):
+            check_range(f"method.{key}", getattr(self, key), 0.0)
+        check_range("method.n_labels", self.n_labels, 2)
+        check_range("method.neigh_size", self.neigh_size, 1)
+        check_range("method.adv_p", self.adv_p, 0.0, 1.0)
+        if self.grid != -1:
+            check_range("method.grid", self.grid, 2)
+        if self.t_size != -1:
+            check_range("method.t_size", self.t_size, 1)
+
+
+@dataclass
+class CoMixupConfig(InputMixupConfig):
+    name: str = "comixup"
+    alpha: float = 2.0
+    clean_lam: float = 1.0
+    beta: float = 0.32  # smoothness
+    gamma: float = 1.0  # diversity (compatibility) penalty
+    eta: float = 0.05  # Dirichlet prior weight
+    tau: float = 0.83  # clipping threshold, in units of cells
+    thres_type: str = "hard"
+    omega: float = 0.001  # compatibility matrix A = (1 - omega) I + omega A_hat
+    grid: int = 4  # g x g cells per output; -1 draws from {2, 4, 8, 16}
+    part: int = 20  # inputs per partition
+    n_iter: int = 4  # sweeps of the block-coordinate descent
+    set_resolve: bool = True
+    mixed_labels: bool = True  # half/half blends of two inputs from the second sweep
+    solver: str = "gco_swap"
+    workers: int = -1  # -1: auto (CUDA: a process per partition up to the cores; CPU: in-process)
+
+    def __post_init__(self):
+        super().__post_init__()
+        for key in ("beta", "gamma", "eta", "tau"):
+            check_range(f"method.{key}", getattr(self, key), 0.0)
+        check_range("method.omega", self.omega, 0.0, 1.0)
+        check_range("method.part", self.part, 2)
+        check_range("method.n_iter", self.n_iter, 1)
+        check_range("method.workers", self.workers, -1)
+        check_choice("method.thres_type", self.thres_type, THRES_TYPES)
+        check_choice("method.solver", self.solver, SOLVERS)
+        if self.solver == "gco_expansion" and self.mixed_labels:  # else it fails at the first batch
+            raise ConfigError(
+                "method.solver='gco_expansion' needs method.mixed_labels=false: "
+                "the costs of blended labels are not a metric"
+            )
+        if self.grid != -1:
+            check_range("method.grid", self.grid, 1)
+
+
+MIXUP = (InputMixupConfig, ManifoldMixupConfig, CutMixConfig, PuzzleMixConfig, CoMixupConfig)
+
+METHODS: dict[str, type] = {"erm": ERMConfig, **{c.name: c for c in MIXUP}}

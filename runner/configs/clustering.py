@@ -1,0 +1,80 @@
+"""Method configs of tasks/clustering.py: k-means, DB-OT and balanced-OT clustering."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runner.methods.dbot import SOLVERS
+from runner.schema import check_choice, check_range
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "kmeans"
+    task: str = "clustering"
+    k: int = 0  # number of clusters; 0: the dataset's (meta n_clusters, else num_classes)
+    split: str = "all"  # train | test | all
+    per_class: int = 0  # > 0: only the first per_class samples of each class
+    features: str = "raw"  # raw | net
+    standardize: bool = False  # z-score each feature before clustering
+    plot: bool = True
+
+    def __post_init__(self):
+        check_range("method.k", self.k, 0)
+        check_choice("method.split", self.split, ("train", "test", "all"))
+        check_range("method.per_class", self.per_class, 0)
+        check_choice("method.features", self.features, ("raw", "net"))
+
+
+@dataclass
+class KMeansConfig(ClusterConfig):
+    name: str = "kmeans"
+    n_init: int = 10
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("method.n_init", self.n_init, 1)
+
+
+@dataclass
+class DBOTClusterConfig(ClusterConfig):
+    name: str = "dbot_cluster"
+    tau: float = 0.3  # cluster masses in [(1 - tau) / K, (1 + tau) / K]
+    eps: float = 0.05  # entropic regularisation, relative to the median squared distance
+    outer_iters: int = 20
+    init: str = "kmeans++"  # kmeans++ | random
+    hard_assign: bool = True  # centroids from argmax-masked plans (false: the paper's "no reweighting")
+    assign: str = "argmax"  # argmax (paper) | rounded (hard counts within the bounds)
+    solver: str = "dual"  # log domain: eps is small
+    max_iter: int = 1000
+    tol: float = 1e-6
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("method.tau", self.tau, 0.0, 1.0, hi_open=True)
+        check_range("method.eps", self.eps, 0.0, lo_open=True)
+        check_range("method.outer_iters", self.outer_iters, 1)
+        check_choice("method.init", self.init, ("kmeans++", "random"))
+        check_choice("method.assign", self.assign, ("argmax", "rounded"))
+        check_choice("method.solver", self.solver, SOLVERS)
+        check_range("method.max_iter", self.max_iter, 1)
+        check_range("method.tol", self.tol, 0.0, lo_open=True)
+
+
+@dataclass
+class BalancedClusterConfig(DBOTClusterConfig):
+    """Plain balanced-OT clustering: DB-OT with tau = 0 (every cluster mass exactly 1/K)."""
+
+    name: str = "balanced_cluster"
+    tau: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_range("method.tau", self.tau, 0.0, 0.0)
+
+
+METHODS = {
+    "kmeans": KMeansConfig,
+    "dbot_cluster": DBOTClusterConfig,
+    "balanced_cluster": BalancedClusterConfig,
+}

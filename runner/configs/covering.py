@@ -1,0 +1,60 @@
+"""Method config of tasks/covering.py: partial Wasserstein covering (PWC) and its baselines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runner.methods.pwc import BASELINES, BATCHED, PW_METHODS
+from runner.schema import ConfigError, check_choice, check_range
+
+
+@dataclass
+class CoverConfig:
+    name: str = "pwc"
+    task: str = "covering"
+    selector: str = "ctrans"
+    scenario: str = "dataset"  # dataset | mixture2d
+    k: int = 30
+    n_app: int = 300
+    n_dev: int = 300
+    missing_class: int = 0  # dataset: the class made rare in dev
+    dev_share: float = 0.005  # share of the missing pattern in dev (0: absent)
+    app_share: float = 0.2  # mixture2d: share of mode C in app (before outliers; digest E1: 0.3)
+    outliers: float = 0.02  # mixture2d: share of app drawn uniformly from the box
+    features: str = "raw"  # raw | net
+    checkpoint: str = ""  # features=net: embed with this runner checkpoint instead of training
+    batch: int = 1  # picks per LP (> 1: an extension beyond the paper)
+    eta: float = 1e-6  # sensitivity / entropic: relative mass of unselected candidates
+    reg: float = 0.01  # entropic: eps in cost units (the paper's), or a fraction of PW({}) (reg_relative)
+    reg_relative: bool = False
+    max_iter: int = 50_000  # entropic sweeps (the paper's cap)
+    tol: float = 1e-6  # entropic L1 row-marginal tolerance
+    mip_gap: float = 1e-6  # milp: HiGHS relative gap
+    plot: bool = True
+
+    def __post_init__(self):
+        check_choice("method.selector", self.selector, PW_METHODS + BASELINES)
+        check_choice("method.scenario", self.scenario, ("dataset", "mixture2d"))
+        check_range("method.n_app", self.n_app, 1)
+        check_range("method.n_dev", self.n_dev, 1)
+        check_range("method.k", self.k, 1, self.n_app)
+        check_range("method.missing_class", self.missing_class, 0)
+        check_range("method.dev_share", self.dev_share, 0.0, 1.0, hi_open=True)
+        check_range("method.app_share", self.app_share, 0.0, 1.0, hi_open=True)
+        check_range("method.outliers", self.outliers, 0.0, 1.0, hi_open=True)
+        check_choice("method.features", self.features, ("raw", "net"))
+        if self.selector == "entropy" and self.scenario == "mixture2d":
+            raise ConfigError(
+                "method.selector=entropy needs a dataset to train a classifier on; not mixture2d"
+            )
+        check_range("method.batch", self.batch, 1)
+        if self.batch > 1 and self.selector not in BATCHED:
+            raise ConfigError(f"method.batch={self.batch}: only {', '.join(BATCHED)} pick in batches")
+        check_range("method.eta", self.eta, 0.0, 1.0, lo_open=True)
+        check_range("method.reg", self.reg, 0.0, lo_open=True)
+        check_range("method.max_iter", self.max_iter, 1)
+        check_range("method.tol", self.tol, 0.0, lo_open=True)
+        check_range("method.mip_gap", self.mip_gap, 0.0)
+
+
+METHODS = {"pwc": CoverConfig}

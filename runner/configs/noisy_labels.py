@@ -1,0 +1,109 @@
+"""Method configs of tasks/noisy_labels.py: CSOT and its Table 4 ablations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runner.augment import POLICIES
+from runner.methods.csot import BUDGET_RULES
+from runner.schema import check_choice, check_range
+
+SELECTIONS = ("csot", "cot", "ot", "small_loss", "none")
+
+
+@dataclass
+class NoisyLabelConfig:
+    name: str = "csot"
+    task: str = "noisy_labels"
+    selection: str = "csot"
+    loss: str = "paper"  # paper | simple
+    warmup: int = 10  # epochs of CE on the noisy labels before the first selection
+    # CSOT solver (runner.methods.csot.csot_plan)
+    eps: float = 0.1
+    kappa_p: float = 1.0
+    kappa_l: float = 1.0
+    outer_iters: int = 10
+    inner_iters: int = 100
+    solve_batch: int = 1024
+    omega_p_input: str = "softmax"  # softmax (paper text) | log_softmax (authors' code, behind the tables)
+    feature_head: bool = True  # Linear(D, D) after the backbone, the classifier on top (the authors' Net)
+    # curriculum: m from m0 to 1; curriculum_end = T_sup, the end of the supervised stage
+    m0: float = 0.3
+    curriculum_end: int = 250
+    budget: str = "paper"  # paper: min(1, m0 + (t - 1)/(T_sup - 1)) | code: m0 at warm-up end, 1 at T_sup
+    # losses
+    pl_threshold: float = 0.95
+    sharpen_t: float = 0.5
+    mixup_alpha: float = 4.0
+    simsiam: bool = True  # SimSiam on the unlabeled batch (false: Table 4 (j))
+    simsiam_hidden: int = 128
+    correction: str = "ot"  # stage-2 labels: ot (pseudo-labels of the plan) | threshold (Table 4 (i))
+    stage_switch: str = "data"  # data | epoch | never (Table 4 (h))
+    asym_penalty: bool = True  # warm-up: add mean sum p log p under asymmetric noise (DivideMix)
+    gmm_threshold: float = 0.5  # small_loss selection
+    strong_aug: str = (
+        "autoaugment_cifar10"  # strong view: autoaugment_cifar10 | autoaugment_imagenet | randaugment
+    )
+    strong_groups: int = 8  # AutoAugment / RandAugment: one draw per group of samples in a batch
+    standardize: bool = False  # inputs to zero mean, unit variance per element (train statistics)
+
+    def __post_init__(self):
+        check_choice("method.selection", self.selection, SELECTIONS)
+        check_choice("method.loss", self.loss, ("paper", "simple"))
+        check_choice("method.omega_p_input", self.omega_p_input, ("softmax", "log_softmax"))
+        check_choice("method.budget", self.budget, BUDGET_RULES)
+        check_choice("method.correction", self.correction, ("ot", "threshold"))
+        check_choice("method.strong_aug", self.strong_aug, POLICIES)
+        check_choice("method.stage_switch", self.stage_switch, ("data", "epoch", "never"))
+        check_range("method.warmup", self.warmup, 0)
+        check_range("method.eps", self.eps, 0.0, lo_open=True)
+        check_range("method.kappa_p", self.kappa_p, 0.0)
+        check_range("method.kappa_l", self.kappa_l, 0.0)
+        for key in ("outer_iters", "inner_iters", "solve_batch", "simsiam_hidden", "strong_groups"):
+            check_range(f"method.{key}", getattr(self, key), 1)
+        check_range("method.m0", self.m0, 0.0, 1.0, lo_open=True)
+        check_range("method.curriculum_end", self.curriculum_end, max(self.warmup, 1) + 1)
+        check_range("method.pl_threshold", self.pl_threshold, 0.0, 1.0)
+        check_range("method.sharpen_t", self.sharpen_t, 0.0, lo_open=True)
+        check_range("method.mixup_alpha", self.mixup_alpha, 0.0, lo_open=True)
+        check_range("method.gmm_threshold", self.gmm_threshold, 0.0, 1.0)
+
+
+@dataclass
+class CSOTConfig(NoisyLabelConfig):
+    pass
+
+
+@dataclass
+class COTConfig(NoisyLabelConfig):
+    name: str = "cot"
+    selection: str = "cot"
+    kappa_p: float = 0.0
+    kappa_l: float = 0.0
+
+
+@dataclass
+class OTConfig(COTConfig):
+    name: str = "ot"
+    selection: str = "ot"
+
+
+@dataclass
+class SOTConfig(NoisyLabelConfig):
+    name: str = "sot"
+    selection: str = "ot"
+
+
+@dataclass
+class SmallLossConfig(NoisyLabelConfig):
+    name: str = "small_loss"
+    selection: str = "small_loss"
+
+
+@dataclass
+class CEConfig(NoisyLabelConfig):
+    name: str = "ce"
+    selection: str = "none"
+
+
+METHODS = {c.name: c for c in (CSOTConfig, COTConfig, OTConfig, SOTConfig, SmallLossConfig, CEConfig)}

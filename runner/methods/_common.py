@@ -1,0 +1,148 @@
+"""Pieces shared by the solvers in :mod:`runner.methods` (private: import them only from there).
+
+The solver convention (POT's), applied to every public solver in ``runner/methods``:
+
+- ``reg``: the entropic weight (the paper's epsilon), as in ``ot.sinkhorn(a, b, M, reg)``. It is the
+  one name project-wide; ``eps`` is kept one release as a deprecated alias (see :func:`renamed_kwargs`).
+  A regulariser of a different kind gets its own descriptive name, never ``reg``.
+- ``max_iter``: the cap on outer iterations (sweeps); ``tol``: the stopping threshold on ``err``.
+- ``method=``: the algorithm choice (never ``backend`` or ``solver``).
+- ``log=True``: also return a dict with at least ``n_iter`` (iterations run), ``err`` (the stopping
+  criterion's final value) and ``converged`` (bool); build it with :func:`convergence_log`, which also
+  emits the one shared ``UserWarning`` when the solver stopped at ``max_iter`` without converging.
+- Old keyword names keep working one release with a ``DeprecationWarning`` (:func:`renamed_kwargs`).
+
+Also here: :func:`logsumexp` for numpy arrays (scipy's) and torch tensors, and the transportation-LP
+constraint matrices (:func:`transport_constraints`) with the integrality check of TU LPs
+(:func:`integral_solution`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+
+import numpy as np
+from scipy import sparse
+from scipy.special import logsumexp as _scipy_logsumexp
+
+__all__ = [
+    "ConvergenceWarning",
+    "convergence_log",
+    "warn_not_converged",
+    "renamed_kwargs",
+    "logsumexp",
+    "transport_constraints",
+    "integral_solution",
+]
+
+
+class ConvergenceWarning(UserWarning):
+    """A solver stopped at ``max_iter`` before its stopping criterion fell below ``tol``."""
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_level() -> int:
+    """``stacklevel`` of the first frame outside ``runner/methods`` (the user's call of the solver)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_HERE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_not_converged(solver: str, n_iter: int, err: float, tol: float) -> None:
+    """Emit the shared :class:`ConvergenceWarning` (a ``UserWarning``) for ``solver``, attributed to
+    the first caller outside ``runner/methods``."""
+    warnings.warn(
+        f"{solver} did not converge: err={err:.3g} > tol={tol:.3g} after max_iter={n_iter} iterations; "
+        "raise max_iter or tol",
+        ConvergenceWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def convergence_log(
+    solver: str, n_iter: int, err: float, tol: float, converged=None, warn: bool = True, **extra
+) -> dict:
+    """The ``log`` dict of the convention: ``n_iter``, ``err``, ``converged`` (+ ``extra``).
+
+    ``converged`` defaults to ``err < tol``; when it is False and ``warn`` is set the shared warning is
+    emitted (so callers build this dict whether or not ``log=True`` was asked, and return it only if it
+    was; ``warn=False`` is POT's ``warn`` argument).
+    """
+    err = float(err)
+    converged = bool(err < tol) if converged is None else bool(converged)
+    if warn and not converged:
+        warn_not_converged(solver, n_iter, err, tol)
+    return dict(n_iter=int(n_iter), err=err, converged=converged, **extra)
+
+
+def renamed_kwargs(**old_to_new):
+    """Decorator: accept each old keyword name one release longer, with a ``DeprecationWarning``.
+
+    >>> @renamed_kwargs(eps="reg")
+    ... def solve(cost, reg=1.0):
+    ...     return reg
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True):
+    ...     warnings.simplefilter("always")
+    ...     solve(0, eps=0.5)
+    0.5
+    """
+
+    def wrap(func):
+        @functools.wraps(func)
+        def inner(*args, **kwargs):
+            for old, new in old_to_new.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{func.__name__}() got both {old!r} (deprecated) and {new!r}")
+                    warnings.warn(
+                        f"{func.__name__}({old}=...) is deprecated: use {new}=...",
+                        DeprecationWarning,
+                        stacklevel=2,
+                    )
+                    kwargs[new] = kwargs.pop(old)
+            return func(*args, **kwargs)
+
+        return inner
+
+    return wrap
+
+
+def logsumexp(x, axis: int, keepdims: bool = False):
+    """log sum_axis exp(x), stable; scipy's for numpy arrays, torch's for tensors (same device/dtype).
+
+    A slice that is all ``-inf`` gives ``-inf`` (no NaN).
+    """
+    if isinstance(x, np.ndarray):
+        with np.errstate(divide="ignore"):
+            return _scipy_logsumexp(x, axis=axis, keepdims=keepdims)
+    import torch
+
+    return torch.logsumexp(x, dim=axis, keepdim=keepdims)
+
+
+def transport_constraints(m: int, n: int):
+    """Sparse row- and column-sum operators on a row-major flattened (m, n) plan ``P.ravel()``.
+
+    Returns ``rows`` (m, m n) with ``rows @ P.ravel() = P 1_n`` and ``cols`` (n, m n) with
+    ``cols @ P.ravel() = P^T 1_m`` (CSR), the constraint blocks of every transportation LP/MILP.
+    """
+    rows = sparse.kron(sparse.eye(m), np.ones((1, n)), format="csr")
+    cols = sparse.kron(np.ones((1, m)), sparse.eye(n), format="csr")
+    return rows, cols
+
+
+def integral_solution(x, what: str, atol: float = 1e-6) -> np.ndarray:
+    """Round the simplex vertex ``x`` of a totally unimodular LP to int64, or raise if it is fractional."""
+    x = np.asarray(x, dtype=np.float64)
+    rounded = np.rint(x)
+    gap = np.abs(x - rounded).max(initial=0.0)
+    if gap > atol:
+        raise RuntimeError(f"HiGHS returned a fractional {what} (max deviation {gap:.2g})")
+    return rounded.astype(np.int64)

@@ -1,0 +1,163 @@
+"""DB-OT and the long-tail baselines in training and evaluation: the loss hook that `runner.train.fit`
+calls every step (on the model's device), the re-balanced test sets and the inference rules of
+`tasks/longtail.py` (its docstring lists the losses and rules; the config is `method.*` of that task).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runner.augment import PolicyAugment, cutout
+from runner.data import longtail_counts
+from runner.distributed_passes import global_batch
+from runner.methods.dbot import (
+    class_balanced_weights,
+    dbot_loss,
+    dbot_predict,
+    ldam_loss,
+    ldam_margins,
+    weighted_focal_loss,
+)
+from runner.schema import ConfigError
+from runner.train import soft_cross_entropy
+
+__all__ = ["LossHook", "evaluate_rules", "group_accuracies", "infer", "longtail_loss", "resampled_test_sets"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------
+def longtail_loss(logits, y_soft, m, prior: torch.Tensor, class_weights=None, margins=None) -> torch.Tensor:
+    """The loss `m.loss` of (B, K) logits against soft labels, given the training prior (K,); the
+    class-balanced weights (cb_ce, cb_focal, ldam under DRW) and LDAM margins in logit units."""
+    if m.loss == "ce":
+        return soft_cross_entropy(logits, y_soft)
+    if m.loss in ("balanced_softmax", "logit_adjust"):
+        tau = 1.0 if m.loss == "balanced_softmax" else m.la_tau
+        return soft_cross_entropy(logits + tau * torch.log(prior), y_soft)
+    if m.loss == "focal":
+        log_p = F.log_softmax(logits, dim=1)
+        return -(y_soft * (1 - log_p.exp()) ** m.focal_gamma * log_p).sum(dim=1).mean()
+    labels = y_soft.argmax(1)
+    if m.loss in ("cb_ce", "cb_focal"):
+        return weighted_focal_loss(
+            logits, labels, m.focal_gamma if m.loss == "cb_focal" else 0.0, class_weights
+        )
+    if m.loss == "ldam":
+        return ldam_loss(logits, labels, margins, class_weights)
+    return dbot_loss(logits, y_soft, prior, m.train_delta, m.k_train, m.loss_mode)
+
+
+class LossHook:
+    """`fit` hooks: the configured long-tail loss, and the CIFAR-LT batch augmentation."""
+
+    def __init__(self, method_cfg, train_counts: np.ndarray, device, epochs: int, stats=None):
+        self.m = method_cfg
+        self.prior = torch.as_tensor(train_counts / train_counts.sum(), dtype=torch.float32, device=device)
+        weights = torch.as_tensor(
+            class_balanced_weights(train_counts, method_cfg.cb_beta), dtype=torch.float32
+        )
+        self.class_weights = weights.to(device)
+        # on the device once: the loss then runs on the model's device with no host copies per step
+        margins = method_cfg.ldam_scale * ldam_margins(train_counts, method_cfg.ldam_max_margin)
+        self.margins = torch.as_tensor(margins, dtype=torch.float32, device=device)
+        self.drw_epoch = round(method_cfg.drw_start * epochs)
+        self.policy = PolicyAugment("autoaugment_cifar10", *stats) if method_cfg.augment != "none" else None
+
+    def transform(self, x, y_soft, idx, model):
+        if self.policy is None:
+            return x, y_soft
+        return cutout(self.policy(x), 16), y_soft
+
+    def loss(self, model, x, y_soft, idx, epoch):
+        weights = self.class_weights
+        if self.m.loss == "ldam" and epoch < self.drw_epoch:  # DRW: plain LDAM before the re-weighting
+            weights = None
+        # Under DDP on the global batch: the DB-OT losses and the weighted means couple the samples.
+        logits, y_soft = global_batch(model(x).float(), y_soft)
+        return longtail_loss(logits, y_soft, self.m, self.prior, weights, self.margins)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Test sets and inference
+# ----------------------------------------------------------------------------------------------------
+def resampled_test_sets(y: np.ndarray, num_classes: int, imbalance: float, names, rng) -> dict:
+    """Shuffled index sets into the test split: lt, uniform and reversed label profiles."""
+    per_class = [rng.permutation(np.flatnonzero(y == c)) for c in range(num_classes)]
+    n_min = min(len(p) for p in per_class)
+    if n_min == 0:
+        raise ConfigError("the test split lacks a class; a long-tailed evaluation needs every class")
+    lt = np.maximum(longtail_counts(n_min, num_classes, imbalance), 1)
+    counts = {"lt": lt, "uniform": np.full(num_classes, n_min), "reversed": lt[::-1]}
+    return {
+        name: rng.permutation(np.concatenate([p[:n] for p, n in zip(per_class, counts[name])]))
+        for name in names
+    }
+
+
+def infer(rule: str, m, logits, feats, weight, train_prior, test_prior, device=None) -> np.ndarray:
+    """Predicted classes (N,) of `rule` from logits (N, K) (and features/classifier weights for cls_norm);
+    the DB-OT rules solve on `device` when it is an accelerator (the model's; CPU or None: numpy)."""
+    if rule == "argmax":
+        return logits.argmax(1)
+    if rule == "cls_norm":
+        w = weight / np.linalg.norm(weight, axis=1, keepdims=True) ** m.cls_norm_tau
+        return (feats @ w.T).argmax(1)
+    if rule == "class_bias":
+        counts = np.maximum(test_prior * len(logits), 1.0)
+        return (logits - m.bias_tau * np.log(counts)).argmax(1)
+    if rule == "posthoc_la":
+        with np.errstate(divide="ignore"):
+            shift = m.bias_tau * (np.log(test_prior) - np.log(train_prior))
+        return (logits + shift).argmax(1)
+    delta = 0.0 if rule == "sinkhorn" else m.delta
+    batch = m.batch_size if m.scope == "batch" else None
+    if device is not None and torch.device(device).type != "cpu":  # on the host numpy is the faster path
+        logits = torch.as_tensor(logits, dtype=torch.float64, device=device)
+    pred = dbot_predict(logits, test_prior, delta, m.eps, batch, m.solver, m.max_iter, m.tol)
+    return pred.cpu().numpy() if isinstance(pred, torch.Tensor) else pred
+
+
+def group_accuracies(correct: np.ndarray, y: np.ndarray, train_counts: np.ndarray, m) -> dict:
+    """All / many / medium / few accuracy over samples, groups by their class's training count."""
+    groups = {
+        "many": train_counts >= m.many_min,
+        "medium": (train_counts > m.few_max) & (train_counts < m.many_min),
+        "few": train_counts <= m.few_max,
+    }
+    out = {"all": float(correct.mean())}
+    for name, classes in groups.items():
+        mask = classes[y]
+        if mask.any():  # e.g. CIFAR-10-LT has no medium group
+            out[name] = float(correct[mask].mean())
+    return out
+
+
+def evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, device=None) -> dict:
+    """Every rule of `m.inference` on every test set (index arrays into the test split), by class group,
+    and the headline: `test/acc` (argmax on the uniform test set) and `test/acc_<m.predict>`; the DB-OT
+    rules solve on `device` (see :func:`infer`)."""
+    k = len(train_counts)
+    train_prior = train_counts / train_counts.sum()
+    summary: dict = {}
+    for name, idx in test_sets.items():
+        y = y_test[idx]
+        test_prior = {
+            "oracle_test": np.bincount(y, minlength=k) / len(y),
+            "train": train_prior,
+            "uniform": np.full(k, 1.0 / k),
+        }[m.prior]
+        summary[f"{name}/n"] = len(idx)
+        for rule in m.inference:
+            pred = infer(rule, m, logits[idx], feats[idx], weight, train_prior, test_prior, device)
+            accs = group_accuracies(pred == y, y, train_counts, m)
+            summary |= {f"{name}/{rule}/{group}": acc for group, acc in accs.items()}
+    main_set = "uniform" if "uniform" in test_sets else m.test_sets[0]
+    idx = test_sets[main_set]
+    return {
+        "test/acc": float((logits[idx].argmax(1) == y_test[idx]).mean()),  # Table 1: plain argmax
+        f"test/acc_{m.predict}": summary[f"{main_set}/{m.predict}/all"],
+        **summary,
+    }

@@ -1,0 +1,223 @@
+"""Training-time and evaluation code of the hierarchical hash (`tasks.hashing`) around the library
+`runner.methods.hier_hash`: the per-iteration loss (Alg. 1), `runner.train.fit` hooks that train a
+net by iterations on class-balanced batches, and the retrieval evaluation of codes and its table."""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from runner.data.samplers import ClassBalancedEpochs, ClassBalancedSampler
+from runner.methods import hier_hash as hh
+from runner.models.hashing import PixelMeanInput
+from runner.schema import ConfigError
+from runner.train import batches, in_order, predict
+
+
+def hash_loss_and_codes(net, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg, remap):
+    """Alg. 1's loss on a batch x of nc classes x m examples (class-major): class-mean unaries per
+    level -> exact codes by min-cost flow, level by level -> labels per level (the code ids with
+    `remap`, else the classes) -> `hh.hash_loss` on the active dims. Returns (loss, seconds on codes)."""
+    out = net(x).view(nc, m, k, d)
+    unary = hh.class_unaries(out.float(), method.loss).cpu().numpy()  # on the device; the copy waits for it
+    start = time.perf_counter()
+    codes = hh.cascade_codes(unary, ks, method.alpha, beta, method.solver, method.cost_scale)
+    labels = hh.level_labels(codes, remap)
+    code_seconds = time.perf_counter() - start
+    return hh.hash_loss(out, codes, labels, method.loss, margin, l2_reg), code_seconds
+
+
+def base_loss(net, x, *, nc, m, method):
+    """The base embedding's metric loss: N-pairs, or semi-hard triplet on the unit sphere."""
+    emb = net(x).view(nc, m, -1)
+    labels = torch.arange(nc, device=emb.device)
+    if method.base_loss == "npairs":
+        return hh.npairs_loss(emb[:, 0], emb[:, 1], labels, method.base_l2)
+    unit = F.normalize(emb.reshape(nc * m, -1), dim=1)
+    return hh.triplet_semihard_loss(
+        torch.cdist(unit, unit) ** 2, labels.repeat_interleave(m), method.base_margin
+    )
+
+
+def hash_step(net, optimizer, x, **kwargs):
+    """One iteration of Alg. 1 (`hash_loss_and_codes`, then an optimizer step): (loss, code seconds)."""
+    loss, code_seconds = hash_loss_and_codes(net, x, **kwargs)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item(), code_seconds
+
+
+def lr_schedule(optimizer, decay_at, decay):
+    """Stepped once per iteration: iteration i (1-based) runs at lr * decay^#{t in decay_at : t < i}.
+    The paper's Cifar-100 rule is decay_at=[20000] over 70k iterations; the authors' code decays
+    every 50k ([50000, 100000] over its 300 epochs); ImageNet: every 6k / 10k."""
+    return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(decay_at), gamma=decay)
+
+
+class HashHooks:
+    """`runner.train.fit` hooks training one net for `method.iters` (or `iters`) iterations: batches of
+    `classes_per_batch` x `per_class` (`ClassBalancedSampler`, seeded by `seed`), `loss(net, x)` per
+    batch, Adam on `param_groups` with the step decay over iterations. With `val_score` (a function of
+    nothing, higher is better), `evaluate` reports it as `val/p@1` and fit keeps the best net; the
+    epoch is then `method.eval_every` training epochs long, else one pass over the training set.
+    `code_seconds` adds up the time spent on the codes."""
+
+    def __init__(self, method, labels, seed, param_groups, loss, iters=None, val_score=None):
+        self.method, self.param_groups, self._loss, self.val_score = method, param_groups, loss, val_score
+        self.iters = iters or method.iters
+        self.per_batch = method.classes_per_batch * method.per_class
+        self.sampler = ClassBalancedSampler(labels, method.classes_per_batch, method.per_class, seed)
+        epoch_iters = max(1, math.ceil(len(labels) / self.per_batch))  # one pass over the training set
+        self.select = None
+        if val_score is not None and method.eval_every > 0:
+            epoch_iters = max(1, round(method.eval_every * epoch_iters))
+            self.select = ("val/p@1", "max")  # the authors' model selection
+        self.epoch_iters = epoch_iters
+        self.code_seconds = 0.0
+
+    @property
+    def epochs(self) -> int:
+        return math.ceil(self.iters / self.epoch_iters)
+
+    def batch_sampler(self, default):
+        return ClassBalancedEpochs(self.sampler, self.epoch_iters, self.iters)
+
+    def optimizer(self, model):
+        optimizer = torch.optim.Adam(self.param_groups)
+        return optimizer, lr_schedule(optimizer, self.method.decay_at, self.method.decay), True
+
+    def loss(self, net, x, y_soft, idx, epoch):
+        loss, code_seconds = self._loss(net, x)
+        self.code_seconds += code_seconds
+        return loss
+
+    def evaluate(self, model):
+        return {"val/p@1": self.val_score()} if self.select is not None else {}
+
+
+def train_config(train, hooks: HashHooks):
+    """`train` (the run's `TrainConfig`) set to the hooks' epochs and batch, without lr warm-up."""
+    train = copy.copy(train)
+    train.epochs, train.batch_size, train.warmup_epochs = hooks.epochs, hooks.per_batch, 0
+    return train
+
+
+def pixel_mean_input(data, ctx, batch_size) -> PixelMeanInput:
+    """`PixelMeanInput` of the training split: its mean image, streamed without augmentation."""
+    normalize = data.meta.get("normalize")
+    if normalize is None and getattr(data.train, "std", None) is not None:  # a uint8 split decoded per batch
+        normalize = (data.train.mean, data.train.std)
+    if normalize is None:
+        raise ConfigError(
+            "method.input_norm=pixel_mean needs the dataset's per-channel (mean, std) (its meta "
+            "'normalize'), which this dataset does not give; use method.input_norm=dataset"
+        )
+    total = None
+    for x, _ in batches(data.train, ctx, in_order(len(data.train), batch_size)):
+        part = x.double().sum(0)
+        total = part if total is None else total + part
+    return PixelMeanInput((total / len(data.train)).cpu(), normalize[1])
+
+
+def outputs(net, split, ctx, batch_size, normalize=False) -> np.ndarray:
+    """Net outputs for all of a split in eval mode (optionally L2-normalized), as a float64 array."""
+    out = predict(net, split, ctx, batch_size)
+    return (F.normalize(out, dim=1) if normalize else out).double().numpy()
+
+
+def val_precision(act, emb, y, d, k, ks) -> float:
+    """Hash Pr@1 of the validation set against itself (query excluded): the model-selection score."""
+    neighbors, _ = hh.HashIndex(act, emb, d, k, ks).search(act, emb, 1, np.arange(len(y)))
+    return hh.precision_at_k(neighbors, y, y)
+
+
+def evaluate_code(table, queries, d, k, ks, table_act, query_act, eval_k) -> dict:
+    """Pr@K and SUF@K per K, and NMI of the ks = 1 buckets vs the classes, for one code and table.
+
+    table: `emb` (N, e), `y` (N,), `n_db`; queries: `emb`, `y`, `self_ids` (row in the table or None).
+    """
+    index = hh.HashIndex(table_act, table["emb"], d, k, ks)
+    cell = {"nmi": hh.nmi(hh.bucket_ids(table_act, d, k, 1)[:, 0], table["y"])}
+    for K in eval_k:
+        neighbors, n_cand = index.search(query_act, queries["emb"], K, queries["self_ids"])
+        cell[f"p@{K}"] = hh.precision_at_k(neighbors, queries["y"], table["y"])
+        cell[f"suf@{K}"] = hh.speedup_factor(n_cand, table["n_db"])
+    return cell
+
+
+def markdown_table(results, metric, rows, ks_list, eval_k) -> str:
+    """Rows = ks, columns = methods; cells 'SUF@K1; P@K1/P@K2/...' (percent) as in the paper."""
+    ks_header = "/".join(f"P@{K}" for K in eval_k)
+    lines = [
+        f"Metric (exhaustive, SUF 1): {ks_header} = " + "/".join(f"{100 * metric[K]:.1f}" for K in eval_k),
+        "",
+        f"| ks | {' | '.join(rows)} |",
+        "|---" * (len(rows) + 1) + "|",
+    ]
+    for ks in ks_list:
+        cells = [
+            f"{r[f'suf@{eval_k[0]}']:.1f}; " + "/".join(f"{100 * r[f'p@{K}']:.1f}" for K in eval_k)
+            if (r := results.get((row, ks))) is not None
+            else "-"
+            for row in rows
+        ]
+        lines.append(f"| {ks} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def retrieval_tables(codes, emb, splits, tables, eval_k, ks_list) -> tuple[dict, list[str]]:
+    """Exhaustive search and every code `{(row, ks): (d, k, {split: activations})}` queried with the test
+    set on each table: (`hash/<table>/<row>/ks<ks>/<metric>` and `hash/<table>/metric/p@K`, one
+    markdown table per table)."""
+    summary, report = {}, []
+    queries = {"emb": emb["test"], "y": splits["test"].y_clean.numpy()}
+    for table_name in tables:
+        is_test = table_name == "test"
+        table = {"emb": emb[table_name], "y": splits[table_name].y_clean.numpy()}
+        table["n_db"] = len(table["y"]) - is_test
+        queries["self_ids"] = np.arange(len(queries["y"])) if is_test else None
+        metric = {}
+        for K in eval_k:
+            neighbors = hh.exhaustive_search(queries["emb"], table["emb"], K, queries["self_ids"])
+            metric[K] = hh.precision_at_k(neighbors, queries["y"], table["y"])
+            summary[f"hash/{table_name}/metric/p@{K}"] = metric[K]
+        results = {}
+        for (row, ks), (d, k, act) in codes.items():
+            results[(row, ks)] = evaluate_code(table, queries, d, k, ks, act[table_name], act["test"], eval_k)
+            summary.update(
+                {f"hash/{table_name}/{row}/ks{ks}/{key}": v for key, v in results[(row, ks)].items()}
+            )
+        rows = list(dict.fromkeys(row for row, _ in codes))
+        report.append(f"### queries: test, table: {table_name}\n\n"
+                      + markdown_table(results, metric, rows, ks_list, eval_k))  # fmt: skip
+    return summary, report
+
+
+def baseline_codes(method, seed, emb, embed_train):
+    """Th, VQ and LSH codes from the base embedding, {(row, ks): (d, 1, {split name: activations})}.
+
+    VQ's k-means runs on the training set's base embedding, `embed_train()`. LSH is reported at ks=1
+    only, as the paper.
+    """
+    from sklearn.cluster import KMeans
+
+    codes = {}
+    if "th" in method.baselines:
+        codes.update({("Th", ks): (emb["test"].shape[1], 1, emb) for ks in method.ks})
+    if "vq" in method.baselines:
+        train_emb = embed_train()
+        for n in method.vq_centroids or [method.d, method.d**method.k]:
+            kmeans = KMeans(n, n_init=1, random_state=seed).fit(train_emb)
+            act = {name: -(kmeans.transform(e) ** 2) for name, e in emb.items()}
+            codes.update({(f"VQ-{n}", ks): (n, 1, act) for ks in method.ks})
+    if "lsh" in method.baselines and 1 in method.ks:
+        for n in method.lsh_bits or [max(1, round(math.log2(method.d * method.k)))]:
+            act = {name: hh.lsh_activations(e, n, seed=seed) for name, e in emb.items()}
+            codes[(f"LSH-{n}", 1)] = (2**n, 1, act)
+    return codes
