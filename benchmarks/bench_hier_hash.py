@@ -64,12 +64,13 @@ def solver_table(rng):
 
 
 def iteration_shares():
-    """Code-assignment share of a training iteration (tasks.hashing.hash_step), CPU wall time."""
+    """Code-assignment share of a training iteration (hash_training.hash_step), CPU wall time."""
     import torch
     from omegaconf import OmegaConf
 
+    from runner.methods.hash_training import hash_step
     from runner.models import build_model
-    from tasks.hashing import EmbeddingNet, hash_step
+    from runner.models.hashing import EmbeddingNet
 
     mlp = {"name": "mlp", "hidden": [128], "dropout": 0.0}
     # name, model, input shape, nc, d, k, ks, beta, iterations timed, torch threads

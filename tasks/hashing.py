@@ -45,7 +45,6 @@ from runner.methods.hash_training import (
     base_loss,
     baseline_codes,
     hash_loss_and_codes,
-    hash_step,  # noqa: F401  (benchmarks/bench_hier_hash.py imports it from here)
     outputs,
     pixel_mean_input,
     retrieval_tables,

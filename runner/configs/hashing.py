@@ -76,7 +76,7 @@ class HierHashConfig:
             values = getattr(self, key)
             if len(values) not in (1, len(self.ks)) or min(values) < 0:
                 bad(key, values, f"one value >= 0, or one per ks ({len(self.ks)})")
-        check_choice("method.solver", self.solver, hh.BACKENDS)
+        check_choice("method.solver", self.solver, hh.SOLVERS)
         if self.cost_scale is not None:  # null: automatic
             check_range("method.cost_scale", self.cost_scale, 0.0, lo_open=True)
         check_choice("method.loss", self.loss, hh.LOSSES)

@@ -158,8 +158,8 @@ class NoisyLabelHooks:
             labels = y if isinstance(probs, np.ndarray) else self.labels
             pseudo, weight, selected = map(_numpy, allocate(
                 probs, feats, labels, m, solve_batch=cfg.solve_batch, seed=self.seed * 100_003 + epoch,
-                eps=cfg.eps, kappa_p=cfg.kappa_p, kappa_l=cfg.kappa_l, outer_iters=cfg.outer_iters,
-                inner_iters=cfg.inner_iters, omega_p_input=cfg.omega_p_input,
+                reg=cfg.eps, kappa_p=cfg.kappa_p, kappa_l=cfg.kappa_l, max_iter=cfg.outer_iters,
+                inner_max_iter=cfg.inner_iters, omega_p_input=cfg.omega_p_input,
             ))  # fmt: skip
             clean, corrected = selected & (pseudo == y), selected & (pseudo != y)
         return clean, corrected, pseudo, weight, m, time.perf_counter() - start

@@ -26,7 +26,9 @@ def hash_loss_and_codes(net, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg
     out = net(x).view(nc, m, k, d)
     unary = hh.class_unaries(out.float(), method.loss).cpu().numpy()  # on the device; the copy waits for it
     start = time.perf_counter()
-    codes = hh.cascade_codes(unary, ks, method.alpha, beta, method.solver, method.cost_scale)
+    codes = hh.cascade_codes(
+        unary, ks, method.alpha, beta, method=method.solver, cost_scale=method.cost_scale
+    )
     labels = hh.level_labels(codes, remap)
     code_seconds = time.perf_counter() - start
     return hh.hash_loss(out, codes, labels, method.loss, margin, l2_reg), code_seconds
