@@ -473,8 +473,10 @@ def fit(
                 if check_loss:
                     _check_finite(pending, epoch, steps_per_epoch, state)
                     pending = (step, torch.isfinite(loss.detach()))
-                due = mid_epoch and 0 < cfg.checkpoint_every_minutes * 60 <= time.monotonic() - last_save
-                stop, due = _agree(ctx, signals.signum is not None, due)
+                stop = due = False
+                if not ctx.distributed or (step + 1) % AGREE_EVERY == 0:  # a vote waits on the GPU
+                    due = mid_epoch and 0 < cfg.checkpoint_every_minutes * 60 <= time.monotonic() - last_save
+                    stop, due = _agree(ctx, signals.signum is not None, due)
                 if stop or due:
                     _check_finite(pending, epoch, steps_per_epoch, state)
                     if mid_epoch:
@@ -604,6 +606,11 @@ def _check_finite(pending, epoch: int, steps: int, state: Resumable) -> None:
             f"non-finite loss at epoch {epoch + 1}, step {pending[0] + 1}/{steps}; last good checkpoint: "
             f"{state.last}; lower train.lr (or check the data)"
         )
+
+
+# Under DDP the ranks vote on stopping / saving every AGREE_EVERY steps: each vote is an all-reduce read
+# on the host, which stalls the GPU queue, and a stop signal may wait this many steps.
+AGREE_EVERY = 16
 
 
 def _agree(ctx: RunContext, *flags: bool) -> list[bool]:
