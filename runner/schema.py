@@ -2,8 +2,9 @@
 
 `validate(cfg)` turns a composed config into these dataclasses or raises `ConfigError` with a one-line
 message that names the bad key, its value and what is allowed. Datasets and models register their own
-subclasses (`register_dataset(..., schema=)`, `MODEL_SCHEMAS`); tasks declare their methods' schemas in
-their module attribute `METHODS`.
+subclasses (`DATASET_SCHEMAS`, filled by `runner.data.register_dataset(..., schema=)`; `MODEL_SCHEMAS`);
+the methods' schemas are `runner.configs` (one per method, by task). A field typed `Literal[...]` is
+checked against its choices (`runner.checks`).
 """
 
 from __future__ import annotations
@@ -18,30 +19,10 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from runner.checks import ConfigError, build, check_choice, check_range, omegaconf_type
+from runner.configs import TASK_METHODS
 
-class ConfigError(ValueError):
-    """A bad config value; the message is one line meant for the user."""
-
-
-def check_choice(key: str, value: Any, choices) -> None:
-    if value not in choices:
-        raise ConfigError(
-            f"{key}={value!r} is not a valid choice; choose one of: {', '.join(map(str, choices))}"
-        )
-
-
-def check_range(key: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
-    """Raise unless lo <= value <= hi (strict where `*_open`); NaN is in no range."""
-    bad = (
-        value != value
-        or (lo is not None and (value < lo or (lo_open and value == lo)))
-        or (hi is not None and (value > hi or (hi_open and value == hi)))
-    )
-    if bad:
-        left = "(" if lo_open else "["
-        right = ")" if hi_open else "]"
-        interval = f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
-        raise ConfigError(f"{key}={value!r} is out of range; must be in {interval}")
+__all__ = ["ConfigError", "check_choice", "check_range", "validate", "apply_debug", "task_module", "to_node"]
 
 
 # Real human label noise (CIFAR-10N / CIFAR-100N): the label sets of the released files, by dataset.
@@ -231,7 +212,7 @@ class TrainConfig:
     # error without one; never starts fresh and refuses a run dir holding one (nothing is overwritten);
     # force resumes it even when the config differs from the run dir's config.yaml (see runner/rundir.py).
     resume: str = "auto"
-    progress: bool = True
+    progress: bool = True  # false: no progress bar and no per-epoch lines (the metrics are still logged)
 
     def __post_init__(self):
         check_range("train.epochs", self.epochs, 1)
@@ -275,6 +256,25 @@ def apply_debug(cfg: DictConfig) -> None:
         smoke(cfg)
 
 
+@dataclass
+class PaperValue:
+    """One number of a preset's `paper:` block (metric name -> PaperValue), which runner-report prints
+    beside the runs' means: the paper's value on the runner's scale and where the paper gives it."""
+
+    value: float
+    table: str
+
+
+def paper_values(node) -> dict[str, PaperValue]:
+    """The checked `paper:` block: a mapping metric name -> {value: float, table: str}."""
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"paper={node!r} must be a mapping: metric name -> {{value: float, table: str}}")
+    return {str(metric): _to_schema(entry, PaperValue, f"paper.{metric}") for metric, entry in node.items()}
+
+
+# Dataset-specific schemas by dataset name; runner.data fills it as it registers each dataset.
+DATASET_SCHEMAS: dict[str, type] = {}
+
 TOP_LEVEL = {
     "dataset": DatasetConfig,
     "model": ModelConfig,
@@ -282,6 +282,8 @@ TOP_LEVEL = {
     "logger": LoggerConfig,
     "train": TrainConfig,
 }
+# Optional top-level keys and their checks: a method (`+method=NAME`), `+debug=smoke`, a preset's numbers.
+OPTIONAL = ("method", "debug", "paper")
 # Top-level scalars: their type and, for numbers, their range (numpy takes seeds in [0, 2**32 - 1]).
 SCALARS = {"seed": (int, 0, 2**32 - 1), "name": (str,)}
 # `field(metadata=ALLOW_INF)` marks a float key for which an infinity is meaningful; NaN never is.
@@ -305,14 +307,18 @@ def _check_finite(node: DictConfig, path: str) -> None:
 
 def _to_schema(node: DictConfig, schema: type, path: str):
     """Merge `node` into `schema`, returning the dataclass instance; one-line errors."""
-    names = [f.name for f in dataclasses.fields(schema)]
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path}={node!r} must be a mapping with keys: {', '.join(_names(schema))}")
+    names = _names(schema)
     for key in node:
         if key not in names:
             raise ConfigError(f"unknown key {path}.{key}; valid keys: {', '.join(names)}")
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        merged = OmegaConf.merge(OmegaConf.structured(omegaconf_type(schema)), node)
         _check_finite(merged, path)  # before __post_init__: range checks and derived values see no NaN
-        return OmegaConf.to_object(merged)
+        if OmegaConf.get_type(merged) is schema:
+            return OmegaConf.to_object(merged)
+        return build(schema, OmegaConf.to_container(merged, throw_on_missing=True))
     except ConfigError:
         raise
     except OmegaConfBaseException as e:
@@ -321,6 +327,19 @@ def _to_schema(node: DictConfig, schema: type, path: str):
         raise ConfigError(f"bad value for {key}: {reason}") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def to_node(obj) -> DictConfig:
+    """A checked schema object as a typed DictConfig: `OmegaConf.structured(obj)`, through the object's
+    `Literal`-free twin (`omegaconf_type`) where it has `Literal` fields (OmegaConf knows none)."""
+    twin = omegaconf_type(type(obj))
+    if twin is type(obj):
+        return OmegaConf.structured(obj)
+    return OmegaConf.merge(OmegaConf.structured(twin), dataclasses.asdict(obj))
+
+
+def _names(schema: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(schema)]
 
 
 def task_module(cfg: DictConfig):
@@ -339,10 +358,8 @@ def task_module(cfg: DictConfig):
 
 def validate(cfg: DictConfig) -> dict[str, Any]:
     """Check every group of a composed config; return the schema objects by group name."""
-    from runner.data import DATASET_SCHEMAS
-
     checked: dict[str, Any] = {}
-    known = set(TOP_LEVEL) | set(SCALARS) | {"method", "debug"}
+    known = set(TOP_LEVEL) | set(SCALARS) | set(OPTIONAL)
     for key in cfg:
         if key not in known:
             raise ConfigError(f"unknown key {key}; valid top-level keys: {', '.join(sorted(known))}")
@@ -360,14 +377,19 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         checked[group] = _to_schema(node, base, group)
     method = cfg.get("method")
     if method is not None:
-        module = task_module(cfg)
-        schemas = getattr(module, "METHODS", {})
+        task = method.get("task") if isinstance(method, DictConfig) else None
+        if task is None:
+            raise ConfigError("method.task is missing; every method config names its task")
+        check_choice("method.task", task, TASK_METHODS)
+        schemas = TASK_METHODS[task]
         name = method.get("name")
         if name not in schemas:
             raise ConfigError(
-                f"method.name={name!r} is not a method of task {method.task!r}; choices: {', '.join(schemas)}"
+                f"method.name={name!r} is not a method of task {task!r}; choices: {', '.join(schemas)}"
             )
         checked["method"] = _to_schema(method, schemas[name], "method")
     if cfg.get("debug") is not None:
         checked["debug"] = _to_schema(cfg.debug, DebugConfig, "debug")
+    if "paper" in cfg:
+        checked["paper"] = paper_values(cfg.paper)
     return checked

@@ -20,6 +20,7 @@ object with any of:
                                                         the scheduler steps after every batch
     evaluate(model) -> dict                             the per-epoch metrics instead of val/test accuracy
     select = (key, "max" | "min")                       keep and restore the best weights by that metric
+    epoch_metrics() -> dict                             added to the epoch's row (e.g. CSOT's select/*)
 
 Training by iterations: a hook's sampler cuts them into epochs (the unit of logging, evaluation and
 epoch-end checkpoints) and its per-step scheduler follows the iteration count.
@@ -386,6 +387,7 @@ def fit(
     hook_loss = getattr(hooks, "loss", None)
     hook_evaluate = getattr(hooks, "evaluate", None)
     select = getattr(hooks, "select", None)
+    epoch_metrics = getattr(hooks, "epoch_metrics", dict)
     mid_epoch = cfg.checkpoint and (on_epoch_start is None or getattr(hooks, "mid_epoch_resume", False))
 
     def evaluate_all() -> tuple[dict, dict]:
@@ -507,10 +509,11 @@ def fit(
                 history.append(metrics["test/acc"])
             if select is not None and _better(evaluated[select[0]], best, select[1]):
                 best = _snapshot(model, evaluated, calibration, select)
+            metrics.update(epoch_metrics())
             metrics.update(timings)
             metrics["time/epoch_s"] = time.perf_counter() - t0
             _log(ctx, tag, metrics, epoch)
-            if ctx.is_main:
+            if ctx.is_main and cfg.progress:
                 log.info(
                     "%sepoch %d/%d  %s", f"{tag}: " if tag else "", epoch + 1, cfg.epochs, _brief(metrics)
                 )
@@ -635,5 +638,5 @@ def _timings(ctx: RunContext, t_start: float, t_pass: float, t_transform: float,
 
 
 def _brief(metrics: dict) -> str:
-    keys = ("train/loss", "val/acc", "test/acc", "time/epoch_s")
+    keys = ("train/loss", "val/acc", "test/acc", "select/precision", "select/recall", "time/epoch_s")
     return "  ".join(f"{k} {metrics[k]:.4f}" for k in keys if k in metrics)

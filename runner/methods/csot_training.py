@@ -136,7 +136,10 @@ class NoisyLabelHooks:
         stats = selection_stats(clean, corrected, pseudo, y, y_clean)
         stats |= {"select/m": m, "select/solver_s": solver_s, "select/stage2": float(self.stage2)}
         self.last_stats = stats
-        self.ctx.tracker.log(stats, step=epoch)
+
+    def epoch_metrics(self) -> dict:
+        """The last selection's statistics, in each epoch's metrics row and line."""
+        return self.last_stats
 
     @torch.no_grad()
     def _select(self, epoch, probs, feats, y):
