@@ -36,8 +36,8 @@ Accuracies are reported per test set, rule and class group (by training count: m
 few <= few_max, medium between) as `<test set>/<rule>/<all|many|medium|few>`. `test/acc` is the plain
 argmax accuracy on the uniform (balanced) test set, what the paper's Table 1 reports; `test/acc_<predict>`
 is the uniform-test accuracy of the rule `method.predict` (e.g. `test/acc_dbot`). The training run's own
-metrics are kept (`val/acc`, the objective of a search; `test/acc_best`, `test/acc_last` over the whole
-test split), its last-epoch accuracy on the whole test split as `fit/test/acc`.
+metrics on the whole test split are `fit/test/*` (`fit/test/acc`, `fit/test/acc_best`, ...); `val/acc`
+keeps its name (the objective of a search).
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ def run(cfg, ctx) -> dict:
             raise ConfigError(f"method.augment={m.augment} needs images; {cfg.dataset.name} gives vectors")
         stats = CIFAR_STATS.get(cfg.dataset.name, IMAGENET_STATS)
     hooks = LossHook(m, train_counts, ctx.device, cfg.train.epochs, stats)
-    fitted = fit(model, data, cfg.train, ctx, hooks, augment=cfg.dataset.augment)
+    # tag "fit": its rows and epoch lines (accuracy on the whole test split) are named apart from the
+    # test/* of the inference rules on the resampled test sets below
+    fitted = fit(model, data, cfg.train, ctx, hooks, augment=cfg.dataset.augment, tag="fit")
 
     logits = predict_all(model, data.test, ctx).double().numpy()
     feats = predict_all(model, data.test, ctx, features=True).double().numpy()
@@ -89,7 +91,7 @@ def run(cfg, ctx) -> dict:
     imbalance = m.test_imbalance or data.meta.get("imbalance", cfg.dataset.imbalance)
     test_sets = resampled_test_sets(y_test, k, imbalance, m.test_sets, rng)
 
-    summary = {**fitted, "fit/test/acc": fitted.get("test/acc")}
+    summary = {f"fit/{key}" if key.startswith("test/") else key: value for key, value in fitted.items()}
     summary["train/counts"] = [int(c) for c in train_counts]
     # the DB-OT rules solve where the model ran (float64 on ctx.device)
     rules = evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, ctx.device)
