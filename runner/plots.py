@@ -11,25 +11,37 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DPI", "new_figure", "project_2d", "save_figure"]
+__all__ = ["DPI", "category_colors", "new_figure", "project_2d", "save_figure"]
 
 DPI = 110
 
 
 def new_figure(figsize=(5.5, 5), nrows: int = 1, ncols: int = 1, squeeze: bool = True):
-    """(figure, axes) of a fresh ``matplotlib.figure.Figure`` (``axes`` as ``plt.subplots`` gives them)."""
+    """(figure, axes) of a fresh ``matplotlib.figure.Figure`` (``axes`` as ``plt.subplots`` gives them).
+    Constrained layout: axes titles and the figure title make room for each other."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=figsize)
+    fig = Figure(figsize=figsize, layout="constrained")
     return fig, fig.subplots(nrows, ncols, squeeze=squeeze)
 
 
 def save_figure(fig, path, title: str | None = None) -> None:
-    """Title (``suptitle``), tight layout, write ``path`` at :data:`DPI`."""
+    """Title (``suptitle``) and write ``path`` at :data:`DPI`."""
     if title:
         fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
     fig.savefig(path, dpi=DPI)
+
+
+def category_colors(labels) -> np.ndarray:
+    """One RGB row per integer label, distinct for up to 20 categories: tab10's colours for up to 10,
+    beyond that tab20's dark shades before its light ones (neighbouring labels never share a hue)."""
+    from matplotlib import colormaps
+
+    labels = np.asarray(labels)
+    n = int(labels.max()) + 1 if labels.size else 0
+    tab20 = colormaps["tab20"].colors
+    palette = colormaps["tab10"].colors if n <= 10 else tab20[0::2] + tab20[1::2]
+    return np.asarray(palette)[labels % len(palette)]
 
 
 def project_2d(*arrays, fit=None, title: str = ""):

@@ -20,7 +20,7 @@ import torch
 from runner.configs.clustering import METHODS, BalancedClusterConfig, DBOTClusterConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
 from runner.methods.dbot import dbot_cluster
-from runner.plots import new_figure, project_2d, save_figure
+from runner.plots import category_colors, new_figure, project_2d, save_figure
 from runner.schema import ConfigError
 
 METRIC = ("cluster/nmi", "max")
@@ -88,7 +88,7 @@ def plot_clusters(x, labels, centroids, title: str, path) -> None:
     """The samples (2-D or their PCA) coloured by cluster, the centroids marked."""
     (x, centroids), title = project_2d(x, centroids, fit=x, title=title)
     fig, ax = new_figure()
-    ax.scatter(x[:, 0], x[:, 1], c=labels, cmap="tab20", s=10, vmin=0, vmax=max(19, labels.max()))
+    ax.scatter(x[:, 0], x[:, 1], c=category_colors(labels), s=10)
     ax.scatter(centroids[:, 0], centroids[:, 1], c="black", marker="x", s=80, linewidths=2)
     save_figure(fig, path, title)
 

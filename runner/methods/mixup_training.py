@@ -25,6 +25,7 @@ from runner.methods.comixup import CONFIG_KEYS as COMIXUP_CONFIG_KEYS
 from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
 from runner.methods.comixup import ComixupPool, auto_workers, comixup
 from runner.methods.mixup import cutmix, default_mixup_layers, input_mixup, manifold_mixup, puzzle_mix
+from runner.plots import new_figure, save_figure
 from runner.train import soft_cross_entropy
 
 SALIENCY_METHODS = ("comixup", "puzzle_mix")
@@ -209,17 +210,13 @@ class MixupHooks:
 def save_mixup_preview(
     x: torch.Tensor, y: torch.Tensor, path: Path, title: str = "", count: int = 16
 ) -> Path:
-    """PNG grid of the first `count` mixed images, each titled with its label weights (class:weight)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """PNG grid of the first `count` mixed images, each titled with its label weights (class:weight, the
+    three largest, one per line so that a title stays within its image's width)."""
     images = x[:count].detach().float().cpu()
     weights = y[:count].detach().float().cpu()
     cols = min(8, len(images))
     rows = -(-len(images) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(1.6 * cols, 1.8 * rows), squeeze=False)
+    fig, axes = new_figure((1.5 * cols, 2.0 * rows + 0.4), rows, cols, squeeze=False)
     for ax in axes.ravel():
         ax.axis("off")
     for ax, image, w in zip(axes.ravel(), images, weights):
@@ -227,10 +224,7 @@ def save_mixup_preview(
         image = ((image - lo) / (hi - lo + 1e-12)).permute(1, 2, 0).numpy()
         ax.imshow(image[..., 0] if image.shape[-1] == 1 else image, cmap="gray", vmin=0, vmax=1)
         top = torch.argsort(w, descending=True)[:3]
-        ax.set_title(" ".join(f"{int(k)}:{w[k]:.2f}" for k in top if w[k] > 0.005), fontsize=7)
-    fig.suptitle(f"{title} mixed batch (class:label weight)", fontsize=9)
-    fig.tight_layout()
+        ax.set_title("\n".join(f"{int(k)}:{w[k]:.2f}" for k in top if w[k] > 0.005), fontsize=6)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, f"{title} mixed batch (class:label weight)")
     return path
