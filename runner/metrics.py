@@ -27,24 +27,19 @@ def expected_calibration_error(binned: torch.Tensor) -> float:
 
 def reliability_plot(path, binned: torch.Tensor, title: str = "") -> None:
     """Accuracy against confidence per bin (bars), with the diagonal of perfect calibration."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from runner.plots import new_figure, save_figure
 
     count, conf, correct = binned
     bins = binned.shape[1]
     centres = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
     acc = torch.where(count > 0, correct / count.clamp(min=1), torch.zeros_like(count))
-    fig, ax = plt.subplots(figsize=(4, 4))
+    fig, ax = new_figure((4, 4))
     ax.bar(centres, acc, width=1 / bins, edgecolor="black", label="accuracy")
     ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
     ax.set(xlabel="confidence", ylabel="accuracy", xlim=(0, 1), ylim=(0, 1))
     ax.set_title(f"{title}  ECE {expected_calibration_error(binned):.3f}".strip())
     ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def history_summary(accuracies: list[float], prefix: str = "test/acc") -> dict:

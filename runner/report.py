@@ -375,20 +375,18 @@ def _mean_std(mean: float, std: float) -> str:
 
 def plot(report: Report, out: Path) -> list[Path]:
     """Write the PNGs into `out`; return their paths."""
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+    from runner.plots import DPI, new_figure
 
     written = []
     for param in report.swept:
-        fig = Figure(figsize=(5, 3.6), layout="constrained")
-        ax = fig.add_subplot()
+        fig, ax = new_figure((5, 3.6))
         _plot_against(ax, report, param)
         path = out / f"report_{_slug(param)}.png"
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=DPI)
         written.append(path)
     curves = [(g, _curves(g, report.metric)) for g in report.groups]
     if any(c for _, c in curves):
-        fig = Figure(figsize=(10, 3.6), layout="constrained")
-        axes = fig.subplots(1, 2)
+        fig, axes = new_figure((10, 3.6), 1, 2)
         best = report.best()
         for g, per_key in curves:
             label = _params_label(g.params) or "all runs"
@@ -403,7 +401,7 @@ def plot(report: Report, out: Path) -> list[Path]:
         if 1 < len(curves) <= 10:
             axes[1].legend(fontsize=7)
         path = out / "report_curves.png"
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=DPI)
         written.append(path)
     return written
 

@@ -513,10 +513,11 @@ def fit(
             metrics.update(timings)
             metrics["time/epoch_s"] = time.perf_counter() - t0
             _log(ctx, tag, metrics, epoch)
-            if ctx.is_main and cfg.progress:
-                log.info(
-                    "%sepoch %d/%d  %s", f"{tag}: " if tag else "", epoch + 1, cfg.epochs, _brief(metrics)
-                )
+            if ctx.is_main:
+                if cfg.progress:
+                    log.info(
+                        "%sepoch %d/%d  %s", f"{tag}: " if tag else "", epoch + 1, cfg.epochs, _brief(metrics)
+                    )
                 if cfg.checkpoint:
                     state.save(epoch, None, {"history": history, "best": best})
             last_save = time.monotonic()

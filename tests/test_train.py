@@ -45,6 +45,16 @@ def test_fit_learns_separable_blobs_and_writes_metrics(tmp_path):
     assert (tmp_path / CHECKPOINT).exists()
 
 
+@pytest.mark.parametrize("progress", [True, False])
+def test_progress_false_quiets_the_epoch_lines_but_keeps_the_rows(tmp_path, caplog, progress):
+    model_cfg, train_cfg, ctx = setup(tmp_path, "train.epochs=2", f"train.progress={progress}")
+    with caplog.at_level("INFO", logger="runner.train"):
+        fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx)
+    lines = [r.message for r in caplog.records if r.message.startswith("epoch ")]
+    assert len(lines) == (2 if progress else 0)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
 class KillAt:
     """Raise at the start of `epoch`, as if the process were killed there."""
 
