@@ -2,12 +2,18 @@
 
 Every job's config is checked before Hydra starts anything (`preflight`), so a typo in a 20-job sweep
 fails in a second with one line naming the bad value and the valid choices, instead of in job 7.
+
+Order-free composition: conf/config.yaml holds an empty `method` slot (`method: null`) that a preset
+fills (`override /method: csot`) and the command line replaces; `+method=NAME` (the documented spelling)
+is read as `method=NAME` (`canonical`), so `+method`, `+experiment` and `+debug` compose to the same
+config in any order, in single runs and in every job a launcher or sweeper composes.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -21,11 +27,15 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from runner import rundir
+import runner.data  # noqa: F401  (registers the datasets and their schemas)
+from runner import configs, rundir, schema
 from runner.faults import CheckpointError, Diverged, Interrupted
-from runner.schema import ConfigError, apply_debug, task_module, validate
+from runner.schema import ConfigError, apply_debug, task_module, to_node, validate
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+configs.register()  # the method schemas: the base of each conf/method/*.yaml
+# Until runner/data/__init__.py registers into runner.schema.DATASET_SCHEMAS itself (then a no-op).
+schema.DATASET_SCHEMAS.update(runner.data.DATASET_SCHEMAS)
 log = logging.getLogger("runner")
 
 # Hydra flags that consume the next argument.
@@ -42,6 +52,10 @@ _FLAGS_WITH_VALUE = {
     "--config-dir",
     "--experimental-rerun",
 }
+# Hydra's error for a group option no search path holds, squeezed to one line: group, value, options.
+_MISSING_OPTION = (
+    r"Could not (?:find|load) '([^']+)/([^']+)'.*?Available options in '[^']+':(.*?)(?:Config search path|$)"
+)
 _INFO_VALUES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 
 
@@ -62,10 +76,25 @@ def _override_args(argv: list[str]) -> list[str] | None:
     return out
 
 
-def _check_group_choice(group: str, value: str) -> None:
-    options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
-    if value not in options:
-        raise ConfigError(f"{group}={value!r} is not an option; choices: {', '.join(options)}")
+def canonical(overrides: list[str]) -> list[str]:
+    """`overrides` with `+method=NAME` as `method=NAME`: the method slot of conf/config.yaml always exists
+    (empty, or filled by a preset), so the method is chosen, not appended, wherever it stands."""
+    return [o.removeprefix("+") if o.startswith("+method=") else o for o in overrides]
+
+
+def _config_dirs(argv: list[str]) -> list[str]:
+    """`--config-dir DIR` / `-cd DIR` of `argv` as a `hydra.searchpath` override (what Hydra's own
+    command line does with it), so that preflight composes with the user's groups too."""
+    dirs = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg in ("-cd", "--config-dir")]
+    if not dirs:
+        return []
+    return ["hydra.searchpath=[" + ",".join(f"file://{Path(d).resolve()}" for d in dirs) + "]"]
+
+
+def _job_overrides(argv: list[str]) -> list[str] | None:
+    """The overrides that shape the jobs of `argv` (its `--config-dir` too), or None for help/info."""
+    overrides = _override_args(argv)
+    return None if overrides is None else _config_dirs(argv) + canonical(overrides)
 
 
 def _variants(overrides: list[str]) -> list[list[str]]:
@@ -77,7 +106,6 @@ def _variants(overrides: list[str]) -> list[list[str]]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ValueType
 
-    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra"}
     choices: list[tuple[str, list[str]]] = []
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -92,11 +120,6 @@ def _variants(overrides: list[str]) -> list[list[str]]:
             values = [int(v) if "int" in o.value().tags else v for v in ends]
         else:
             values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [None]
-        if key in groups and not o.is_delete():
-            for v in values:
-                _check_group_choice(key, v if v is not None else o.get_value_element_as_str())
-        if key == "method" and not o.is_add() and not o.is_force_add():
-            raise ConfigError("method is appended, not replaced: write +method=NAME")
         choices.append(
             (
                 o.input_line,
@@ -111,13 +134,20 @@ def _variants(overrides: list[str]) -> list[list[str]]:
 
 
 def _compose(overrides: list[str]) -> DictConfig:
+    """The job config of `overrides` (`+method=` read as `method=`); a one-line ConfigError if it fails."""
     from hydra import compose, initialize_config_dir
 
+    overrides = canonical(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
             return compose("config", overrides=overrides)
         except Exception as e:
             message = " ".join(str(e).split())
+            missing = re.search(_MISSING_OPTION, message)
+            if missing:  # a group option that no search path holds (conf/, --config-dir, hydra.searchpath)
+                group, value, options = missing.groups()
+                choices = ", ".join(options.split())
+                raise ConfigError(f"{group}={value!r} is not an option; choices: {choices}") from None
             unknown = re.match(r"Could not override '([^']+)'", message)
             if not unknown:
                 raise ConfigError(message) from None
@@ -136,6 +166,7 @@ def _compose_hydra(overrides: list[str]) -> DictConfig:
     """The first job's config with the `hydra` node (launcher, sweeper, run dir) of the command line."""
     from hydra import compose, initialize_config_dir
 
+    overrides = canonical(overrides)
     job = _variants(overrides)[0] + [o for o in overrides if o.startswith(("hydra/", "hydra."))]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
@@ -155,20 +186,21 @@ def _sweep_params(overrides: list[str]) -> list[str]:
 def preflight(argv: list[str]) -> None:
     """Compose and validate each job a command line would launch (in a sweep: each swept value, both ends
     of each search interval); raise ConfigError on the first bad one."""
-    overrides = _override_args(argv)
+    overrides = _job_overrides(argv)
     if overrides is None:
         return
     if {"-m", "--multirun"} & set(argv):
         overrides = _sweep_params(overrides) + overrides
+    searchpath = [o for o in overrides if o.lstrip("+").startswith("hydra.searchpath=")]  # users' groups
     for variant in _variants(overrides):
-        validate(_compose(variant))
+        validate(_compose(searchpath + variant))
 
 
 def _typed(cfg: DictConfig, schemas: dict) -> DictConfig:
     """The job config with every schema default filled in (what tasks read and what is saved)."""
     typed = OmegaConf.create({"seed": cfg.seed, "name": cfg.get("name", "run")})
     for group, obj in schemas.items():
-        typed[group] = OmegaConf.structured(obj)
+        typed[group] = to_node(obj) if dataclasses.is_dataclass(obj) else obj
     return typed
 
 
@@ -294,7 +326,7 @@ def objective(module, cfg) -> str:
 def _launch_overrides(argv: list[str]) -> list[str]:
     """Hydra overrides a launch adds (README, "Sweeps"): the Optuna direction of the task's METRIC and
     a search that goes on past failed trials (unless given), no Hydra files from torchrun ranks but 0."""
-    overrides = _override_args(argv)
+    overrides = _job_overrides(argv)
     if overrides is None:
         return []
     extra = []
@@ -319,7 +351,7 @@ def _launch_overrides(argv: list[str]) -> list[str]:
 def _claim_run_dir(argv: list[str]) -> None:
     """A single run into an existing run dir (a resume): lock it and check the resume before Hydra
     rewrites the dir's .hydra/ files; `_run` takes the same lock again and releases it."""
-    overrides = _override_args(argv)
+    overrides = _job_overrides(argv)
     if overrides is None or {"-m", "--multirun"} & set(argv):
         return
     cfg = _compose_hydra(overrides)
@@ -337,6 +369,7 @@ def _claim_run_dir(argv: list[str]) -> None:
 
 
 def main() -> None:
+    sys.argv[1:] = canonical(sys.argv[1:])  # what Hydra parses, records and re-composes per job
     try:
         preflight(sys.argv[1:])
         _claim_run_dir(sys.argv[1:])

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from omegaconf import open_dict
 
 from runner.cli import CONF_DIR, _compose, preflight
 from runner.schema import ConfigError, check_range, validate
@@ -28,11 +29,9 @@ def test_every_method_composes_and_validates(method):
 
 
 @pytest.mark.parametrize("experiment", options("experiment"))
-def test_every_experiment_preset_composes(experiment):
+def test_every_experiment_preset_composes_with_its_method(experiment):
     cfg = _compose([f"+experiment={experiment}"])
-    if "method" in cfg and "task" not in cfg.method:  # a preset for a family of methods: pick its namesake
-        cfg = _compose([f"+method={experiment.split('_')[0]}", f"+experiment={experiment}"])
-    validate(cfg)
+    assert experiment.startswith(validate(cfg)["method"].name + "_")  # csot_cifar100: csot
 
 
 @pytest.mark.parametrize(
@@ -40,7 +39,11 @@ def test_every_experiment_preset_composes(experiment):
     [
         (["dataset=nope"], ["dataset='nope'", "digits", "synthetic"]),
         (["+method=nope"], ["method='nope'", "erm"]),
-        (["method=erm"], ["+method=NAME"]),
+        (["+experiment=nope"], ["experiment='nope'", "csot_digits"]),
+        (
+            ["+method=comixup", "method.thres_type=hardest"],
+            ["method.thres_type='hardest'", "hard, soft, none"],
+        ),
         (["train.nope=1"], ["train.nope", "epochs", "batch_size"]),
         (["train.epochs=many"], ["train.epochs", "many"]),
         (["train.lr=-0.1"], ["train.lr=-0.1", "(0.0, inf]"]),
@@ -78,3 +81,36 @@ def test_check_range_open_and_closed_bounds():
 
 def test_conf_dir_is_the_repo_conf():
     assert CONF_DIR == Path(__file__).resolve().parents[1] / "conf"
+
+
+def _with_paper(paper):
+    cfg = _compose([])
+    with open_dict(cfg):
+        cfg.paper = paper
+    return cfg
+
+
+def test_a_paper_block_maps_metrics_to_a_value_and_its_table():
+    checked = validate(
+        _with_paper({"test/acc": {"value": 0.5, "table": "Table 1"}, "test/p@1": {"value": 1, "table": "T2"}})
+    )
+    assert checked["paper"]["test/acc"].value == 0.5 and checked["paper"]["test/acc"].table == "Table 1"
+    assert isinstance(checked["paper"]["test/p@1"].value, float)
+    assert validate(_with_paper({}))["paper"] == {}
+
+
+@pytest.mark.parametrize(
+    "paper,expected",
+    [
+        ([0.5], "paper=[0.5] must be a mapping"),
+        ({"test/acc": 0.5}, "paper.test/acc=0.5 must be a mapping with keys: value, table"),
+        ({"test/acc": {"value": "high", "table": "T1"}}, "bad value for paper.test/acc.value"),
+        ({"test/acc": {"value": 0.5}}, "paper.test/acc.table"),
+        ({"test/acc": {"value": 0.5, "table": "T1", "std": 0.1}}, "unknown key paper.test/acc.std"),
+        ({"test/acc": {"value": float("nan"), "table": "T1"}}, "paper.test/acc.value=nan: must be a finite"),
+    ],
+)
+def test_a_malformed_paper_block_is_one_line(paper, expected):
+    with pytest.raises(ConfigError) as err:
+        validate(_with_paper(paper))
+    assert expected in str(err.value) and "\n" not in str(err.value)

@@ -15,7 +15,7 @@ from hydra.core.override_parser.types import ValueType
 from test_report import PNG, mean_std, table_rows
 
 import tasks.classify
-from runner.cli import CONF_DIR, _compose, _launch_overrides, preflight
+from runner.cli import CONF_DIR, _compose, _launch_overrides, canonical, preflight
 from runner.report import main as report_main
 from runner.schema import ConfigError, validate
 
@@ -137,7 +137,7 @@ def test_search_spaces_of_a_sweep_config_are_checked_too(monkeypatch):
 
 def _hydra_compose(overrides):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=overrides, return_hydra_config=True)
+        return compose("config", overrides=canonical(overrides), return_hydra_config=True)
 
 
 SWEEPS = sorted(p.stem for p in (CONF_DIR / "sweep").glob("*.yaml"))

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
+from runner.checks import ConfigError, check_range
+from runner.configs._base import MethodConfig
 from runner.methods.comixup import SOLVERS, THRES_TYPES
-from runner.schema import ConfigError, check_choice, check_range
 
 LOSSES = ("ce", "bce")
 
 
 @dataclass
-class ERMConfig:
+class ERMConfig(MethodConfig):
     name: str = "erm"
     task: str = "classify"
-    loss: str = "ce"  # ce (soft-target CE) | bce (BCE on the softmax, the Puzzle Mix / Co-Mixup code)
-
-    def __post_init__(self):
-        check_choice("method.loss", self.loss, LOSSES)
+    loss: Literal[LOSSES] = (
+        "ce"  # ce (soft-target CE) | bce (BCE on the softmax, the Puzzle Mix / Co-Mixup code)
+    )
 
 
 # --- the mixup family (runner/methods/mixup.py, comixup.py; hooks in mixup_training.py) ---------------
@@ -26,7 +27,7 @@ class ERMConfig:
 @dataclass
 class InputMixupConfig(ERMConfig):
     name: str = "input_mixup"
-    loss: str = "bce"  # the authors' code trains every row of the Co-Mixup table with it
+    loss: Literal[LOSSES] = "bce"  # the authors' code trains every row of the Co-Mixup table with it
     alpha: float = 1.0  # mixing ratio ~ Beta(alpha, alpha) (Co-Mixup: Dirichlet(alpha))
     clean_lam: float = 0.0  # weight of the clean-input loss added to the mixed loss
     preview: bool = True  # write mixup_preview.png of the first mixed batch and log it
@@ -87,14 +88,14 @@ class CoMixupConfig(InputMixupConfig):
     gamma: float = 1.0  # diversity (compatibility) penalty
     eta: float = 0.05  # Dirichlet prior weight
     tau: float = 0.83  # clipping threshold, in units of cells
-    thres_type: str = "hard"
+    thres_type: Literal[THRES_TYPES] = "hard"
     omega: float = 0.001  # compatibility matrix A = (1 - omega) I + omega A_hat
     grid: int = 4  # g x g cells per output; -1 draws from {2, 4, 8, 16}
     part: int = 20  # inputs per partition
     n_iter: int = 4  # sweeps of the block-coordinate descent
     set_resolve: bool = True
     mixed_labels: bool = True  # half/half blends of two inputs from the second sweep
-    solver: str = "gco_swap"
+    solver: Literal[SOLVERS] = "gco_swap"
     workers: int = -1  # -1: auto (CUDA: a process per partition up to the cores; CPU: in-process)
 
     def __post_init__(self):
@@ -105,8 +106,6 @@ class CoMixupConfig(InputMixupConfig):
         check_range("method.part", self.part, 2)
         check_range("method.n_iter", self.n_iter, 1)
         check_range("method.workers", self.workers, -1)
-        check_choice("method.thres_type", self.thres_type, THRES_TYPES)
-        check_choice("method.solver", self.solver, SOLVERS)
         if self.solver == "gco_expansion" and self.mixed_labels:  # else it fails at the first batch
             raise ConfigError(
                 "method.solver='gco_expansion' needs method.mixed_labels=false: "

@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
+from runner.checks import check_range
+from runner.configs._base import MethodConfig
 from runner.methods.dbot import SOLVERS
-from runner.schema import check_choice, check_range
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(MethodConfig):
     name: str = "kmeans"
     task: str = "clustering"
     k: int = 0  # number of clusters; 0: the dataset's (meta n_clusters, else num_classes)
-    split: str = "all"  # train | test | all
+    split: Literal["train", "test", "all"] = "all"
     per_class: int = 0  # > 0: only the first per_class samples of each class
-    features: str = "raw"  # raw | net
+    features: Literal["raw", "net"] = "raw"  # net: embeddings of `model` trained on the train split
     standardize: bool = False  # z-score each feature before clustering
     plot: bool = True
 
     def __post_init__(self):
+        super().__post_init__()
         check_range("method.k", self.k, 0)
-        check_choice("method.split", self.split, ("train", "test", "all"))
         check_range("method.per_class", self.per_class, 0)
-        check_choice("method.features", self.features, ("raw", "net"))
 
 
 @dataclass
@@ -42,10 +43,12 @@ class DBOTClusterConfig(ClusterConfig):
     tau: float = 0.3  # cluster masses in [(1 - tau) / K, (1 + tau) / K]
     eps: float = 0.05  # entropic regularisation, relative to the median squared distance
     outer_iters: int = 20
-    init: str = "kmeans++"  # kmeans++ | random
+    init: Literal["kmeans++", "random"] = "kmeans++"
     hard_assign: bool = True  # centroids from argmax-masked plans (false: the paper's "no reweighting")
-    assign: str = "argmax"  # argmax (paper) | rounded (hard counts within the bounds)
-    solver: str = "dual"  # log domain: eps is small
+    assign: Literal["argmax", "rounded"] = (
+        "argmax"  # argmax (paper) | rounded (hard counts within the bounds)
+    )
+    solver: Literal[SOLVERS] = "dual"  # log domain: eps is small
     max_iter: int = 1000
     tol: float = 1e-6
 
@@ -54,9 +57,6 @@ class DBOTClusterConfig(ClusterConfig):
         check_range("method.tau", self.tau, 0.0, 1.0, hi_open=True)
         check_range("method.eps", self.eps, 0.0, lo_open=True)
         check_range("method.outer_iters", self.outer_iters, 1)
-        check_choice("method.init", self.init, ("kmeans++", "random"))
-        check_choice("method.assign", self.assign, ("argmax", "rounded"))
-        check_choice("method.solver", self.solver, SOLVERS)
         check_range("method.max_iter", self.max_iter, 1)
         check_range("method.tol", self.tol, 0.0, lo_open=True)
 

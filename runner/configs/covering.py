@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
+from runner.checks import ConfigError, check_range
+from runner.configs._base import MethodConfig
 from runner.methods.pwc import BASELINES, BATCHED, PW_METHODS
-from runner.schema import ConfigError, check_choice, check_range
 
 
 @dataclass
-class CoverConfig:
+class CoverConfig(MethodConfig):
     name: str = "pwc"
     task: str = "covering"
-    selector: str = "ctrans"
-    scenario: str = "dataset"  # dataset | mixture2d
+    selector: Literal[PW_METHODS + BASELINES] = "ctrans"
+    scenario: Literal["dataset", "mixture2d"] = "dataset"  # mixture2d: 2-D Gaussians, the dataset unused
     k: int = 30
     n_app: int = 300
     n_dev: int = 300
@@ -21,7 +23,7 @@ class CoverConfig:
     dev_share: float = 0.005  # share of the missing pattern in dev (0: absent)
     app_share: float = 0.2  # mixture2d: share of mode C in app (before outliers; digest E1: 0.3)
     outliers: float = 0.02  # mixture2d: share of app drawn uniformly from the box
-    features: str = "raw"  # raw | net
+    features: Literal["raw", "net"] = "raw"  # net: embeddings of `model`, trained here or loaded
     checkpoint: str = ""  # features=net: embed with this runner checkpoint instead of training
     batch: int = 1  # picks per LP (> 1: an extension beyond the paper)
     eta: float = 1e-6  # sensitivity / entropic: relative mass of unselected candidates
@@ -33,8 +35,7 @@ class CoverConfig:
     plot: bool = True
 
     def __post_init__(self):
-        check_choice("method.selector", self.selector, PW_METHODS + BASELINES)
-        check_choice("method.scenario", self.scenario, ("dataset", "mixture2d"))
+        super().__post_init__()
         check_range("method.n_app", self.n_app, 1)
         check_range("method.n_dev", self.n_dev, 1)
         check_range("method.k", self.k, 1, self.n_app)
@@ -42,7 +43,6 @@ class CoverConfig:
         check_range("method.dev_share", self.dev_share, 0.0, 1.0, hi_open=True)
         check_range("method.app_share", self.app_share, 0.0, 1.0, hi_open=True)
         check_range("method.outliers", self.outliers, 0.0, 1.0, hi_open=True)
-        check_choice("method.features", self.features, ("raw", "net"))
         if self.selector == "entropy" and self.scenario == "mixture2d":
             raise ConfigError(
                 "method.selector=entropy needs a dataset to train a classifier on; not mixture2d"

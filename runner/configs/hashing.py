@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from runner.methods import hier_hash as hh
-from runner.schema import ConfigError, check_choice, check_range
+from runner.checks import ConfigError, check_range
+from runner.configs._base import MethodConfig
+from runner.methods.hier_hash import LOSSES, SOLVERS
 
 TABLES = ("test", "train")
 BASELINES = ("th", "vq", "level1", "lsh")
@@ -13,7 +15,7 @@ INPUT_NORMS = ("dataset", "pixel_mean")
 
 
 @dataclass
-class HierHashConfig:
+class HierHashConfig(MethodConfig):
     """Defaults: the paper's Cifar-100 N-pairs setting (70k iterations of 64 x 2, x0.3 after 20k)."""
 
     name: str = "hier_hash"
@@ -24,11 +26,11 @@ class HierHashConfig:
     ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     alpha: float = 100.0
     beta: list[float] = field(default_factory=lambda: [0.07, 0.1, 0.1, 0.1])  # one value or one per ks
-    solver: str = "ortools"
+    solver: Literal[SOLVERS] = "ortools"  # all exact
     cost_scale: float | None = None
     remap: bool = True
     # metric loss given codes
-    loss: str = "npairs"
+    loss: Literal[LOSSES] = "npairs"
     margin: list[float] = field(default_factory=lambda: [0.5])  # triplet; one value or one per ks
     npairs_l2: list[float] = field(default_factory=lambda: [0.03, 0.01, 0.003, 0.001])  # one or per ks
     # class-balanced batches and schedule
@@ -40,19 +42,21 @@ class HierHashConfig:
     decay_at: list[int] = field(default_factory=lambda: [20_000])  # iterations after which lr *= decay
     decay: float = 0.3
     # base embedding (reranking, Th, VQ and LSH)
-    base: str = "pretrain"
+    base: Literal["pretrain", "raw"] = "pretrain"  # raw: the flattened inputs
     base_dim: int = 64
-    base_loss: str = "npairs"
+    base_loss: Literal[LOSSES] = "npairs"
     base_margin: float = 0.3
     base_l2: float = 0.003
     base_iters: int = 70_000
     base_lr: float = 1e-3
     base_checkpoint: str | None = None
-    input_norm: str = "dataset"  # dataset: its normalisation | pixel_mean: x/255 - train mean image
+    input_norm: Literal[INPUT_NORMS] = (
+        "dataset"  # dataset: its normalisation | pixel_mean: x/255 - train mean image
+    )
     # evaluation
     eval_k: list[int] = field(default_factory=lambda: [1, 4, 16])
-    tables: list[str] = field(default_factory=lambda: ["test", "train"])
-    baselines: list[str] = field(default_factory=lambda: ["th", "vq"])
+    tables: list[Literal[TABLES]] = field(default_factory=lambda: ["test", "train"])
+    baselines: list[Literal[BASELINES]] = field(default_factory=lambda: ["th", "vq"])  # level1: [11]
     vq_centroids: list[int] = field(default_factory=list)  # empty: [d, d^k]
     level1_d: list[int] = field(default_factory=list)  # [11]: empty: [d*k], equal output count
     level1_beta: list[float] = field(default_factory=lambda: [0.3])  # [11]'s own (ICML18 Cifar N-pairs)
@@ -64,6 +68,8 @@ class HierHashConfig:
     checkpoint_every: int = 2000
 
     def __post_init__(self):
+        super().__post_init__()
+
         def bad(key, value, allowed):  # list-valued keys; scalars go through check_range/check_choice
             raise ConfigError(f"method.{key}={value!r}: must be {allowed}")
 
@@ -76,11 +82,8 @@ class HierHashConfig:
             values = getattr(self, key)
             if len(values) not in (1, len(self.ks)) or min(values) < 0:
                 bad(key, values, f"one value >= 0, or one per ks ({len(self.ks)})")
-        check_choice("method.solver", self.solver, hh.SOLVERS)
         if self.cost_scale is not None:  # null: automatic
             check_range("method.cost_scale", self.cost_scale, 0.0, lo_open=True)
-        check_choice("method.loss", self.loss, hh.LOSSES)
-        check_choice("method.base_loss", self.base_loss, hh.LOSSES)
         check_range("method.classes_per_batch", self.classes_per_batch, 2)
         if self.per_class < 2 or ("npairs" in (self.loss, self.base_loss) and self.per_class != 2):
             bad("per_class", self.per_class, ">= 2, and exactly 2 with the N-pairs loss")
@@ -91,18 +94,14 @@ class HierHashConfig:
         if self.decay_at != sorted(self.decay_at) or min(self.decay_at, default=1) < 1:
             bad("decay_at", self.decay_at, "ascending iterations >= 1")
         check_range("method.decay", self.decay, 0.0, 1.0, lo_open=True)
-        check_choice("method.base", self.base, ("pretrain", "raw"))
-        check_choice("method.input_norm", self.input_norm, INPUT_NORMS)
         if self.base == "pretrain":
             check_range("method.base_dim", self.base_dim, 1)
             check_range("method.base_iters", self.base_iters, 1)
             check_range("method.base_lr", self.base_lr, 0.0, lo_open=True)
         if not self.eval_k or min(self.eval_k) < 1:
             bad("eval_k", self.eval_k, "a non-empty list of ints >= 1")
-        if not self.tables or not set(self.tables) <= set(TABLES):
+        if not self.tables:
             bad("tables", self.tables, f"a non-empty subset of {list(TABLES)}")
-        if not set(self.baselines) <= set(BASELINES):
-            bad("baselines", self.baselines, f"a subset of {list(BASELINES)}")
         if self.vq_centroids and min(self.vq_centroids) < max(self.ks):
             bad("vq_centroids", self.vq_centroids, f"ints >= max(ks)={max(self.ks)}")
         if self.level1_d and min(self.level1_d) < max(self.ks):

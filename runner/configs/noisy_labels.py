@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from runner.augment import POLICIES
+from runner.checks import check_range
+from runner.configs._base import MethodConfig
 from runner.methods.csot import BUDGET_RULES
-from runner.schema import check_choice, check_range
 
 SELECTIONS = ("csot", "cot", "ot", "small_loss", "none")
 
 
 @dataclass
-class NoisyLabelConfig:
+class NoisyLabelConfig(MethodConfig):
     name: str = "csot"
     task: str = "noisy_labels"
-    selection: str = "csot"
-    loss: str = "paper"  # paper | simple
+    selection: Literal[SELECTIONS] = "csot"
+    loss: Literal["paper", "simple"] = "paper"  # simple: CE on the selected and corrected samples
     warmup: int = 10  # epochs of CE on the noisy labels before the first selection
     # CSOT solver (runner.methods.csot.csot_plan)
     eps: float = 0.1
@@ -25,36 +27,34 @@ class NoisyLabelConfig:
     outer_iters: int = 10
     inner_iters: int = 100
     solve_batch: int = 1024
-    omega_p_input: str = "softmax"  # softmax (paper text) | log_softmax (authors' code, behind the tables)
+    omega_p_input: Literal["softmax", "log_softmax"] = (
+        "softmax"  # softmax (paper text) | log_softmax (authors' code, behind the tables)
+    )
     feature_head: bool = True  # Linear(D, D) after the backbone, the classifier on top (the authors' Net)
     # curriculum: m from m0 to 1; curriculum_end = T_sup, the end of the supervised stage
     m0: float = 0.3
     curriculum_end: int = 250
-    budget: str = "paper"  # paper: min(1, m0 + (t - 1)/(T_sup - 1)) | code: m0 at warm-up end, 1 at T_sup
+    budget: Literal[BUDGET_RULES] = (
+        "paper"  # paper: min(1, m0 + (t - 1)/(T_sup - 1)) | code: m0 at warm-up end, 1 at T_sup
+    )
     # losses
     pl_threshold: float = 0.95
     sharpen_t: float = 0.5
     mixup_alpha: float = 4.0
     simsiam: bool = True  # SimSiam on the unlabeled batch (false: Table 4 (j))
     simsiam_hidden: int = 128
-    correction: str = "ot"  # stage-2 labels: ot (pseudo-labels of the plan) | threshold (Table 4 (i))
-    stage_switch: str = "data"  # data | epoch | never (Table 4 (h))
+    correction: Literal["ot", "threshold"] = (
+        "ot"  # stage-2 labels: ot (pseudo-labels of the plan) | threshold (Table 4 (i))
+    )
+    stage_switch: Literal["data", "epoch", "never"] = "data"  # never: Table 4 (h)
     asym_penalty: bool = True  # warm-up: add mean sum p log p under asymmetric noise (DivideMix)
     gmm_threshold: float = 0.5  # small_loss selection
-    strong_aug: str = (
-        "autoaugment_cifar10"  # strong view: autoaugment_cifar10 | autoaugment_imagenet | randaugment
-    )
+    strong_aug: Literal[POLICIES] = "autoaugment_cifar10"  # the strong view
     strong_groups: int = 8  # AutoAugment / RandAugment: one draw per group of samples in a batch
     standardize: bool = False  # inputs to zero mean, unit variance per element (train statistics)
 
     def __post_init__(self):
-        check_choice("method.selection", self.selection, SELECTIONS)
-        check_choice("method.loss", self.loss, ("paper", "simple"))
-        check_choice("method.omega_p_input", self.omega_p_input, ("softmax", "log_softmax"))
-        check_choice("method.budget", self.budget, BUDGET_RULES)
-        check_choice("method.correction", self.correction, ("ot", "threshold"))
-        check_choice("method.strong_aug", self.strong_aug, POLICIES)
-        check_choice("method.stage_switch", self.stage_switch, ("data", "epoch", "never"))
+        super().__post_init__()
         check_range("method.warmup", self.warmup, 0)
         check_range("method.eps", self.eps, 0.0, lo_open=True)
         check_range("method.kappa_p", self.kappa_p, 0.0)
@@ -77,7 +77,7 @@ class CSOTConfig(NoisyLabelConfig):
 @dataclass
 class COTConfig(NoisyLabelConfig):
     name: str = "cot"
-    selection: str = "cot"
+    selection: Literal[SELECTIONS] = "cot"
     kappa_p: float = 0.0
     kappa_l: float = 0.0
 
@@ -85,25 +85,25 @@ class COTConfig(NoisyLabelConfig):
 @dataclass
 class OTConfig(COTConfig):
     name: str = "ot"
-    selection: str = "ot"
+    selection: Literal[SELECTIONS] = "ot"
 
 
 @dataclass
 class SOTConfig(NoisyLabelConfig):
     name: str = "sot"
-    selection: str = "ot"
+    selection: Literal[SELECTIONS] = "ot"
 
 
 @dataclass
 class SmallLossConfig(NoisyLabelConfig):
     name: str = "small_loss"
-    selection: str = "small_loss"
+    selection: Literal[SELECTIONS] = "small_loss"
 
 
 @dataclass
 class CEConfig(NoisyLabelConfig):
     name: str = "ce"
-    selection: str = "none"
+    selection: Literal[SELECTIONS] = "none"
 
 
 METHODS = {c.name: c for c in (CSOTConfig, COTConfig, OTConfig, SOTConfig, SmallLossConfig, CEConfig)}

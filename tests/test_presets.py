@@ -1,0 +1,218 @@
+"""Presets and method configs: order-free composition, one source of method defaults, users' config
+folders, and (slow) every preset runs under `+debug=smoke`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from runner.cli import CONF_DIR, _compose, canonical, preflight
+from runner.configs import METHODS, TASK_METHODS
+from runner.schema import ConfigError, validate
+
+PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+# A family preset and another method of its family that `+method=` puts in the preset's place.
+REPLACED = {"comixup_digits_canvas": "cutmix", "csot_cifar100": "ot", "dbot_cifar10_lt": "focal"}
+
+
+@pytest.fixture
+def composed():
+    """`compose(overrides)` as `runner` composes a job (`+method=` read as `method=`), as a plain dict."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        yield lambda *overrides: OmegaConf.to_container(
+            compose("config", overrides=canonical(list(overrides)))
+        )
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_preset_composes_the_same_in_any_order(composed, preset):
+    alone = composed(f"+experiment={preset}")
+    method = alone["method"]["name"]  # every preset names its method: alone, it is the paper run
+    after = composed(f"+experiment={preset}", f"+method={method}", "+debug=smoke")
+    before = composed("+debug=smoke", f"+method={method}", f"+experiment={preset}")
+    assert before == after
+    assert {k: v for k, v in after.items() if k != "debug"} == alone
+    assert after["debug"]["name"] == "smoke"
+
+
+@pytest.mark.parametrize("preset,method", REPLACED.items())
+def test_a_method_given_with_a_family_preset_replaces_its_method_in_any_order(composed, preset, method):
+    after = composed(f"+experiment={preset}", f"+method={method}")
+    before = composed(f"+method={method}", "+debug=smoke", f"+experiment={preset}")
+    assert {k: v for k, v in before.items() if k != "debug"} == after
+    schema = METHODS[method]()
+    assert after["method"]["name"] == method and after["method"]["task"] == schema.task
+    own = composed(f"+experiment={preset}")
+    assert after["train"] == own["train"] and after["dataset"] == own["dataset"]  # the preset's protocol
+    validate(OmegaConf.create({k: v for k, v in after.items() if k != "paper"}))
+
+
+def test_a_method_sweep_over_a_preset_composes_each_method_after_the_preset(tmp_path):
+    """The Table 1 sweep: each job's method is the swept one, with the preset's protocol."""
+    from runner.cli import _variants
+
+    jobs = _variants(canonical(["+method=erm,comixup", "+experiment=comixup_digits_canvas"]))
+    assert [j[0] for j in jobs] == ["method=erm", "method=comixup"]
+    names = [_compose(job).method.name for job in jobs]
+    assert names == ["erm", "comixup"]
+
+
+def test_without_a_method_the_plain_baseline_runs(composed):
+    assert "method" not in composed()
+
+
+def test_a_method_file_holds_no_defaults_but_its_schema(composed):
+    """One source: conf/method/NAME.yaml only extends the schema (defaults list, comments), and composes
+    to exactly the schema's defaults; every schema has its file and every file its schema."""
+    files = {p.stem: p for p in (CONF_DIR / "method").glob("*.yaml")}
+    assert set(files) == set(METHODS)
+    for name, path in files.items():
+        assert set(yaml.safe_load(path.read_text())) == {"defaults"}, path
+        assert composed(f"+method={name}")["method"] == dataclasses.asdict(METHODS[name]()), name
+
+
+def test_every_method_schema_names_its_task_and_checks_its_choices_by_type():
+    for task, methods in TASK_METHODS.items():
+        for name, schema in methods.items():
+            assert (schema().name, schema().task) == (name, task)
+    with pytest.raises(ConfigError) as err:
+        METHODS["dbot"](inference=["argmax", "magic"])
+    assert str(err.value) == (
+        "method.inference='magic' is not a valid choice; choose one of: "
+        "argmax, cls_norm, class_bias, posthoc_la, sinkhorn, dbot"
+    )
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (
+            ["+method=comixup", "method.solver=magic"],
+            "method.solver='magic' is not a valid choice; choose one of: gco_swap",
+        ),
+        (
+            ["+experiment=csot_digits", "method.budget=soon"],
+            "method.budget='soon' is not a valid choice; choose one of: paper, code",
+        ),
+        (
+            ["+method=focal", "method.loss=magic"],
+            "method.loss='magic' is not a valid choice; choose one of: ce,",
+        ),
+        (["+method=hier_hash", "method.tables=[test,magic]"], "method.tables='magic' is not a valid choice"),
+    ],
+)
+def test_a_bad_choice_is_one_line_naming_key_value_and_choices(args, expected):
+    with pytest.raises(ConfigError) as err:
+        preflight(args)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- users' config folders
+
+
+def _user_conf(root: Path, k: int = 5) -> Path:
+    (root / "experiment").mkdir(parents=True)
+    (root / "experiment" / "mine.yaml").write_text(
+        "# @package _global_\n"
+        "defaults:\n  - override /method: pwc\n  - _self_\n"
+        f"method:\n  scenario: mixture2d\n  k: {k}\n  n_app: 60\n  n_dev: 40\n"
+    )
+    return root
+
+
+@pytest.mark.parametrize("how", ["--config-dir", "hydra.searchpath"])
+def test_an_experiment_from_a_users_config_folder_composes_and_validates(tmp_path, how):
+    conf = _user_conf(tmp_path / "conf")
+    given = ["--config-dir", str(conf)] if how == "--config-dir" else [f"hydra.searchpath=[file://{conf}]"]
+    preflight([*given, "+experiment=mine", "+debug=smoke"])
+    preflight([*given, "+method=pwc", "+experiment=mine"])
+    with pytest.raises(ConfigError, match=r"experiment='nope' is not an option; choices: .*mine"):
+        preflight([*given, "+experiment=nope"])
+    bad = _user_conf(tmp_path / "bad", k=0)
+    given = ["--config-dir", str(bad)] if how == "--config-dir" else [f"hydra.searchpath=[file://{bad}]"]
+    with pytest.raises(ConfigError, match=r"method.k=0 is out of range"):
+        preflight([*given, "+experiment=mine"])
+
+
+def test_a_users_experiment_is_composed_by_hydra_too(tmp_path):
+    conf = _user_conf(tmp_path / "conf")
+    cfg = _compose([f"hydra.searchpath=[file://{conf}]", "+experiment=mine"])
+    assert (cfg.method.name, cfg.method.k, cfg.method.n_dev) == ("pwc", 5, 40)
+
+
+@pytest.mark.slow
+def test_the_cli_runs_an_experiment_from_a_users_config_folder(tmp_path):
+    conf = _user_conf(tmp_path / "conf")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runner.cli",
+            "--config-dir",
+            str(conf),
+            "+experiment=mine",
+            "logger=none",
+            "method.plot=false",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "run" / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------- every preset runs (slow)
+
+# Datasets read from files: without them (RUNNER_REAL_DATA unset) a preset runs on generated images of
+# the same shape (`dataset=fake`), as `+debug=smoke` checks a preset's wiring, not its numbers.
+FAKE_LIKE = {
+    "cifar10": "cifar10",
+    "cifar100": "cifar100",
+    "tiny_imagenet": "tiny_imagenet",
+    "imagenet": "imagenet",
+    "imagenet_lt": "imagenet",
+    "imagenet32": "cifar100",
+    "clothing1m": "imagenet",
+    "webvision": "imagenet",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_runs_under_debug_smoke(tmp_path, preset):
+    cfg = _compose([f"+experiment={preset}"])
+    extra = []
+    if cfg.dataset.name in FAKE_LIKE and not os.environ.get("RUNNER_REAL_DATA"):
+        extra += ["dataset=fake", f"dataset.like={FAKE_LIKE[cfg.dataset.name]}"]
+        if cfg.method.get("input_norm") == "pixel_mean":  # generated images have no dataset statistics
+            extra += ["method.input_norm=dataset"]
+    if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
+        extra += ["hardware=cpu", "train.batch_size=64"]  # the eval batch sizes the held-out pools
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runner.cli",
+            f"+experiment={preset}",
+            "+debug=smoke",
+            "logger=none",
+            f"hydra.run.dir={tmp_path}",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "summary.json").exists()
