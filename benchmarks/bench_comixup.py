@@ -14,11 +14,12 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from runner.configs.classify import CoMixupConfig
 from runner.methods.comixup import comixup
 from runner.methods.mixup import puzzle_mix
 from runner.methods.mixup_training import MixupHooks
 from runner.models import build_model
-from tasks.classify import CoMixupConfig
+from runner.schema import to_node
 
 TARGET_S = 0.15  # the bound for one batch on the 2-core CPU
 B, C, H, W, K = 100, 3, 32, 32, 100
@@ -53,7 +54,7 @@ def step_times(model_cfg: dict, shape: tuple, repeats: int) -> tuple[float, floa
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.rand(B, *shape)
     y = torch.nn.functional.one_hot(torch.arange(B) % 10, 10).float()
-    hooks = MixupHooks(OmegaConf.structured(CoMixupConfig(preview=False)), 10, ctx=None, seed=0)
+    hooks = MixupHooks(to_node(CoMixupConfig(preview=False)), 10, ctx=None, seed=0)
 
     def vanilla():
         loss = torch.nn.functional.cross_entropy(model(x), y.argmax(1))

@@ -28,14 +28,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import runner.data  # noqa: F401  (registers the datasets and their schemas)
-from runner import configs, rundir, schema
+from runner import configs, rundir
 from runner.faults import CheckpointError, Diverged, Interrupted
 from runner.schema import ConfigError, apply_debug, task_module, to_node, validate
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 configs.register()  # the method schemas: the base of each conf/method/*.yaml
-# Until runner/data/__init__.py registers into runner.schema.DATASET_SCHEMAS itself (then a no-op).
-schema.DATASET_SCHEMAS.update(runner.data.DATASET_SCHEMAS)
 log = logging.getLogger("runner")
 
 # Hydra flags that consume the next argument.

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from runner.data.canvas import box_iou, box_masks, cam_boxes, canvas_metrics
+from runner.canvas_metrics import box_iou, cam_boxes, canvas_metrics
+from runner.data.canvas import box_masks
 from runner.methods import comixup as cm
 from runner.methods.comixup import (
     ComixupPool,
@@ -403,12 +404,11 @@ def hooks_step(workers, seed=3):
     (mixed x, mixed y, loss, weight gradients, the hooks)."""
     from types import SimpleNamespace
 
-    from omegaconf import OmegaConf
-
+    from runner.configs.classify import CoMixupConfig
     from runner.methods.mixup_training import MixupHooks
-    from tasks.classify import CoMixupConfig
+    from runner.schema import to_node
 
-    cfg = OmegaConf.structured(CoMixupConfig(grid=2, part=4, preview=False))
+    cfg = to_node(CoMixupConfig(grid=2, part=4, preview=False))
     cfg.workers = workers  # -1 (auto) is the hooks' to resolve, past the schema's range
     hooks = MixupHooks(cfg, 5, SimpleNamespace(is_main=True), seed=seed)
     torch.manual_seed(0)
@@ -631,18 +631,20 @@ def test_canvas_metrics_do_not_depend_on_the_batching():
 def test_method_configs_match_the_paper_defaults():
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.load(CONF / "method" / "comixup.yaml")
+    from runner.cli import _compose
+
+    cfg = _compose(["+method=comixup"])
     paper = dict(beta=0.32, gamma=1.0, eta=0.05, tau=0.83, thres_type="hard", alpha=2.0, omega=0.001)
     paper |= dict(grid=4, part=20, n_iter=4, set_resolve=True, clean_lam=1.0, solver="gco_swap")
     assert {k: cfg.method[k] for k in paper} == paper
     from tasks.classify import METHODS
 
     assert METHODS["comixup"]().loss == "bce"  # the authors' loss where no preset names one
-    puzzle = OmegaConf.load(CONF / "method" / "puzzle_mix.yaml").method  # the PuzzleMix README, CIFAR-100
+    puzzle = _compose(["+method=puzzle_mix"]).method  # the PuzzleMix README, CIFAR-100
     readme = dict(alpha=1.0, beta=1.2, gamma=0.5, eta=0.2, n_labels=3, neigh_size=4, t_size=4, t_eps=0.8)
     assert {k: puzzle[k] for k in readme} == readme and puzzle.clean_lam == 0 and puzzle.grid == -1
     for name in ("erm", "comixup", "input_mixup", "manifold_mixup", "cutmix", "puzzle_mix"):
-        method = OmegaConf.load(CONF / "method" / f"{name}.yaml").method
+        method = _compose([f"+method={name}"]).method
         METHODS[name](**method)  # every key known to the schema, in range
         assert "train" not in OmegaConf.load(CONF / "method" / f"{name}.yaml")  # the presets own the schedule
     with pytest.raises(ValueError, match="method.tau"):

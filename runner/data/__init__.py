@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runner.schema import ConfigError, DatasetConfig
+from runner.schema import DATASET_SCHEMAS, ConfigError, DatasetConfig
 
 
 @dataclass
@@ -62,7 +62,6 @@ class Data:
 
 Builder = Callable[[DatasetConfig, np.random.Generator], Data]
 DATASETS: dict[str, Builder] = {}
-DATASET_SCHEMAS: dict[str, type] = {}
 
 
 def register_dataset(name: str, schema: type | None = None):
