@@ -265,11 +265,12 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     )
     module = task_module(cfg)
     method = cfg.method.name if "method" in cfg else "erm"
+    data_name = getattr(module, "data_name", lambda c: c.dataset.name)(cfg)  # a task may name its own data
     log.info(
         "%s: method=%s dataset=%s model=%s device=%s seed=%d -> %s",
         module.__name__,
         method,
-        cfg.dataset.name,
+        data_name,
         cfg.model.name,
         device,
         cfg.seed,
@@ -288,7 +289,7 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     if rank == 0:
         shown = [k for k in summary if k == metric or k.startswith("test/")][:6]
         print(
-            f"{module.__name__} {method} on {cfg.dataset.name}: "
+            f"{module.__name__} {method} on {data_name}: "
             + "  ".join(f"{k}={summary[k]:.4f}" for k in shown if isinstance(summary[k], float))
             + f"  ({summary['time/total_s']:.1f} s) -> {run_dir / 'summary.json'}"
         )
@@ -366,8 +367,20 @@ def _claim_run_dir(argv: list[str]) -> None:
     rundir.check_resume(run_dir, typed)
 
 
+def _quiet_optuna() -> None:
+    """Optuna logs in colour through its own handler and its storage layer (alembic) announces each
+    plugin at INFO: keep both out of a search's log (the sweeper's own lines and the trials' remain)."""
+    import optuna
+
+    optuna.logging.disable_default_handler()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
 def main() -> None:
     sys.argv[1:] = canonical(sys.argv[1:])  # what Hydra parses, records and re-composes per job
+    if any(a.startswith("+sweep=") or a.startswith("hydra/sweeper=optuna") for a in sys.argv[1:]):
+        _quiet_optuna()
     try:
         preflight(sys.argv[1:])
         _claim_run_dir(sys.argv[1:])

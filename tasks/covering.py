@@ -57,6 +57,10 @@ MISSING, OUTLIER = 2, 3  # mixture2d pattern labels: 0 A, 1 B, 2 C, 3 outlier
 
 
 
+def data_name(cfg) -> str:
+    """What a run covers, for its log lines: the 2-D mixture scenario leaves the dataset group unused."""
+    return "mixture2d" if cfg.method.scenario == "mixture2d" else cfg.dataset.name
+
 def largest_remainder(weights, n: int) -> np.ndarray:
     """Integer counts summing to n, proportional to `weights` (Hamilton's method)."""
     quota = np.asarray(weights, dtype=float) / np.sum(weights) * n

@@ -185,3 +185,10 @@ def test_raw_features_of_a_file_backed_dataset_ask_for_network_features(tmp_path
     ):
         run_here(tmp_path, "dataset=imagefolder", f"dataset.root={tmp_path / 'data'}", "method.n_app=3",
                  "method.n_dev=3", "method.k=2")  # fmt: skip
+
+
+@pytest.mark.parametrize(("preset", "name"), [("pwc_mixture2d", "mixture2d"), ("pwc_digits", "digits")])
+def test_a_run_names_the_data_it_covers(preset, name):
+    from tasks import covering
+
+    assert covering.data_name(_compose([f"+experiment={preset}"])) == name

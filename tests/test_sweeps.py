@@ -67,6 +67,8 @@ def test_optuna_search_of_4_trials_reports_its_best_parameters(cli, tmp_path):
     sweep = tmp_path / "study"
     proc = cli("-m", "+sweep=erm", *FAST, "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={sweep}")
     assert "Directions: ['maximize']" in proc.stdout  # test/acc: the task's METRIC direction
+    log = proc.stdout + proc.stderr
+    assert "\x1b[" not in log and "setup plugin" not in log  # no Optuna colour codes, no alembic noise
     trials = {}
     for run_dir, summary in summaries(sweep).items():
         overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
