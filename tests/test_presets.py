@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from conftest import run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -152,23 +151,11 @@ def test_a_users_experiment_is_composed_by_hydra_too(tmp_path):
 @pytest.mark.slow
 def test_the_cli_runs_an_experiment_from_a_users_config_folder(tmp_path):
     conf = _user_conf(tmp_path / "conf")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runner.cli",
-            "--config-dir",
-            str(conf),
-            "+experiment=mine",
-            "logger=none",
-            "method.plot=false",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    run_cli(
+        ["--config-dir", str(conf), "+experiment=mine", "logger=none", "method.plot=false",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        tmp_path,
+    )  # fmt: skip
     assert (tmp_path / "run" / "summary.json").exists()
 
 
@@ -199,20 +186,6 @@ def test_every_preset_runs_under_debug_smoke(tmp_path, preset):
             extra += ["method.input_norm=dataset"]
     if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
         extra += ["hardware=cpu", "train.batch_size=64"]  # the eval batch sizes the held-out pools
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "runner.cli",
-            f"+experiment={preset}",
-            "+debug=smoke",
-            "logger=none",
-            f"hydra.run.dir={tmp_path}",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_cli([f"+experiment={preset}", "+debug=smoke", "logger=none", f"hydra.run.dir={tmp_path}", *extra],
+            tmp_path, timeout=900)  # fmt: skip
     assert (tmp_path / "summary.json").exists()

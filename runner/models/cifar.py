@@ -31,6 +31,16 @@ def _projection(c_in, c_out, stride):
     return nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
 
 
+def _stages(block, c: int, widths, n: int, **kw) -> nn.Sequential:
+    """A `_stage` of `n` blocks per width in `widths` from `c` channels, the first at stride 1, the
+    others halving the resolution."""
+    stages = []
+    for i, w in enumerate(widths):
+        stages.append(_stage(block, c, w, n, 1 if i == 0 else 2, **kw))
+        c = w
+    return nn.Sequential(*stages)
+
+
 def _stage(block, c_in, c_out, n, stride, **kw):
     layers = [block(c_in, c_out, stride, **kw)] + [block(c_out, c_out, 1, **kw) for _ in range(n - 1)]
     return nn.Sequential(*layers)
@@ -61,11 +71,7 @@ class PreActResNet18(Classifier):
     def __init__(self, in_channels, num_classes, stem_stride=1):
         super().__init__()
         self.stem = nn.Conv2d(in_channels, 64, 3, stem_stride, 1, bias=False)
-        widths, stages, c = (64, 128, 256, 512), [], 64
-        for i, w in enumerate(widths):
-            stages.append(_stage(PreActBlock, c, w, 2, 1 if i == 0 else 2))
-            c = w
-        self.stages = nn.Sequential(*stages)
+        self.stages = _stages(PreActBlock, 64, (64, 128, 256, 512), 2)
         self.feature_dim = 512
         self.classifier = nn.Linear(512, num_classes)
 
@@ -101,11 +107,8 @@ class WideResNet(Classifier):
         n = (depth - 4) // 6
         widths = [16 * widen, 32 * widen, 64 * widen]
         self.stem = nn.Conv2d(in_channels, 16, 3, stem_stride, 1)
-        stages, c = [], 16
-        for i, w in enumerate(widths):
-            stages.append(_stage(WideBlock, c, w, n, 1 if i == 0 else 2))
-            c = w
-        self.stages = nn.Sequential(*stages)
+        self.stages = _stages(WideBlock, 16, widths, n)
+        c = widths[-1]
         self.post = nn.Sequential(nn.BatchNorm2d(c, momentum=0.9), nn.ReLU(inplace=True))
         self.feature_dim = c
         self.classifier = nn.Linear(c, num_classes)
@@ -190,11 +193,7 @@ class ResNet32(Classifier):
     def __init__(self, in_channels, num_classes):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(in_channels, 16, 3, 1, 1, bias=False), _bn_relu(16))
-        stages, c = [], 16
-        for i, w in enumerate((16, 32, 64)):
-            stages.append(_stage(BasicBlock, c, w, 5, 1 if i == 0 else 2))
-            c = w
-        self.stages = nn.Sequential(*stages)
+        self.stages = _stages(BasicBlock, 16, (16, 32, 64), 5)
         self.feature_dim = 64
         self.classifier = nn.Linear(64, num_classes)
 
