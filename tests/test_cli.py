@@ -47,6 +47,7 @@ def test_default_run_trains_digits_and_logs_to_wandb_offline(cli, tmp_path):
     assert len(accs) == 30 and accs[-1] == pytest.approx(summary["test/acc"])
 
 
+@pytest.mark.slow
 def test_two_job_multirun_writes_one_result_per_job(cli, tmp_path):
     cli("-m", "seed=0,1", "train.epochs=2", "logger=none", "train.progress=false")
     found = summaries(tmp_path / "outputs" / "multirun")
@@ -55,6 +56,7 @@ def test_two_job_multirun_writes_one_result_per_job(cli, tmp_path):
     assert seeds == [0, 1]
 
 
+@pytest.mark.slow
 def test_restart_in_same_dir_resumes(cli, tmp_path):
     run_dir = tmp_path / "run"
     cli(f"hydra.run.dir={run_dir}", "train.epochs=2", "logger=none", "train.progress=false")

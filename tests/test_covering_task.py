@@ -147,6 +147,7 @@ def test_entropy_baseline_picks_the_least_certain_app_samples(tmp_path):
     assert sorted(s["cover/picked"]) == sorted(np.argsort(-scores, kind="stable")[:5].tolist())
 
 
+@pytest.mark.slow
 def test_cli_sweep_over_selectors(cli, tmp_path):
     cli("-m", "+method=pwc", "method.selector=ctrans,kcenter", "method.n_app=80", "method.n_dev=80",
         "method.k=6", "logger=none")  # fmt: skip
@@ -156,6 +157,7 @@ def test_cli_sweep_over_selectors(cli, tmp_path):
         assert 0 <= s["cover/missing_share"] <= 1 and (run_dir / "covering.png").exists()
 
 
+@pytest.mark.slow
 def test_issue_claims_on_cpu(tmp_path):
     """Mixture preset (5 seeds, mode C 20% of app): sensitivity and ctrans pick mode C more often than
     k-center and >= 3x random; the digest's E1 (C 30% of app) caps the ratio below 3.4 (random already

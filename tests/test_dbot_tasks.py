@@ -236,6 +236,7 @@ def test_blobs_dataset():
 
 # ----------------------------------------------------------------------------------------------------
 # End to end
+@pytest.mark.slow
 def test_longtail_cli_reports_every_rule_on_every_test_set(cli, tmp_path):
     cli("+method=dbot", "dataset.imbalance=10", "train.epochs=3", "logger=none", "train.progress=false",
         "method.many_min=60", "method.few_max=20")  # fmt: skip
@@ -262,6 +263,7 @@ def test_cli_preflight_rejects_bad_method_keys():
         preflight(["+method=dbot", "method.loss_mode=paper", "method.k_train=1", "method.train_delta=0.1"])
 
 
+@pytest.mark.slow
 def test_clustering_cli_writes_scores_and_plot(cli, tmp_path):
     cli("-m", "+method=dbot_cluster,kmeans", "dataset=blobs", "logger=none")
     found = summaries(tmp_path / "outputs" / "multirun")
@@ -274,6 +276,7 @@ def test_clustering_cli_writes_scores_and_plot(cli, tmp_path):
     assert dbot_run["cluster/mass_min"] >= dbot_run["cluster/bound_low"] - 1e-6
 
 
+@pytest.mark.slow
 def test_clustering_raw_features_of_a_file_backed_dataset_ask_for_network_features(cli, tmp_path):
     from fixtures_data import write_imagefolder
 

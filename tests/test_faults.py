@@ -158,6 +158,7 @@ def test_bad_input_is_one_line_before_anything_runs(straight, tmp_path):
 SIGNALS = [signal.SIGTERM, pytest.param(signal.SIGINT, marks=SLOW), pytest.param(signal.SIGUSR1, marks=SLOW)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", SIGNALS, ids=lambda sig: sig.name)
 def test_stop_signal_mid_epoch_then_the_printed_command_resumes_exactly(straight, tmp_path, sig):
     """Stopped inside an epoch, the run checkpoints after its step and says how to resume; that command
@@ -217,6 +218,7 @@ def test_kill_9_at_a_random_moment_then_restart(straight, tmp_path):
     assert_same_run(tmp_path / "run", straight)
 
 
+@pytest.mark.slow
 def test_corrupt_checkpoint_is_named_and_kept(straight, tmp_path):
     run_dir = copy_run(straight, tmp_path)
     path = run_dir / CHECKPOINT
@@ -227,6 +229,7 @@ def test_corrupt_checkpoint_is_named_and_kept(straight, tmp_path):
     assert len(path.read_bytes()) == 1000
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_at_once_naming_the_last_good_checkpoint(straight, tmp_path):
     run_dir = copy_run(straight, tmp_path)
     before = (run_dir / CHECKPOINT).read_bytes()
@@ -270,6 +273,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.slow
 def test_a_busy_run_dir_is_refused_at_once(straight, tmp_path):
     """A run in a dir whose lock a live process holds (as every run does while it lasts) refuses at once,
     before Hydra rewrites the dir's .hydra/ record."""
@@ -304,6 +308,7 @@ main()
 """
 
 
+@pytest.mark.slow
 def test_a_failing_task_finishes_its_wandb_run_and_frees_the_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     args = ["logger=wandb", "train.progress=false", f"hydra.run.dir={run_dir}"]
@@ -317,6 +322,7 @@ def test_a_failing_task_finishes_its_wandb_run_and_frees_the_run_dir(tmp_path):
     assert (run_dir / "run.lock").read_text() == ""  # released
 
 
+@pytest.mark.slow
 def test_optuna_goes_on_past_a_diverging_trial(tmp_path):
     sweep = tmp_path / "study"
     # TPE with this seed asks lr 1e6 first, then 0.05 and 0.1 (optuna 2.10).

@@ -181,7 +181,7 @@ def hash_setup(tmp_path, eval_every=0.0, n=8):
     data = Data(Split(x, y, y), Split(x[:0], y[:0], y[:0]), Split(x[:0], y[:0], y[:0]), 4, (3,))
     method = SimpleNamespace(classes_per_batch=2, per_class=2, decay_at=[], decay=1.0, eval_every=eval_every,
                              iters=8)  # fmt: skip
-    train = OmegaConf.structured(TrainConfig(progress=False, checkpoint_every_minutes=0))
+    train = OmegaConf.structured(TrainConfig(progress=True, checkpoint_every_minutes=0))
     cfg = SimpleNamespace(method=method, dataset=SimpleNamespace(augment="none"), seed=0, train=train)
     ctx = RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path))
     return cfg, ctx, data
@@ -311,6 +311,7 @@ def test_pixel_mean_input_is_x_over_255_minus_the_mean_image(tmp_path):
         hash_training.pixel_mean_input(SimpleNamespace(train=Split(x, y, y), meta={}), None, 3)
 
 
+@pytest.mark.slow
 def test_cli_synthetic_reports_every_row(cli, tmp_path):
     run_dir = tmp_path / "run"
     cli("+experiment=hier_hash_synthetic", "method.iters=50", "method.ks=[1,2]", "method.level1_d=[32]",

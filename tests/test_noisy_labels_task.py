@@ -413,6 +413,7 @@ def test_paper_presets_compose():
     preflight(["+method=ot,sot,cot,small_loss,ce", "+experiment=csot_cifar10", "method.simsiam=false"])
 
 
+@pytest.mark.slow
 def test_cli_runs_and_logs_the_selection(cli, tmp_path):
     _cli_selection_runs(cli, tmp_path, ["ce", "csot"])
 

@@ -29,6 +29,7 @@ def imagefolder(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_method_family_runs_on_imagefolder(cli, tmp_path, imagefolder, family):
     args = ["dataset=imagefolder", f"dataset.root={imagefolder}", *COMMON, *FAMILIES[family], "+debug=smoke"]

@@ -137,6 +137,7 @@ def test_warmup_is_linear_per_step_then_the_schedule_continues(tmp_path, monkeyp
     assert lrs == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_smoke_bounds_any_order_and_writes_summary(cli, tmp_path):
     from runner.cli import _compose
 
@@ -177,6 +178,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_ddp_ranks_read_disjoint_shards_of_files(tmp_path):
     write_images(tmp_path / "img", 37)
     script = tmp_path / "disjoint.py"

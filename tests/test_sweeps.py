@@ -22,6 +22,7 @@ from runner.schema import ConfigError, validate
 FAST = ["logger=none", "train.epochs=1", "train.progress=false"]
 
 
+@pytest.mark.slow
 def test_2x2_multirun_over_seeds_then_report(cli, tmp_path, capsys):
     sweep = tmp_path / "grid"
     grid = ["train.lr=0.05,0.1", "train.batch_size=32,64", "seed=0,1"]
@@ -49,6 +50,7 @@ def test_2x2_multirun_over_seeds_then_report(cli, tmp_path, capsys):
         assert (sweep / name).read_bytes()[:8] == PNG and f"]({name})" in md
 
 
+@pytest.mark.slow
 def test_a_failed_job_is_reported_and_the_others_summarized(cli, tmp_path):
     sweep = tmp_path / "mixed"
     # cifar10 is not on disk and download is off: that job fails while loading data.
