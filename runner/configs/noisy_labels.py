@@ -76,6 +76,8 @@ class CSOTConfig(NoisyLabelConfig):
 
 @dataclass
 class COTConfig(NoisyLabelConfig):
+    """Curriculum OT: the curriculum plan without the structure terms (kappa = 0)."""
+
     name: str = "cot"
     selection: Literal[SELECTIONS] = "cot"
     kappa_p: float = 0.0
@@ -84,24 +86,32 @@ class COTConfig(NoisyLabelConfig):
 
 @dataclass
 class OTConfig(COTConfig):
+    """Plain OT: neither curriculum (m = 1) nor structure terms."""
+
     name: str = "ot"
     selection: Literal[SELECTIONS] = "ot"
 
 
 @dataclass
 class SOTConfig(NoisyLabelConfig):
+    """Structure-aware OT without the curriculum (m = 1; the paper's Table 4 (b))."""
+
     name: str = "sot"
     selection: Literal[SELECTIONS] = "ot"
 
 
 @dataclass
 class SmallLossConfig(NoisyLabelConfig):
+    """DivideMix's selection: a two-component GMM on the per-sample losses."""
+
     name: str = "small_loss"
     selection: Literal[SELECTIONS] = "small_loss"
 
 
 @dataclass
 class CEConfig(NoisyLabelConfig):
+    """Cross-entropy on the noisy labels, no selection (the paper's CE row)."""
+
     name: str = "ce"
     selection: Literal[SELECTIONS] = "none"
 
