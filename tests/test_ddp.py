@@ -304,3 +304,44 @@ def test_sharded_passes_gather_every_sample_in_order(tmp_path):
         assert out["gathered"] == [[1.0] * 3] * 2 + [[2.0] * 3] * 2  # rank 0's rows first
         # every rank's loss is the global one, so its rows get the gradient from both ranks' losses
         assert out["grad"] == [[2.0 * (2 * r)] * 3, [2.0 * (2 * r + 1)] * 3]
+
+
+def _mixup_rank(rank, world_size, port, tmp_path, method):
+    """A mixup-family method's hooks and `fit` on 8x8 toy images: every rank's parameters, per rank."""
+    from runner.configs.classify import METHODS
+    from runner.methods.mixup_training import MixupHooks
+    from runner.schema import CNNConfig, to_node
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        g = torch.Generator().manual_seed(0)
+        y = torch.randint(0, 3, (80,), generator=g)
+        x = torch.rand(80, 1, 8, 8, generator=g)
+        x[torch.arange(80), 0, 2 * y, 2 * y] += 2.0  # a class-coded bright pixel
+        split = [split_of(x[:60], y[:60]), split_of(x[60:], y[60:]), split_of(x[60:], y[60:])]
+        data = Data(*split, num_classes=3, input_shape=(1, 8, 8))
+        torch.manual_seed(0)
+        model = build_model(OmegaConf.structured(CNNConfig(name="cnn", channels=[4, 8])), (1, 8, 8), 3)
+        grid = {"comixup": {"grid": 2, "part": 4}, "puzzle_mix": {"grid": 2, "t_size": -1}}.get(method, {})
+        cfg = to_node(METHODS[method](preview=False, **grid))
+        ctx = RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path, enabled=rank == 0), rank=rank,
+                         world_size=world_size)  # fmt: skip
+        hooks = MixupHooks(cfg, 3, ctx=ctx, seed=rank)  # each rank mixes differently; DDP keeps weights equal
+        fit(model, data, OmegaConf.structured(TrainConfig(epochs=2, batch_size=20, checkpoint=False,
+                                                          progress=False)), ctx, hooks)  # fmt: skip
+        params = torch.cat([p.detach().flatten() for p in model.parameters()])
+        (tmp_path / f"mixup{rank}.json").write_text(json.dumps(params.tolist()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["input_mixup", "manifold_mixup", "cutmix", "puzzle_mix", "comixup"])
+def test_mixup_methods_train_under_ddp_with_synchronised_weights(tmp_path, method):
+    """The mix step (saliency backward included) and the mixed loss go through the DDP-wrapped network:
+    the ranks mix different batches differently, yet their weights stay equal."""
+    mp.spawn(_mixup_rank, args=(2, _free_port(), tmp_path, method), nprocs=2)
+    ranks = [json.loads((tmp_path / f"mixup{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == pytest.approx(ranks[1], abs=1e-6)
+    assert not np.allclose(ranks[0], 0)
