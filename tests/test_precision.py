@@ -49,8 +49,7 @@ def test_bad_precision_is_one_line():
         HardwareConfig(precision="fp8")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["comixup", "manifold_mixup"])
+@pytest.mark.parametrize("method", ["comixup", pytest.param("manifold_mixup", marks=pytest.mark.slow)])
 def test_mixup_hooks_under_bf16(cli, method):
     # saliency gradients (Co-Mixup) and the manifold-mixup stage hooks under autocast
     extra = ["method.workers=0"] if method == "comixup" else []
