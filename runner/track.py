@@ -97,8 +97,9 @@ class Tracker:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
 
-    def truncate(self, last_step: int) -> None:
-        """Drop records logged after `last_step` (a resumed run redoes the epoch it was killed in)."""
+    def truncate(self, last_step: int, key: str = "step", missing: float = -1) -> None:
+        """Drop records whose `key` is above `last_step` (a resumed run redoes what came after its
+        checkpoint); a record without `key` counts as `missing`. The torn last line of a killed run goes."""
         if not (self.enabled and self.metrics_path.exists()):
             return
         keep = []
@@ -107,7 +108,7 @@ class Tracker:
                 record = json.loads(line)
             except json.JSONDecodeError:  # the torn last line of a killed run
                 continue
-            if record.get("step", -1) <= last_step:
+            if record.get(key, missing) <= last_step:
                 keep.append(line)
         write_atomic(self.metrics_path, "".join(ln + "\n" for ln in keep))
 

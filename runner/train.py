@@ -29,8 +29,8 @@ epoch-end checkpoints) and its per-step scheduler follows the iteration count.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
+import math
 import random
 import time
 from pathlib import Path
@@ -46,7 +46,6 @@ from runner.faults import CheckpointError, Diverged, StopSignals
 from runner.hardware import RunContext, all_reduce_sum
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary, reliability_plot
 from runner.schema import ConfigError
-from runner.track import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -562,20 +561,8 @@ def _truncate(ctx: RunContext, tag: str | None, done: int) -> None:
     tagged: only rows of this tag, by `<tag>/epoch` (1-based, 0 the initial evaluation)."""
     if tag is None:
         ctx.tracker.truncate(done - 1 if done >= 0 else -2)
-        return
-    tracker = ctx.tracker
-    if getattr(tracker, "enabled", False) and tracker.metrics_path.exists():
-        lines = tracker.metrics_path.read_text().splitlines()
-        kept = "".join(line + "\n" for line in lines if _before(line, f"{tag}/epoch", done))
-        write_atomic(tracker.metrics_path, kept)
-
-
-def _before(line: str, key: str, done: int) -> bool:
-    """Whether a metrics row has no `key` or one <= done; False for the torn last line of a killed run."""
-    with contextlib.suppress(json.JSONDecodeError):
-        value = json.loads(line).get(key)
-        return value is None or value <= done
-    return False
+    else:  # other fits' rows (without this tag's epoch) stay
+        ctx.tracker.truncate(done, key=f"{tag}/epoch", missing=-math.inf)
 
 
 def _follow_config(optimizer, scheduler, cfg) -> None:
