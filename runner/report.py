@@ -42,6 +42,7 @@ from runner.schema import ConfigError
 log = logging.getLogger(__name__)
 
 REPLICATE_KEY = "seed"
+WALL_KEY = "time/total_s"  # written by the CLI into every summary.json: the job's wall time
 MAX_EXTRA_COLUMNS = 4
 _SKIP_DIRS = {".hydra", ".submitit", "wandb", "checkpoints"}
 CLAIMS_FILE = Path(__file__).resolve().parents[1] / "conf" / "claims.yaml"
@@ -218,6 +219,9 @@ def markdown(report: Report, plots: list[Path] = ()) -> str:
         + (f"Swept: {', '.join(report.swept)}. " if report.swept else "")
         + f"Mean ± std over seeds; best ({report.direction} {report.metric}) in bold.",
     ]
+    wall = [r.summary[WALL_KEY] for g in report.groups for r in g.runs if _is_number(r.summary.get(WALL_KEY))]
+    if wall:
+        lines[-1] += f" Wall time {sum(wall) / 60:.1f} min in all, {min(wall):.3g}-{max(wall):.3g} s per run."
     if report.groups:
         lines += ["", *table(report)]
     paper = paper_table(report)
@@ -247,8 +251,10 @@ def markdown(report: Report, plots: list[Path] = ()) -> str:
 
 
 def table(report: Report) -> list[str]:
+    """One row per setting; a last column `wall s` (the mean wall time of its runs) where runs recorded it."""
     best = report.best()
-    header = [*report.swept, "seeds", *report.columns]
+    timed = WALL_KEY not in report.columns and any(g.stats(WALL_KEY)[2] for g in report.groups)
+    header = [*report.swept, "seeds", *report.columns] + (["wall s"] if timed else [])
     rows = [header, ["---"] * len(header)]
     for g in report.groups:
         row = [_show(v) for v in g.params.values()] + [str(len(g.runs))]
@@ -256,6 +262,9 @@ def table(report: Report) -> list[str]:
             mean, std, n = g.stats(key)
             cell = "-" if n == 0 else _mean_std(mean, std)
             row.append(f"**{cell}**" if g is best and key == report.metric else cell)
+        if timed:
+            mean, _, n = g.stats(WALL_KEY)
+            row.append(f"{mean:.3g}" if n else "-")
         rows.append(row)
     return ["| " + " | ".join(r) + " |" for r in rows]
 

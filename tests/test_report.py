@@ -79,6 +79,22 @@ def test_groups_by_swept_parameters_with_mean_std_over_seeds(tmp_path):
     assert text.count("**") == 2
 
 
+def test_wall_time_column_is_the_mean_of_the_settings_runs_and_the_sweep_total_is_stated(tmp_path):
+    walls = {0.1: [10.0, 14.0], 0.2: [3.0, 5.0]}
+    job = 0
+    for lr, times in walls.items():
+        for seed, t in enumerate(times):
+            summary = {"test/acc": lr, "time/total_s": t}
+            make_run(tmp_path / str(job), [f"train.lr={lr}", f"seed={seed}"], summary)
+            job += 1
+    make_run(tmp_path / "9", ["train.lr=0.3", "seed=0"], {"test/acc": 0.3})  # an older run without it
+    text = markdown(build_report(tmp_path, metric="test/acc"))
+    header = [ln for ln in text.splitlines() if ln.startswith("|")][0]
+    assert header.rstrip(" |").endswith("wall s")
+    assert [(r[0], r[-1]) for r in table_rows(text)] == [("0.1", "12"), ("0.2", "4"), ("0.3", "-")]
+    assert "Wall time 0.5 min in all, 3-14 s per run." in text
+
+
 def test_min_direction_marks_the_lowest_mean(tmp_path):
     accs = grid(tmp_path)
     report = build_report(tmp_path, metric="test/loss:min")
