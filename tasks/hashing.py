@@ -15,6 +15,7 @@
    epochs, and the best-validation weights are kept (the authors' model selection). Every net trains
    through `runner.train.fit` (`runner.methods.hash_training.HashHooks`), checkpointed and resumed as
    `checkpoints/<net>.pt` (net: base, ours_ks<ks>, k1-d<d>_ks<ks>), its rows `<net>/...` in metrics.
+   Under DDP each rank forwards a slice of the batch and the loss is that of the gathered batch.
 3. Retrieval for each ks and K: a hash table of `tables` (test: test items, query excluded;
    train: train items), queried with the test set, candidates reranked by Euclidean distance in
    the base embedding. Rows: exhaustive search (Metric), and each of `baselines`: Th (top-ks dims
@@ -103,13 +104,16 @@ def base_embedding(cfg, ctx, data):
     input_norm = pixel_mean_input(data, ctx, batch_size) if method.input_norm == "pixel_mean" else None
     base = EmbeddingNet(backbone, method.base_dim, input_norm=input_norm).to(ctx.device)
     if method.base_checkpoint:
-        base.load_state_dict(torch.load(method.base_checkpoint, map_location=ctx.device, weights_only=True))
+        state = torch.load(method.base_checkpoint, map_location=ctx.device, weights_only=True)
+        # files saved before the embedding net dropped its backbone's unused class layer still load
+        base.load_state_dict({k: v for k, v in state.items() if not k.startswith("backbone.classifier.")})
     else:
         shape = dict(nc=method.classes_per_batch, m=method.per_class, method=method)
         groups = [{"params": base.parameters(), "lr": method.base_lr}]
         train_net(cfg, ctx, data, "base", base, groups, lambda net, x: (base_loss(net, x, **shape), 0.0),
                   method.base_iters)  # fmt: skip
-        save_checkpoint(ctx.dir / "checkpoints" / "hier_hash_base_final.pt", base.state_dict())
+        if ctx.is_main:
+            save_checkpoint(ctx.dir / "checkpoints" / "hier_hash_base_final.pt", base.state_dict())
     base.requires_grad_(False)
     normalize = method.base_loss == "triplet"
     return (lambda split: outputs(base, split, ctx, batch_size, normalize)), base.backbone, base.input_norm
@@ -159,8 +163,6 @@ def train_hash_nets(cfg, ctx, data, embed, backbone, input_norm, splits):
 
 def run(cfg, ctx) -> dict:
     method = cfg.method
-    if ctx.distributed:
-        raise ConfigError("method=hier_hash trains on one device; use hardware=cpu or hardware=gpu")
     data = load_data(cfg.dataset, cfg.seed)
     if len(data.test) < 2:
         raise ConfigError("method=hier_hash needs a test split of at least 2 items")

@@ -46,10 +46,12 @@ class ClassBalancedSampler:
 class ClassBalancedEpochs:
     """`sampler`'s batches as epochs of `epoch_iters` iterations, `iters` in all: epoch e yields batches
     e L .. min((e + 1) L, iters) - 1 (L = epoch_iters), skipping the first `start` (mid-epoch resume).
-    One process only: a class-major batch is one loss term, not shardable over ranks."""
+    Under DDP rank r takes the r-th contiguous slice of each class-major batch, so that the ranks' shards
+    concatenated in rank order (`runner.distributed_passes.global_batch`) are the batch again."""
 
-    def __init__(self, sampler: ClassBalancedSampler, epoch_iters: int, iters: int):
+    def __init__(self, sampler: ClassBalancedSampler, epoch_iters: int, iters: int, rank=0, world_size=1):
         self.sampler, self.epoch_iters, self.iters = sampler, epoch_iters, iters
+        self.rank, self.world_size = rank, world_size
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -61,7 +63,8 @@ class ClassBalancedEpochs:
 
     def __iter__(self):
         first = self.epoch * self.epoch_iters
-        return iter(self.sampler.stream(first + self.start, first + len(self)))
+        for batch in self.sampler.stream(first + self.start, first + len(self)):
+            yield batch.tensor_split(self.world_size)[self.rank]
 
 
 def pool_batches(pool: torch.Tensor, steps: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:

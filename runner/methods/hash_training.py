@@ -13,17 +13,20 @@ import torch
 import torch.nn.functional as F
 
 from runner.data.samplers import ClassBalancedEpochs, ClassBalancedSampler
+from runner.distributed_passes import global_batch, predict_all
 from runner.methods import hier_hash as hh
 from runner.models.hashing import PixelMeanInput
 from runner.schema import ConfigError
-from runner.train import batches, in_order, predict
+from runner.train import batches, in_order
 
 
 def hash_loss_and_codes(net, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg, remap):
     """Alg. 1's loss on a batch x of nc classes x m examples (class-major): class-mean unaries per
     level -> exact codes by min-cost flow, level by level -> labels per level (the code ids with
-    `remap`, else the classes) -> `hh.hash_loss` on the active dims. Returns (loss, seconds on codes)."""
-    out = net(x).view(nc, m, k, d)
+    `remap`, else the classes) -> `hh.hash_loss` on the active dims. Returns (loss, seconds on codes).
+    Under DDP x is this rank's slice of the batch: the loss and codes are those of the gathered batch."""
+    (out,) = global_batch(net(x))
+    out = out.view(nc, m, k, d)
     unary = hh.class_unaries(out.float(), method.loss).cpu().numpy()  # on the device; the copy waits for it
     start = time.perf_counter()
     codes = hh.cascade_codes(
@@ -35,8 +38,10 @@ def hash_loss_and_codes(net, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg
 
 
 def base_loss(net, x, *, nc, m, method):
-    """The base embedding's metric loss: N-pairs, or semi-hard triplet on the unit sphere."""
-    emb = net(x).view(nc, m, -1)
+    """The base embedding's metric loss: N-pairs, or semi-hard triplet on the unit sphere (of the gathered
+    batch under DDP, as `hash_loss_and_codes`)."""
+    (emb,) = global_batch(net(x))
+    emb = emb.view(nc, m, -1)
     labels = torch.arange(nc, device=emb.device)
     if method.base_loss == "npairs":
         return hh.npairs_loss(emb[:, 0], emb[:, 1], labels, method.base_l2)
@@ -88,7 +93,8 @@ class HashHooks:
         return math.ceil(self.iters / self.epoch_iters)
 
     def batch_sampler(self, default):
-        return ClassBalancedEpochs(self.sampler, self.epoch_iters, self.iters)
+        rank, world_size = default.rank, default.world_size  # fit's own sampler knows this process's shard
+        return ClassBalancedEpochs(self.sampler, self.epoch_iters, self.iters, rank, world_size)
 
     def optimizer(self, model):
         optimizer = torch.optim.Adam(self.param_groups)
@@ -128,8 +134,9 @@ def pixel_mean_input(data, ctx, batch_size) -> PixelMeanInput:
 
 
 def outputs(net, split, ctx, batch_size, normalize=False) -> np.ndarray:
-    """Net outputs for all of a split in eval mode (optionally L2-normalized), as a float64 array."""
-    out = predict(net, split, ctx, batch_size)
+    """Net outputs for all of a split in eval mode (optionally L2-normalized), as a float64 array; under
+    DDP each rank predicts its shard and every rank gets all."""
+    out = predict_all(net, split, ctx, batch_size)
     return (F.normalize(out, dim=1) if normalize else out).double().numpy()
 
 

@@ -26,6 +26,9 @@ class EmbeddingNet(nn.Module):
     def __init__(self, backbone, out_dim, init_std=None, input_norm=None):
         super().__init__()
         self.input_norm = input_norm if input_norm is not None else nn.Identity()
+        # The embedding layer takes the class layer's place: a layer outside the graph gets no gradient,
+        # which DDP's reduction would wait for.
+        backbone.classifier = nn.Identity()
         self.backbone = backbone
         self.head = nn.Linear(backbone.feature_dim, out_dim)
         if init_std is not None:
