@@ -31,14 +31,10 @@ class SyntheticHierConfig(DatasetConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_range("dataset.n_super", self.n_super, 1)
-        check_range("dataset.n_sub", self.n_sub, 1)
-        check_range("dataset.dim", self.dim, 1)
-        for key in ("super_std", "class_std", "noise_std"):
-            check_range(f"dataset.{key}", getattr(self, key), 0.0)
-        check_range("dataset.train_per_class", self.train_per_class, 1)
-        check_range("dataset.val_per_class", self.val_per_class, 0)
-        check_range("dataset.test_per_class", self.test_per_class, 1)
+        lowest = {"n_super": 1, "n_sub": 1, "dim": 1, "super_std": 0.0, "class_std": 0.0, "noise_std": 0.0,
+                  "train_per_class": 1, "val_per_class": 0, "test_per_class": 1}  # fmt: skip
+        for key, lo in lowest.items():
+            check_range(f"dataset.{key}", getattr(self, key), lo)
 
 
 @register_dataset("synthetic_hier", schema=SyntheticHierConfig)
