@@ -163,6 +163,12 @@ def train_hash_nets(cfg, ctx, data, embed, backbone, input_norm, splits):
 
 def run(cfg, ctx) -> dict:
     method = cfg.method
+    per_batch = method.classes_per_batch * method.per_class
+    if per_batch % ctx.world_size:
+        raise ConfigError(
+            f"method.classes_per_batch x method.per_class = {per_batch}: a batch must split evenly over "
+            f"{ctx.world_size} ranks (hardware=ddp)"
+        )
     data = load_data(cfg.dataset, cfg.seed)
     if len(data.test) < 2:
         raise ConfigError("method=hier_hash needs a test split of at least 2 items")

@@ -362,3 +362,14 @@ def test_cli_pretrained_base_train_table_and_resume(cli, tmp_path):
 def test_cli_bad_method_value_is_one_line(cli):
     proc = cli("+method=hier_hash", "dataset=synthetic_hier", "method.ks=[0]", "logger=none", check=False)
     assert proc.returncode == 2 and "method.ks=[0]" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_is_a_one_line_error(tmp_path):
+    from runner.cli import _typed
+    from runner.hardware import RunContext
+
+    cfg = _compose(["+experiment=hier_hash_synthetic", "logger=none", "method.classes_per_batch=5"])
+    cfg = _typed(cfg, validate(cfg))
+    ctx = RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path, enabled=False), rank=0, world_size=4)
+    with pytest.raises(ConfigError, match=r"classes_per_batch x method.per_class = 10: .* over 4 ranks"):
+        hashing.run(cfg, ctx)
