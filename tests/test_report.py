@@ -283,10 +283,10 @@ def test_claims_about_a_cpu_study_hold_or_fail_with_their_numbers(tmp_path):
     claims = text.split("Claims:\n")[1].splitlines()
     assert claims == [
         "- fails: sensitivity picks at least 4x random's share of zeros (zeros at 0.5% of dev) (pwc_digits; "
-        "issue 3): cover/missing_share [method.selector=sensitivity] 0.32 >= cover/missing_share "
-        "[method.selector=random] 0.09 x 4 = 0.36",
+        "issue 3): cover/missing_share [method.dev_share=0.005 method.selector=sensitivity] 0.32 >= "
+        "cover/missing_share [method.dev_share=0.005 method.selector=random] 0.09 x 4 = 0.36",
         "- untested: ctrans picks at least 4x random's share of zeros (zeros at 0.5% of dev) (pwc_digits; "
-        "issue 3): 0 rows with method.selector=ctrans (need 1)",
+        "issue 3): 0 rows with method.dev_share=0.005 method.selector=ctrans (need 1)",
     ]
     assert "The paper's numbers" not in text  # a CPU study has no `paper:` block
 
