@@ -185,7 +185,8 @@ def test_every_preset_runs_under_debug_smoke(tmp_path, preset):
         if cfg.method.get("input_norm") == "pixel_mean":  # generated images have no dataset statistics
             extra += ["method.input_norm=dataset"]
     if cfg.hardware.device == "cuda" and not torch.cuda.is_available():
-        extra += ["hardware=cpu", "train.batch_size=64"]  # the eval batch sizes the held-out pools
+        # smoke's held-out pools are max_batches eval batches: CPU-sized batches keep a ResNet-50 in minutes
+        extra += ["hardware=cpu", "train.batch_size=64", "train.eval_batch_size=64"]
     run_cli([f"+experiment={preset}", "+debug=smoke", "logger=none", f"hydra.run.dir={tmp_path}", *extra],
             tmp_path, timeout=900)  # fmt: skip
     assert (tmp_path / "summary.json").exists()
