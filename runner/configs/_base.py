@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from runner.checks import check_literals
 
 
@@ -12,3 +14,13 @@ class MethodConfig:
 
     def __post_init__(self):
         check_literals(self, "method")
+
+
+def variant(cls_name: str, base: type, doc: str, module: str, **defaults) -> type:
+    """A subclass of the schema `base` that changes only `defaults` (`name`, `loss`, ...), its fields
+    typed as in `base` (so `Literal` choices keep their checks): one line per baseline or ablation."""
+    types = {f.name: f.type for f in dataclasses.fields(base)}
+    fields = [(key, types[key], dataclasses.field(default=value)) for key, value in defaults.items()]
+    return dataclasses.make_dataclass(
+        cls_name, fields, bases=(base,), namespace={"__doc__": doc, "__module__": module}
+    )

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from runner.checks import ConfigError, check_range
-from runner.configs._base import MethodConfig
+from runner.configs._base import MethodConfig, variant
 from runner.methods.dbot import LOSS_MODES, SOLVERS
 
 LOSSES = ("ce", "balanced_softmax", "logit_adjust", "focal", "cb_ce", "cb_focal", "ldam", "dbot")
@@ -108,10 +108,9 @@ BASELINE_LOSSES = {
 
 def _baseline(name: str, loss: str) -> type:
     """The schema of the baseline `name`: LongTailBaselineConfig with its name and loss as defaults."""
-    fields = [("name", str, name), ("loss", Literal[LOSSES], loss)]
-    schema = make_dataclass(f"{name.title().replace('_', '')}Config", fields, bases=(LongTailBaselineConfig,))
-    schema.__module__ = __name__
-    return schema
+    doc = f"The long-tail baseline {name}: trains with loss={loss}, predicts by argmax."
+    return variant(f"{name.title().replace('_', '')}Config", LongTailBaselineConfig, doc, __name__,
+                   name=name, loss=loss)  # fmt: skip
 
 
 METHODS: dict[str, type] = {

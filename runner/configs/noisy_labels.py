@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
 from runner.augment import POLICIES
 from runner.checks import check_range
-from runner.configs._base import MethodConfig
+from runner.configs._base import MethodConfig, variant
 from runner.methods.csot import BUDGET_RULES
 
 SELECTIONS = ("csot", "cot", "ot", "small_loss", "none")
@@ -71,13 +70,8 @@ class NoisyLabelConfig(MethodConfig):
 
 
 def _ablation(cls_name: str, doc: str, base: type = NoisyLabelConfig, **defaults) -> type:
-    """A subclass of `base` that changes only defaults (`name`, `selection`, ...): one line per row of
-    the paper's Table 4 instead of a class body each."""
-    types = {f.name: f.type for f in dataclasses.fields(base)}  # as written: checks.py reads Literal[...]
-    fields = [(key, types[key], dataclasses.field(default=value)) for key, value in defaults.items()]
-    return dataclasses.make_dataclass(
-        cls_name, fields, bases=(base,), namespace={"__doc__": doc, "__module__": __name__}
-    )
+    """A row of the paper's Table 4: `base` with other defaults."""
+    return variant(cls_name, base, doc, __name__, **defaults)
 
 
 # fmt: off
