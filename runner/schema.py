@@ -69,6 +69,7 @@ class DatasetConfig:
     imbalance: float = 1.0
     max_train: int = 0  # at most this many training samples, a random subset (0: all); +debug=smoke sets it
     max_eval: int = 0  # likewise for each evaluation split
+    min_per_class: int = 0  # > 0: the max_train subset keeps this many of every class, max_eval ones one
 
     def __post_init__(self):
         check_range("dataset.val_fraction", self.val_fraction, 0.0, 1.0, hi_open=True)
@@ -78,6 +79,7 @@ class DatasetConfig:
         check_range("dataset.image_size", self.image_size, 0)
         check_range("dataset.max_train", self.max_train, 0)
         check_range("dataset.max_eval", self.max_eval, 0)
+        check_range("dataset.min_per_class", self.min_per_class, 0)
         check_range("dataset.imbalance", self.imbalance, 1.0)
 
 

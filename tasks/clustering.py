@@ -26,8 +26,6 @@ from runner.schema import ConfigError
 METRIC = ("cluster/nmi", "max")
 
 
-
-
 def _samples(cfg, ctx, data):
     """(x (N, d) float64, y (N,) int64) to cluster, per `method.split`, `per_class` and `features`."""
     from runner.distributed_passes import decoded_inputs, predict_all, rows_of

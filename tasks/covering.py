@@ -55,11 +55,19 @@ OUTLIER_BOX = (-6.0, 10.0)
 MISSING, OUTLIER = 2, 3  # mixture2d pattern labels: 0 A, 1 B, 2 C, 3 outlier
 
 
+def smoke(cfg) -> None:
+    """`+debug=smoke`: application and development sets of a quarter of an evaluation split each, so
+    that every class's share fits in smoke's pool (held-out splits of `max_eval` samples each)."""
+    m = cfg.method
+    if m.scenario == "dataset":
+        m.n_app = m.n_dev = max(1, min(m.n_app, m.n_dev, cfg.dataset.max_eval // 4))
+        m.k = min(m.k, m.n_app)
 
 
 def data_name(cfg) -> str:
     """What a run covers, for its log lines: the 2-D mixture scenario leaves the dataset group unused."""
     return "mixture2d" if cfg.method.scenario == "mixture2d" else cfg.dataset.name
+
 
 def largest_remainder(weights, n: int) -> np.ndarray:
     """Integer counts summing to n, proportional to `weights` (Hamilton's method)."""

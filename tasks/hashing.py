@@ -63,8 +63,13 @@ METRIC = ("test/p@1", "max")
 
 
 def smoke(cfg) -> None:
-    """`+debug=smoke`: every net trains `debug.max_batches` iterations of at most 4 classes."""
+    """`+debug=smoke`: the nets of the first `ks` only, each trained `debug.max_batches` iterations of at
+    most 4 classes (the training subset keeps `per_class` samples of every class)."""
     method, most = cfg.method, cfg.debug.max_batches
+    cfg.dataset.min_per_class = max(cfg.dataset.min_per_class, method.per_class)
+    method.ks = method.ks[:1]
+    for key in ("beta", "margin", "npairs_l2", "level1_beta", "level1_margin", "level1_npairs_l2"):
+        method[key] = method[key][:1]
     method.iters, method.base_iters = min(method.iters, most), min(method.base_iters, most)
     method.classes_per_batch = min(method.classes_per_batch, 4)
     method.decay_at = [i for i in method.decay_at if i <= method.iters]

@@ -85,6 +85,35 @@ def test_imbalanced_train_split_matches_the_profile():
     assert len(data.test) == len(balanced.test)
 
 
+def test_max_train_draws_a_subset_and_min_per_class_keeps_every_class_beyond_the_bounds():
+    full = load_data(dataset_cfg("dataset.imbalance=20"), seed=0)
+    n_c = np.bincount(full.train.y.numpy(), minlength=10)  # the tail class has 7 (< 8 asked below)
+    small = load_data(
+        dataset_cfg("dataset.imbalance=20", "dataset.max_train=6", "dataset.max_eval=8"), seed=0
+    )
+    assert len(small.train) == 6 and len(small.val) == len(small.test) == 8
+    assert len(np.unique(small.train.y.numpy())) == 6  # one per class first, as far as 6 allows
+    data = load_data(
+        dataset_cfg(
+            "dataset.imbalance=20", "dataset.max_train=6", "dataset.max_eval=4", "dataset.min_per_class=8"
+        ),
+        seed=0,
+    )
+    counts = np.bincount(data.train.y.numpy(), minlength=10)
+    assert counts.tolist() == np.minimum(n_c, 8).tolist()  # every class, past max_train
+    assert (
+        np.bincount(data.test.y.numpy(), minlength=10).min() == 1 and len(data.test) == 10
+    )  # eval: one each
+    assert len(np.unique(data.train.x.reshape(len(data.train), -1), axis=0)) == len(data.train)
+    more = load_data(
+        dataset_cfg("dataset.imbalance=20", "dataset.max_train=100", "dataset.min_per_class=8"), seed=0
+    )
+    assert (
+        len(more.train) == 100
+        and (np.bincount(more.train.y.numpy(), minlength=10) >= np.minimum(n_c, 8)).all()
+    )
+
+
 def test_synthetic_mixture_has_requested_shape():
     data = load_data(dataset_cfg("dataset=synthetic", "dataset.num_classes=4", "dataset.dim=3"), seed=0)
     assert data.input_shape == (3,) and data.num_classes == 4 and set(data.train.y.tolist()) == {0, 1, 2, 3}

@@ -184,26 +184,36 @@ def load_data(cfg, seed: int) -> Data:
         )
         data.train.y = torch.as_tensor(noisy, dtype=torch.long)
     data.meta.setdefault("crop_pad", cfg.crop_pad)
-    return limit_splits(data, cfg.max_train, cfg.max_eval, rng)
+    return limit_splits(data, cfg.max_train, cfg.max_eval, rng, cfg.min_per_class)
 
 
-def limit_splits(data: Data, max_train: int, max_eval: int, rng: np.random.Generator) -> Data:
+def limit_splits(
+    data: Data, max_train: int, max_eval: int, rng: np.random.Generator, min_per_class: int = 0
+) -> Data:
     """Random subsets of at most `max_train` training and `max_eval` samples per evaluation split
-    (0: all), taken after noise and imbalance so a smoke run sees the real corruption."""
+    (0: all), taken after noise and imbalance so a smoke run sees the real corruption. With
+    `min_per_class` > 0 the training subset keeps that many samples of every class (all of a smaller
+    class) and each evaluation subset one, beyond their bounds if need be: a task that needs every
+    class, or pairs of a class, sets it for a smoke run."""
 
-    def cut(split, most):
+    def cut(split, most, per_class):
         if not most or len(split) <= most:
             return split
-        # One sample of every class first (as far as `most` allows), so that no class goes missing.
-        y = split.y.numpy()
-        order = rng.permutation(len(y))
-        firsts = order[np.unique(y[order], return_index=True)[1]][:most]
+        # random samples of every class first (one of each of the lowest classes as far as `most`
+        # allows, without `min_per_class`), so that no class goes missing
+        order = rng.permutation(len(split))
+        shuffled = split.y.numpy()[order]
+        by_class = np.argsort(shuffled, kind="stable")
+        rank = np.arange(len(order)) - np.searchsorted(shuffled[by_class], shuffled[by_class])
+        firsts = order[by_class[rank < max(per_class, 1)]]
+        firsts = firsts if per_class else firsts[:most]
         rest = np.setdiff1d(order, firsts, assume_unique=True)
-        return split.subset(np.sort(np.r_[firsts, rng.permutation(rest)[: most - len(firsts)]]))
+        return split.subset(np.sort(np.r_[firsts, rng.permutation(rest)[: max(most - len(firsts), 0)]]))
 
-    data.train = cut(data.train, max_train)
-    data.val, data.test = cut(data.val, max_eval), cut(data.test, max_eval)
-    data.extra = {name: cut(split, max_eval) for name, split in data.extra.items()}
+    per_eval = min(min_per_class, 1)
+    data.train = cut(data.train, max_train, min_per_class)
+    data.val, data.test = cut(data.val, max_eval, per_eval), cut(data.test, max_eval, per_eval)
+    data.extra = {name: cut(split, max_eval, per_eval) for name, split in data.extra.items()}
     return data
 
 

@@ -687,8 +687,6 @@ def _prepare(x, y_onehot, saliency_maps, sweeps: _Sweeps, omega, alpha, grid, pa
     return {"arrays": (s_grid, A, lam, z0, sizes), "sweeps": sweeps, "index": index, "grid": grid}
 
 
-
-
 def _mix(x, y_onehot, W, problem):
     """Cell-wise mixing from the partition weights W (P, m', n, m): x_j = sum_i Z[j,i] * x_i.
 
@@ -802,4 +800,3 @@ def _check_range(name, value, lo, hi):
 def _check_choice(name, value, allowed):
     if value not in allowed:
         raise ValueError(f"{name}={value!r}: must be one of {', '.join(allowed)}")
-

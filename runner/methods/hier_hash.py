@@ -77,6 +77,7 @@ def __getattr__(name):
         return SOLVERS
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 # Integer backends price arcs in units of 1/cost_scale. OR-tools' cost scaling needs
 # max|cost| * (n_nodes + 1) well inside int64; 2**56 leaves a 64x margin.
 _INT_COST_BUDGET = 2.0**56
