@@ -66,10 +66,10 @@ def describe(name: str, m: dict, batch: int, vanilla: dict | None) -> str:
             f"{100 * method_share:7.1f}% {ratio}")  # fmt: skip
 
 
-def main() -> bool:
+def main() -> bool | None:
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here; nothing measured (run it on a GPU machine)")
-        return True
+        return None
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {STEPS} steps per epoch, fake data")
     print(f"  {'row':<18} {'ms/step':>9} {'images/s':>9} {'peak GB':>8} {'method':>8} {'vs vanilla':>7}")
     ok = True
