@@ -39,7 +39,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from runner.configs.hashing import METHODS, HierHashConfig  # noqa: F401  (tests import them here)
+from runner.configs.hashing import METHODS, PER_KS, HierHashConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
 from runner.methods.hash_training import (
     HashHooks,
@@ -68,7 +68,7 @@ def smoke(cfg) -> None:
     method, most = cfg.method, cfg.debug.max_batches
     cfg.dataset.min_per_class = max(cfg.dataset.min_per_class, method.per_class)
     method.ks = method.ks[:1]
-    for key in ("beta", "margin", "npairs_l2", "level1_beta", "level1_margin", "level1_npairs_l2"):
+    for key in PER_KS:
         method[key] = method[key][:1]
     method.iters, method.base_iters = min(method.iters, most), min(method.base_iters, most)
     method.classes_per_batch = min(method.classes_per_batch, 4)

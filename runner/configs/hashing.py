@@ -12,6 +12,8 @@ from runner.methods.hier_hash import LOSSES, SOLVERS
 TABLES = ("test", "train")
 BASELINES = ("th", "vq", "level1", "lsh")
 INPUT_NORMS = ("dataset", "pixel_mean")
+# list keys with one value, or one per entry of `ks`
+PER_KS = ("beta", "margin", "npairs_l2", "level1_beta", "level1_margin", "level1_npairs_l2")
 
 
 @dataclass
@@ -78,7 +80,7 @@ class HierHashConfig(MethodConfig):
         if not self.ks or not all(1 <= s <= self.d for s in self.ks):
             bad("ks", self.ks, f"a non-empty list of ints in [1, d={self.d}]")
         check_range("method.alpha", self.alpha, 0.0)
-        for key in ("beta", "margin", "npairs_l2", "level1_beta", "level1_margin", "level1_npairs_l2"):
+        for key in PER_KS:
             values = getattr(self, key)
             if len(values) not in (1, len(self.ks)) or min(values) < 0:
                 bad(key, values, f"one value >= 0, or one per ks ({len(self.ks)})")
