@@ -243,11 +243,13 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     cleanup.callback(teardown)
     device, rank, world_size = setup(cfg.hardware)
+    if world_size > 1:  # torchrun's ranks: rank 0's run dir (another rank's clock may name another)
+        run_dir = rundir.shared(run_dir, rank)
     if rank == 0:
         rundir.lock(run_dir)
         cleanup.callback(rundir.unlock, run_dir)
     resume = rundir.check_resume(run_dir, cfg)
-    seed_everything(cfg.seed, cfg.hardware.deterministic)
+    seed_everything(cfg.seed, cfg.hardware.deterministic, rank)
     if rank == 0:
         OmegaConf.save(cfg, run_dir / "config.yaml")
     tracker = Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg), enabled=rank == 0, resume=resume)
@@ -259,6 +261,7 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
         precision=cfg.hardware.precision,
         channels_last=cfg.hardware.channels_last,
         compile=cfg.hardware.compile,
+        sync_bn=cfg.hardware.sync_bn,
         rank=rank,
         world_size=world_size,
         num_workers=cfg.hardware.num_workers,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,40 @@ import torch
 import torch.distributed as dist
 
 from runner.schema import ConfigError
+
+
+def is_accelerator(device: torch.device) -> bool:
+    """Whether `device` computes apart from the host (CUDA), so that reading its results waits for it.
+    The one question the code asks of a device (`runner.device_tracking` answers yes for its stand-in)."""
+    return device.type == "cuda"
+
+
+class Stopwatch:
+    """The time spent in `span()`s, summed; on CUDA measured between events recorded on the stream, so a
+    span waits for nothing and `seconds()` (once per epoch) waits once."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.total, self.events = cuda, 0.0, []
+
+    @contextlib.contextmanager
+    def span(self):
+        if not self.cuda:
+            start = time.perf_counter()
+            yield
+            self.total += time.perf_counter() - start
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.events.append((start, end))
+
+    def seconds(self) -> float:
+        if self.events:
+            self.events[-1][1].synchronize()
+            self.total += sum(start.elapsed_time(end) for start, end in self.events) / 1000
+            self.events.clear()
+        return self.total
 
 
 @dataclass
@@ -38,6 +73,35 @@ class RunContext:
 
     channels_last: bool = False  # image batches and conv weights in NHWC
     compile: bool = False  # torch.compile the network's training forward
+    sync_bn: bool = False  # under DDP, batch-norm statistics over the global batch
+
+    @property
+    def accelerator(self) -> bool:
+        """On an accelerator: reads of device results wait for it (see `is_accelerator`)."""
+        return is_accelerator(self.device)
+
+    def stopwatch(self) -> Stopwatch:
+        return Stopwatch(self.device.type == "cuda")
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` in page-locked memory on CUDA, so that `.to(device, non_blocking=True)` does not wait."""
+        return t.pin_memory() if self.device.type == "cuda" else t
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (before reading a wall clock that should include it)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def memory(self) -> dict:
+        """Peak allocated and reserved GPU memory since the last call (GB); empty off CUDA."""
+        if self.device.type != "cuda":
+            return {}
+        out = {
+            "mem/peak_gb": torch.cuda.max_memory_allocated(self.device) / 2**30,
+            "mem/reserved_gb": torch.cuda.max_memory_reserved(self.device) / 2**30,
+        }
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return out
 
     def autocast(self):
         """Autocast to `precision` (fp16, bf16) on this device; a no-op at fp32."""
@@ -51,16 +115,20 @@ class RunContext:
         return torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Move `model` to the device (channels-last if asked); return the network to train through:
-        compiled if asked, wrapped in DistributedDataParallel under DDP. Hooks keep using `model`."""
+        """Move `model` to the device (channels-last if asked; batch norm synchronised over CUDA ranks with
+        `sync_bn`); return the network to train through: wrapped in DistributedDataParallel under DDP,
+        then compiled if asked (PyTorch's order: the compiled graph breaks at DDP's gradient buckets, so
+        their all-reduce overlaps the backward). Hooks keep using `model`."""
         model.to(self.device)
         if self.channels_last:
             model.to(memory_format=torch.channels_last)
-        net = torch.compile(model) if self.compile else model
+        net = model
         if self.distributed:
-            ids = [self.device.index] if self.device.index is not None else None
-            net = torch.nn.parallel.DistributedDataParallel(net, device_ids=ids)
-        return net
+            if self.sync_bn and self.device.type == "cuda":  # SyncBatchNorm runs on CUDA only (NCCL)
+                torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # the same parameters and buffers
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        return torch.compile(net) if self.compile else net
 
     def to_input(self, x: torch.Tensor) -> torch.Tensor:
         """A batch moved to the device, in the memory format the model expects."""
@@ -68,10 +136,14 @@ class RunContext:
         return x.contiguous(memory_format=torch.channels_last) if self.channels_last and x.dim() == 4 else x
 
 
-def seed_everything(seed: int, deterministic: bool = False) -> None:
+def seed_everything(seed: int, deterministic: bool = False, rank: int = 0) -> None:
+    """Seed every generator from `seed`; the CUDA generators also from `rank`, so that ranks draw
+    different device-side randomness (augmentations, dropout) while the host's data order stays shared."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    if rank:
+        torch.cuda.manual_seed_all(seed + 7919 * rank)  # a no-op without CUDA
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -98,12 +170,17 @@ def setup(hw) -> tuple[torch.device, int, int]:
             )
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if hw.device == "cuda" else "gloo")
+    device = torch.device("cpu")
     if hw.device == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank), rank, world_size
-    return torch.device("cpu"), rank, world_size
+        # Slurm with one GPU per task shows each rank its own device as the only one: ordinal 0.
+        device = torch.device("cuda", local_rank if torch.cuda.device_count() > 1 else 0)
+        torch.cuda.set_device(device)  # before the process group, which binds NCCL to it
+    if hw.distributed and not dist.is_initialized():
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    return device, rank, world_size
 
 
 def teardown() -> None:

@@ -9,13 +9,12 @@ import torch
 
 def calibration_bins(probs: torch.Tensor, labels: torch.Tensor, bins: int = 15) -> torch.Tensor:
     """Per equal-width confidence bin: [count, sum of confidences, number correct], shape (3, bins),
-    float64; sums, so that shards of a split add up (under DDP) before `expected_calibration_error`."""
+    float64 on the device of `probs`; sums, so that shards of a split (or batches) add up before
+    `expected_calibration_error`."""
     conf, pred = probs.max(1)
     which = torch.clamp((conf * bins).long(), max=bins - 1)
-    out = torch.zeros(3, bins, dtype=torch.float64)
-    for row, values in enumerate((torch.ones_like(conf), conf, (pred == labels).to(conf.dtype))):
-        out[row].index_add_(0, which.cpu(), values.double().cpu())
-    return out
+    values = torch.stack([torch.ones_like(conf), conf, (pred == labels).to(conf.dtype)]).double()
+    return torch.zeros(3, bins, dtype=torch.float64, device=probs.device).index_add_(1, which, values)
 
 
 def expected_calibration_error(binned: torch.Tensor) -> float:

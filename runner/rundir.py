@@ -9,6 +9,7 @@ whose config differs from the run dir's `config.yaml` outside `RESUME_MAY_CHANGE
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -140,3 +141,16 @@ def resume_command(run_dir, overrides) -> str:
     """The command that resumes the run in `run_dir`: its overrides and the run dir."""
     args = [o for o in overrides if not o.startswith("hydra.run.dir=")] + [f"hydra.run.dir={run_dir}"]
     return "runner " + " ".join(shlex.quote(a) for a in args)
+
+
+def shared(run_dir, rank: int) -> Path:
+    """Rank 0's run dir on every rank of a process group; a rank whose Hydra made another (its clock
+    passed a second) removes that empty one, so a torchrun launch leaves one run dir."""
+    from runner.distributed_passes import broadcast_from_main
+
+    run_dir = Path(run_dir)
+    main = Path(broadcast_from_main(str(run_dir)))
+    if rank > 0 and run_dir != main:
+        with contextlib.suppress(OSError):  # not empty: someone else's, left alone
+            run_dir.rmdir()
+    return main

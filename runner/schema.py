@@ -164,6 +164,7 @@ class HardwareConfig:
     precision: str = "fp32"  # fp32 | fp16 (autocast + grad scaler) | bf16 (autocast, no scaler)
     channels_last: bool = False
     compile: bool = False  # torch.compile of the model's training forward
+    sync_bn: bool = False  # under DDP: batch norm over the global batch (per-GPU batches below ~16)
     distributed: bool = False
     deterministic: bool = False
     threads: int = 0
@@ -215,6 +216,12 @@ class TrainConfig:
     # force resumes it even when the config differs from the run dir's config.yaml (see runner/rundir.py).
     resume: str = "auto"
     progress: bool = True  # false: no progress bar and no per-epoch lines (the metrics are still logged)
+    accumulate: int = 1  # micro-batches per optimizer step (train.batch_size stays the step's batch)
+    clip_grad_norm: float = 0.0  # bound on the gradients' total norm (0: off); logs train/grad_norm
+    ema: float = 0.0  # decay of an exponential moving average of the weights, evaluated beside them (0: off)
+    eval_every: int = 1  # evaluate every this many epochs (and at the last)
+    save_top_k: int = 0  # keep the k best epoch-end checkpoints by the validation metric (best.pt)
+    early_stop: int = 0  # stop after this many evaluations without improvement of it (0: never)
 
     def __post_init__(self):
         check_range("train.epochs", self.epochs, 1)
@@ -229,6 +236,12 @@ class TrainConfig:
         check_range("train.gamma", self.gamma, 0.0, 1.0, lo_open=True)
         check_range("train.checkpoint_every_minutes", self.checkpoint_every_minutes, 0.0)
         check_choice("train.resume", self.resume, RESUME_MODES)
+        check_range("train.accumulate", self.accumulate, 1)
+        check_range("train.clip_grad_norm", self.clip_grad_norm, 0.0)
+        check_range("train.ema", self.ema, 0.0, 1.0, hi_open=True)
+        check_range("train.eval_every", self.eval_every, 1)
+        check_range("train.save_top_k", self.save_top_k, 0)
+        check_range("train.early_stop", self.early_stop, 0)
 
 
 @dataclass

@@ -31,8 +31,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import random
+import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +46,7 @@ from tqdm import tqdm
 from runner.data import Data, Split
 from runner.data.views import augment_crop_flip
 from runner.faults import CheckpointError, Diverged, StopSignals
-from runner.hardware import RunContext, all_reduce_sum
+from runner.hardware import RunContext, Stopwatch, all_reduce_sum
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary, reliability_plot
 from runner.schema import ConfigError
 
@@ -107,11 +110,13 @@ def _on_device(split: Split, device: torch.device) -> torch.Tensor:
 
 def batches(split, ctx: RunContext, index_batches, augment: str = "none", crop_pad: int = 4):
     """An iterable of `(x, idx)` over `index_batches` (an iterable of index tensors, e.g. EpochBatches),
-    `x` float network input on `ctx.device`, `idx` the batch's int64 sample indices on the CPU.
+    `x` float network input and `idx` the batch's int64 sample indices, both on `ctx.device`.
 
-    In-memory splits are sliced on the device (augment="crop_flip": random crop + flip there); a
-    FileSplit is read by a DataLoader whose workers decode and transform, with its training transform
-    when `augment` is not "none". Re-iterate the returned object each epoch (DataLoader workers persist).
+    In-memory splits are sliced on the device (augment="crop_flip": random crop + flip there), the
+    epoch's indices copied there at once; a FileSplit is read by a DataLoader whose workers decode and
+    transform (its training transform when `augment` is not "none") into pinned memory, and `decode`
+    makes network input of the batch on the device. Re-iterate the returned object each epoch
+    (DataLoader workers persist).
     """
     if not isinstance(split, Split):  # FileSplit, FakeSplit: a map-style dataset read by workers
         # Workers' seeds from a generator of this rank: ranks must not repeat each other's augmentations.
@@ -124,7 +129,7 @@ def batches(split, ctx: RunContext, index_batches, augment: str = "none", crop_p
             persistent_workers=ctx.num_workers > 0,
             generator=seeds,
         )
-        return _ToDevice(loader, ctx)
+        return _ToDevice(loader, ctx, split)
     if augment not in ("none", "crop_flip"):
         raise ConfigError(
             f"dataset.augment={augment!r} needs a file-backed dataset; in-memory data take none or crop_flip"
@@ -147,15 +152,18 @@ class _AsLists:
 
 
 class _ToDevice:
-    def __init__(self, loader, ctx: RunContext):
-        self.loader, self.ctx = loader, ctx
+    """The workers' (pinned) batches moved to the device without waiting, decoded there by `split.decode`."""
+
+    def __init__(self, loader, ctx: RunContext, split):
+        self.loader, self.ctx, self.split = loader, ctx, split
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self):
         for x, idx in self.loader:
-            yield self.ctx.to_input(x), idx
+            x = self.split.decode(x.to(self.ctx.device, non_blocking=True))
+            yield self.ctx.to_input(x), idx.to(self.ctx.device, non_blocking=True)
 
 
 class _SliceBatches:
@@ -168,8 +176,13 @@ class _SliceBatches:
 
     def __iter__(self):
         x_all = _on_device(self.split, self.ctx.device)
-        for idx in self.index_batches:
-            x = self.split.decode(x_all[idx.to(self.ctx.device)])
+        host = list(self.index_batches)
+        if not host:
+            return
+        # One copy of the epoch's indices (a copy per batch would wait for the device each step).
+        order = self.ctx.pin(torch.cat(host)).to(self.ctx.device, non_blocking=True)
+        for idx in order.split([len(i) for i in host]):
+            x = self.split.decode(x_all[idx])
             if self.augment == "crop_flip":
                 x = augment_crop_flip(x, self.crop_pad)
             yield self.ctx.to_input(x), idx
@@ -185,6 +198,11 @@ def in_order(n: int, batch_size: int) -> list[torch.Tensor]:
 STREAMED_EVAL_BATCH = 256
 
 
+# Outputs of a pass stay on the device up to this many bytes, then go to the host in one copy (a copy per
+# batch would wait for the device each batch; holding ImageNet's features there would not fit).
+HOST_COPY_BYTES = 256 * 2**20
+
+
 @torch.no_grad()
 def predict(model, source, ctx: RunContext, batch_size: int = 1024, features: bool = False) -> torch.Tensor:
     """Logits (with features=True: `forward_features`) for every sample of `source` (a split, or a
@@ -198,41 +216,51 @@ def predict(model, source, ctx: RunContext, batch_size: int = 1024, features: bo
     forward = model.forward_features if features else model
     if not isinstance(source, Split):
         batch_size = min(batch_size, STREAMED_EVAL_BATCH)
-    out = []
+    host, pending = [], []
     for x, _ in batches(source, ctx, in_order(len(source), batch_size)):
         with ctx.autocast():
-            out.append(forward(x).float().cpu())
+            pending.append(forward(x).float())
+        if sum(p.nbytes for p in pending) >= HOST_COPY_BYTES:
+            host.append(torch.cat(pending).cpu())
+            pending = []
+    if pending:
+        host.append(torch.cat(pending).cpu())
     model.train(was_training)
-    return torch.cat(out) if out else torch.empty(0)
+    return torch.cat(host) if host else torch.empty(0)
 
 
 @torch.no_grad()
-def evaluate(model, split, ctx: RunContext, batch_size: int = 1024, top5: bool = False) -> dict:
-    """Accuracy (and top-5 accuracy), mean cross-entropy and ECE (15 bins) against the clean labels;
-    each rank takes an interleaved shard and the sums are reduced over ranks. `calibration` holds the
-    bins (for `reliability_plot`)."""
+def evaluate(
+    model, split, ctx: RunContext, batch_size: int = 1024, top5: bool = False, bins: int = 15
+) -> dict:
+    """Accuracy (and top-5 accuracy), mean cross-entropy and ECE (`bins` bins) against the clean labels;
+    each rank takes an interleaved shard, the sums are kept on the device, reduced over ranks and read
+    once. `calibration` holds the bins (for `reliability_plot`)."""
     shard = split.subset(torch.arange(ctx.rank, len(split), ctx.world_size)) if ctx.distributed else split
-    logits, y = predict(model, shard, ctx, batch_size), shard.y_clean
-    top = (
-        logits.topk(min(5, logits.shape[1]), dim=1).indices if len(y) else torch.zeros(0, 5, dtype=torch.long)
-    )
-    sums = torch.tensor(
-        [
-            float((top[:, 0] == y).sum()),
-            float((top == y[:, None]).any(1).sum()),
-            float(F.cross_entropy(logits, y, reduction="sum")) if len(y) else 0.0,
-            len(y),
-        ],
-        dtype=torch.float64,
-    )
-    bins = calibration_bins(logits.softmax(1), y) if len(y) else torch.zeros(3, 15, dtype=torch.float64)
-    reduced = all_reduce_sum(torch.cat([sums, bins.flatten()]).to(ctx.device)).cpu()
+    if not isinstance(shard, Split):
+        batch_size = min(batch_size, STREAMED_EVAL_BATCH)
+    y_clean = ctx.pin(shard.y_clean).to(ctx.device, non_blocking=True)
+    sums = torch.zeros(4 + 3 * bins, dtype=torch.float64, device=ctx.device)
+    was_training = model.training
+    model.eval()
+    for x, idx in batches(shard, ctx, in_order(len(shard), batch_size)):
+        with ctx.autocast():
+            logits = model(x).float()
+        y = y_clean[idx]
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        sums[0] += (top[:, 0] == y).sum()
+        sums[1] += (top == y[:, None]).any(1).sum()
+        sums[2] += F.cross_entropy(logits, y, reduction="sum")
+        sums[3] += len(y)
+        sums[4:] += calibration_bins(logits.softmax(1), y, bins).flatten()
+    model.train(was_training)
+    reduced = all_reduce_sum(sums).cpu()
     correct, correct5, loss, n = reduced[:4].tolist()
-    bins = reduced[4:].view(3, -1)
-    out = {"acc": correct / max(n, 1), "loss": loss / max(n, 1), "ece": expected_calibration_error(bins)}
+    binned = reduced[4:].view(3, -1)
+    out = {"acc": correct / max(n, 1), "loss": loss / max(n, 1), "ece": expected_calibration_error(binned)}
     if top5:
         out["acc5"] = correct5 / max(n, 1)
-    out["calibration"] = bins
+    out["calibration"] = binned
     return out
 
 
@@ -297,9 +325,11 @@ class Resumable:
     writes one at a position, refusing non-finite weights. One object per loop, so another loop (e.g.
     iterations instead of epochs) reuses it whole."""
 
-    def __init__(self, path, ctx: RunContext, model, optimizer, scheduler, scaler, hooks=None):
+    def __init__(self, path, ctx: RunContext, model, optimizer, scheduler, scaler, hooks=None, ema=None):
         self.path, self.ctx, self.model, self.hooks = Path(path), ctx, model, hooks
         self.parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+        if ema is not None:
+            self.parts["ema"] = ema
         self.last = "none written yet"  # the last good checkpoint, for error messages
 
     def resume(self) -> tuple[int, int | None, dict] | None:
@@ -345,6 +375,161 @@ def _first_line(error: BaseException) -> str:
     return text[: text.find(". ", 40) + 1 or None][:300]
 
 
+@dataclass
+class Step:
+    """What one training step uses (`train_step`): the network to train through (compiled, or wrapped
+    in DDP) and the model the hooks see, the optimizer, its scheduler (stepped per batch if `per_step`)
+    and loss scaler, the training labels on the device, the method's `transform` and `loss` hooks, the
+    micro-batches per step (`accumulate`), the gradient-norm bound (`clip`, 0: none) and the EMA of the
+    weights (`ema`, an `AveragedModel`, or None). Kept on the device for the epoch's row: the steps the
+    fp16 scaler skipped, and the sum and count of finite pre-clip gradient norms."""
+
+    net: torch.nn.Module
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    per_step: bool
+    scaler: torch.amp.GradScaler
+    ctx: RunContext
+    y_train: torch.Tensor
+    num_classes: int
+    transform: object = None
+    loss: object = None
+    accumulate: int = 1
+    clip: float = 0.0
+    ema: torch.nn.Module | None = None
+    transform_time: Stopwatch | None = None
+    skipped: torch.Tensor | None = None
+    grad_norm: torch.Tensor | None = None  # [sum, count]
+
+
+def train_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
+    """batch -> transform -> loss -> backward (per micro-batch) -> clip -> optimizer step -> EMA;
+    returns the batch's mean loss, detached, on the device (nothing here waits for the device)."""
+    s.optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    for i, (x_part, idx_part) in enumerate(zip(x.chunk(s.accumulate), idx.chunk(s.accumulate))):
+        # Under DDP the gradients are all-reduced once, with the last micro-batch's backward.
+        last = i == s.accumulate - 1
+        with contextlib.nullcontext() if last or not hasattr(s.net, "no_sync") else s.net.no_sync():
+            loss = _loss(s, x_part, idx_part, epoch)
+            s.scaler.scale(loss / s.accumulate if s.accumulate > 1 else loss).backward()
+        total = total + loss.detach()
+    if s.clip:
+        s.scaler.unscale_(s.optimizer)  # the bound is on the true gradient, not the fp16-scaled one
+        norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.clip)
+        finite = torch.isfinite(norm)
+        s.grad_norm += torch.stack([torch.where(finite, norm, 0.0), finite.float()])
+    s.scaler.step(s.optimizer)
+    if s.scaler.is_enabled():  # a step with inf/NaN gradients was skipped; update() then lowers the scale
+        s.skipped += sum(s.scaler._found_inf_per_device(s.optimizer).values())
+    s.scaler.update()
+    if s.per_step:
+        s.scheduler.step()
+    if s.ema is not None:
+        s.ema.update_parameters(s.model)
+    return total / s.accumulate
+
+
+def _loss(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
+    y_soft = F.one_hot(s.y_train[idx], s.num_classes).float()
+    if s.transform is not None:
+        with s.transform_time.span():
+            x, y_soft = s.transform(x, y_soft, idx, s.model)
+    with s.ctx.autocast():
+        return s.loss(s.net, x, y_soft, idx, epoch) if s.loss else soft_cross_entropy(s.net(x), y_soft)
+
+
+# The loop reads the device every AGREE_EVERY steps (the non-finite check, the fp16 loss scale and, under
+# DDP, the ranks' votes to stop or save, in one transfer): each read waits for the queued steps, and a
+# non-finite loss or a stop signal may wait this many steps.
+AGREE_EVERY = 16
+MIN_LOSS_SCALE = 1e-4  # an fp16 loss scale below this skips every step: the run has diverged
+
+
+class DeferredChecks:
+    """What the host must learn from the device during an epoch, kept there and read in one transfer
+    (`read`): the first step whose loss was not finite and the fp16 loss scale, with, under DDP, the
+    ranks' votes (a flag true on any rank is true on all, so that every rank stops or saves at the
+    same step)."""
+
+    def __init__(self, s: Step, check_loss: bool):
+        self.s, self.check_loss = s, check_loss
+        self.first_bad = torch.full((), -1, dtype=torch.long, device=s.ctx.device)
+
+    def record(self, step: int, loss: torch.Tensor) -> None:
+        if self.check_loss:
+            bad = ~torch.isfinite(loss) & (self.first_bad < 0)
+            self.first_bad = torch.where(bad, step, self.first_bad)
+
+    def read(self, *flags: bool) -> tuple[list[bool], float, float]:
+        """(each flag agreed over the ranks, the first non-finite step of any rank (-1: none; inf: another
+        rank's), the fp16 loss scale (inf without one)): one wait for the device."""
+        ctx, scaler = self.s.ctx, self.s.scaler
+        host = ctx.pin(torch.tensor(flags, dtype=torch.float64)).to(ctx.device, non_blocking=True)
+        votes = torch.cat([host, (self.first_bad >= 0).double().reshape(1)])
+        if ctx.distributed:
+            votes = all_reduce_sum(votes)
+        scale = scaler._get_scale_async() if scaler.is_enabled() else None  # None before the first step
+        scale = torch.full((1,), math.inf, device=ctx.device) if scale is None else scale.reshape(1)
+        values = torch.cat([votes, self.first_bad.double().reshape(1), scale.double()]).tolist()
+        *agreed, any_bad, first_bad, scale = values
+        if any_bad and first_bad < 0:
+            first_bad = math.inf
+        return [v > 0 for v in agreed], first_bad, scale
+
+
+def epoch_start(hooks, epoch: int, model, data: Data) -> None:
+    """The method's per-epoch pass (e.g. CSOT's selection), if it has one."""
+    if getattr(hooks, "on_epoch_start", None) is not None:
+        hooks.on_epoch_start(epoch, model, data)
+
+
+def evaluate_all(model, data: Data, ctx: RunContext, cfg, hooks) -> tuple[dict, dict]:
+    """The epoch's evaluation: the method's own (`hooks.evaluate`), or every evaluation split's metrics."""
+    if getattr(hooks, "evaluate", None) is not None:
+        return hooks.evaluate(model), {}
+    return _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
+
+
+def train_one_epoch(s: Step, loop: _Loop, epoch: int, first: int) -> tuple[torch.Tensor, DeferredChecks]:
+    """Steps `first`.. of `epoch`: (the summed training loss, on the device; the checks, for the epoch
+    end to read). Reads the checks every AGREE_EVERY steps and saves mid-epoch when due or stopped."""
+    cfg, ctx = loop.cfg, s.ctx
+    steps = len(loop.sampler)
+    warmup_steps = cfg.warmup_epochs * steps if loop.warmup else 0
+    # The partial loss sum of a resumed epoch is the global one: rank 0 carries it.
+    loss_sum = torch.full((), loop.carried_loss if first and ctx.is_main else 0.0, device=ctx.device)
+    checks = DeferredChecks(s, check_loss=not s.scaler.is_enabled())
+    bar = tqdm(
+        loop.train_batches,
+        desc=f"{loop.tag + ' ' if loop.tag else ''}epoch {epoch + 1}/{cfg.epochs}",
+        initial=first,
+        total=steps,
+        leave=False,
+        disable=None if cfg.progress and ctx.is_main else True,
+    )
+    for step, (x, idx) in enumerate(bar, start=first):
+        if epoch * steps + step < warmup_steps:  # linear warm-up of the scheduled lr
+            factor = (epoch * steps + step + 1) / (warmup_steps + 1)
+            for group, lr in zip(s.optimizer.param_groups, s.scheduler.get_last_lr()):
+                group["lr"] = lr * factor
+        loss = train_step(s, x, idx, epoch)
+        loss_sum += loss
+        checks.record(step, loss)
+        save = loop.mid_epoch and 0 < cfg.checkpoint_every_minutes * 60 <= time.monotonic() - loop.last_save
+        stop = loop.signals.signum is not None
+        # Alone, a process acts on a signal or a due save at once; ranks only at the steps they all vote.
+        due = (step + 1) % AGREE_EVERY == 0 or not ctx.distributed and (stop or save)
+        if not due or step + 1 == steps:
+            continue  # the epoch's last step is checked at the epoch end
+        (stop, save), first_bad, scale = checks.read(stop, save)
+        loop.check(epoch, first_bad, scale)
+        if stop or save:
+            loop.save_partial(epoch, step + 1, loss_sum, stop)
+    return loss_sum, checks
+
+
 def fit(
     model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "none", tag: str | None = None
 ) -> dict:
@@ -368,174 +553,278 @@ def fit(
     restored at the end, and the returned metrics are those of the restored model."""
     # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
     # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
-    if cfg.batch_size % ctx.world_size:
-        raise ConfigError(f"train.batch_size={cfg.batch_size}: must split evenly over {ctx.world_size} ranks")
-    net = ctx.prepare(model)
-    make_optimizers = getattr(hooks, "optimizer", None)
-    if make_optimizers is None:
-        optimizer, scheduler, per_step = make_optimizer(model, cfg), None, False
-        scheduler = make_scheduler(optimizer, cfg)
-    else:
-        optimizer, scheduler, per_step = make_optimizers(model)
-    scaler = ctx.grad_scaler()
-    y_train, k = data.train.y.to(ctx.device), data.num_classes
-
-    # The hooks a method provides (see the module docstring); None for those it leaves out.
-    on_epoch_start = getattr(hooks, "on_epoch_start", None)
-    transform = getattr(hooks, "transform", None)
-    hook_loss = getattr(hooks, "loss", None)
-    hook_evaluate = getattr(hooks, "evaluate", None)
-    select = getattr(hooks, "select", None)
-    epoch_metrics = getattr(hooks, "epoch_metrics", dict)
-    mid_epoch = cfg.checkpoint and (on_epoch_start is None or getattr(hooks, "mid_epoch_resume", False))
-
-    def evaluate_all() -> tuple[dict, dict]:
-        if hook_evaluate is not None:
-            return hook_evaluate(model), {}
-        return _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
-
-    path = ctx.dir / CHECKPOINT if tag is None else ctx.dir / "checkpoints" / f"{tag}.pt"
-    state = Resumable(path, ctx, model, optimizer, scheduler, scaler, hooks)
-    resumed = state.resume() if cfg.checkpoint else None
+    if cfg.batch_size % (ctx.world_size * cfg.accumulate):
+        raise ConfigError(
+            f"train.batch_size={cfg.batch_size}: must split evenly over {ctx.world_size} ranks x "
+            f"train.accumulate={cfg.accumulate} micro-batches"
+        )
+    if cfg.accumulate > 1 and hooks is not None and not getattr(hooks, "accumulate_ok", False):
+        raise ConfigError(
+            f"train.accumulate={cfg.accumulate}: this method needs each whole batch in one pass (its "
+            "batch transform, loss or sampler sees the batch as one); use train.accumulate=1"
+        )
+    loop = _Loop(model, data, cfg, ctx, hooks, tag)
+    s, select = loop.step, getattr(hooks, "select", None)
+    resumed = loop.state.resume() if cfg.checkpoint else None
     start, first, extra = (0, 0, {}) if resumed is None else resumed
     if first is None:  # an epoch-end checkpoint
         start, first = start + 1, 0
     # Epochs before `start` are logged; an interrupted one is when it completes. Without a checkpoint
     # this drops the records of an earlier attempt that died before its first one.
     _truncate(ctx, tag, start if resumed is not None else -1)
-    if resumed is not None and make_optimizers is None:
-        _follow_config(optimizer, scheduler, cfg)
-    history = extra.get("history", [])
+    if resumed is not None and loop.warmup:
+        _follow_config(s.optimizer, s.scheduler, cfg)
+    loop.history, loop.carried_loss = extra.get("history", []), extra.get("loss_sum", 0.0)
+    loop.monitor.load_state_dict(extra.get("monitor", {}))
     # The best epoch by `select`: its value, weights (on the CPU), metrics and calibration bins.
-    best = extra.get("best")
-    if best is not None:
-        best["state"] = {key: value.cpu() for key, value in best["state"].items()}
+    loop.best = extra.get("best")
+    if loop.best is not None:
+        loop.best["state"] = {key: value.cpu() for key, value in loop.best["state"].items()}
     if select is not None and resumed is None:  # the initial weights stay unless training beats them
-        evaluated, calibration = evaluate_all()
-        best = _snapshot(model, evaluated, calibration, select)
+        evaluated, calibration = evaluate_all(model, data, ctx, cfg, hooks)
+        loop.best = _snapshot(model, evaluated, calibration, select)
         _log(ctx, tag, {"epoch": 0, **evaluated}, -1)
-
-    # After the resume: the data order is seeded by the run's seed, which the restored RNG state carries.
-    sampler = EpochBatches(len(y_train), cfg.batch_size, ctx.rank, ctx.world_size, torch.initial_seed())
-    if hasattr(hooks, "batch_sampler"):
-        sampler = hooks.batch_sampler(sampler)
-    train_batches = batches(data.train, ctx, sampler, augment, data.meta.get("crop_pad", 4))
-    check_loss = not scaler.is_enabled()  # fp16 loss scaling skips non-finite steps by design
-    last_save = time.monotonic()
-    train_s = 0.0
+    loop.start_batches(augment)  # after the resume: the data order is seeded by the restored RNG state
     metrics: dict = {}
     calibration: dict = {}
-    with StopSignals() as signals:
+    with StopSignals() as loop.signals:
         for epoch in range(start, cfg.epochs):
-            t0 = time.perf_counter()
-            model.train()
-            resuming = epoch == start and first > 0
-            if on_epoch_start is not None and not resuming:
-                on_epoch_start(epoch, model, data)
-            t_pass, t_transform = time.perf_counter() - t0, 0.0
-            sampler.set_epoch(epoch, start=first if resuming else 0)
-            steps_per_epoch = len(sampler)  # after set_epoch: a hook's sampler may vary it by epoch
-            warmup_steps = cfg.warmup_epochs * steps_per_epoch if make_optimizers is None else 0
-            # The partial loss sum of a resumed epoch is the global one: rank 0 carries it.
-            carried = extra.get("loss_sum", 0.0) if resuming and ctx.is_main else 0.0
-            loss_sum = torch.full((), carried, device=ctx.device)
-            bar = tqdm(
-                train_batches,
-                desc=f"{tag + ' ' if tag else ''}epoch {epoch + 1}/{cfg.epochs}",
-                initial=first if resuming else 0,
-                total=steps_per_epoch,
-                leave=False,
-                disable=None if cfg.progress and ctx.is_main else True,
-            )
-            pending = None  # (step, finite flag) of the last step, read one step late: no wait on the GPU
-            for step, (x, idx) in enumerate(bar, start=first if resuming else 0):
-                if epoch * steps_per_epoch + step < warmup_steps:  # linear warm-up of the scheduled lr
-                    factor = (epoch * steps_per_epoch + step + 1) / (warmup_steps + 1)
-                    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-                        group["lr"] = lr * factor
-                idx = idx.to(ctx.device)
-                y_soft = F.one_hot(y_train[idx], k).float()
-                if transform is not None:
-                    t = time.perf_counter()
-                    x, y_soft = transform(x, y_soft, idx, model)
-                    t_transform += time.perf_counter() - t
-                with ctx.autocast():
-                    if hook_loss is not None:
-                        loss = hook_loss(net, x, y_soft, idx, epoch)
-                    else:
-                        loss = soft_cross_entropy(net(x), y_soft)
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-                if per_step:  # a schedule over iterations
-                    scheduler.step()
-                loss_sum += loss.detach()
-                if check_loss:
-                    _check_finite(pending, epoch, steps_per_epoch, state)
-                    pending = (step, torch.isfinite(loss.detach()))
-                stop = due = False
-                if not ctx.distributed or (step + 1) % AGREE_EVERY == 0:  # a vote waits on the GPU
-                    due = mid_epoch and 0 < cfg.checkpoint_every_minutes * 60 <= time.monotonic() - last_save
-                    stop, due = _agree(ctx, signals.signum is not None, due)
-                if stop or due:
-                    _check_finite(pending, epoch, steps_per_epoch, state)
-                    if mid_epoch:
-                        partial = all_reduce_sum(loss_sum.clone().reshape(1)).item()
-                        if ctx.is_main:
-                            state.save(
-                                epoch, step + 1, {"history": history, "best": best, "loss_sum": partial}
-                            )
-                        last_save = time.monotonic()
-                    if stop:
-                        if not mid_epoch:
-                            log.warning("stopping inside epoch %d without a checkpoint of it", epoch + 1)
-                        signals.stop()
-            _check_finite(pending, epoch, steps_per_epoch, state)
-            timings = _timings(
-                ctx, t0 + t_pass, t_pass, t_transform, steps_per_epoch - (first if resuming else 0)
-            )
-            train_s += timings["time/train_s"]
-            if not per_step:
-                for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-                    group["lr"] = lr  # undo the warm-up factor: the schedulers compute from the current lr
-                scheduler.step()
-            train_loss = all_reduce_sum(loss_sum.reshape(1)).item() / (steps_per_epoch * ctx.world_size)
-            metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": optimizer.param_groups[0]["lr"]}
-            evaluated, calibration = evaluate_all()
-            metrics.update(evaluated)
-            if "test/acc" in metrics:
-                history.append(metrics["test/acc"])
-            if select is not None and _better(evaluated[select[0]], best, select[1]):
-                best = _snapshot(model, evaluated, calibration, select)
-            metrics.update(epoch_metrics())
-            metrics.update(timings)
-            metrics["time/epoch_s"] = time.perf_counter() - t0
-            _log(ctx, tag, metrics, epoch)
-            if ctx.is_main:
-                if cfg.progress:
-                    log.info(
-                        "%sepoch %d/%d  %s", f"{tag}: " if tag else "", epoch + 1, cfg.epochs, _brief(metrics)
-                    )
-                if cfg.checkpoint:
-                    state.save(epoch, None, {"history": history, "best": best})
-            last_save = time.monotonic()
-            if _agree(ctx, signals.signum is not None)[0]:
-                signals.stop()
-    if best is not None:  # the best epoch's weights and evaluation
-        model.load_state_dict(best["state"])
-        metrics.update(best["metrics"])
-        calibration = best["calibration"]
-        log.info(
-            "%skept the weights of the best %s, %.4f", f"{tag}: " if tag else "", select[0], best["value"]
-        )
+            metrics, calibration = loop.epoch(epoch, first if epoch == start else 0)
+            if loop.monitor.stopped:
+                break
+    if loop.best is not None:  # the best epoch's weights and evaluation
+        model.load_state_dict(loop.best["state"])
+        metrics.update(loop.best["metrics"])
+        calibration = loop.best["calibration"]
+        log.info("%skept the weights of the best %s, %.4f", f"{tag}: " if tag else "", select[0],
+                 loop.best["value"])  # fmt: skip
     elif not metrics:  # resumed a finished run: report the model as it is
-        metrics, calibration = evaluate_all()
-    metrics.update(history_summary(history))
-    metrics["time/train_total_s"] = train_s  # the training steps of this process (not the resumed part)
+        metrics, calibration = evaluate_all(model, data, ctx, cfg, hooks)
+    metrics.update(history_summary(loop.history))
+    metrics.update(loop.monitor.summary())
+    metrics["time/train_total_s"] = loop.train_s  # the training steps of this process (not the resumed part)
     if ctx.is_main and "test" in calibration:
         reliability_plot(ctx.dir / "reliability.png", calibration["test"], "test")
     return metrics
+
+
+class Monitor:
+    """The validation metric `key` (`mode` "max" or "min") over a fit's evaluations: keeps the
+    `train.save_top_k` best epoch-end checkpoints as `best-<epoch>-<value>.pt` beside the fit's checkpoint
+    (hard links of it, no copy) and `best.pt` naming the best; stops the fit after `train.early_stop`
+    evaluations without improvement. Its state travels in the checkpoint, so both survive a resume."""
+
+    def __init__(self, select, cfg, checkpoint: Path):
+        self.key, self.mode = select
+        self.top_k, self.patience = cfg.save_top_k, cfg.early_stop
+        if self.top_k and not cfg.checkpoint:
+            raise ConfigError(f"train.save_top_k={self.top_k} keeps checkpoints: needs train.checkpoint=true")
+        self.folder = checkpoint.parent
+        self.prefix = "" if checkpoint.name == Path(CHECKPOINT).name else f"{checkpoint.stem}-"
+        self.checkpoint = checkpoint
+        self.kept: list[list] = []  # [value, epoch, file name], best first
+        self.best_value, self.best_epoch, self.waited, self.stopped = None, None, 0, False
+
+    def state_dict(self) -> dict:
+        return {"kept": self.kept, "best_value": self.best_value, "best_epoch": self.best_epoch,
+                "waited": self.waited}  # fmt: skip
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+    def after(self, epoch: int, evaluated: dict) -> dict:
+        """Follow the epoch's evaluation (an epoch without one changes nothing); the state to save."""
+        if not (self.top_k or self.patience) or not evaluated:
+            return self.state_dict()
+        if self.key not in evaluated:
+            raise ConfigError(
+                f"train.save_top_k / train.early_stop follow {self.key}, which this run does not report; "
+                "give the dataset a validation split (dataset.val_fraction > 0)"
+            )
+        value = evaluated[self.key]
+        if self.best_value is None or _better(value, {"value": self.best_value}, self.mode):
+            self.best_value, self.best_epoch, self.waited = value, epoch + 1, 0
+        else:
+            self.waited += 1
+        if self.top_k:
+            name = f"{self.prefix}best-{epoch + 1}-{value:.4f}.pt"
+            self.kept.append([value, epoch + 1, name])
+            self.kept.sort(key=lambda kept: -kept[0] if self.mode == "max" else kept[0])
+        if self.patience and self.waited >= self.patience:
+            self.stopped = True
+            log.info("early stop: %s has not improved for %d evaluations; the best, %.4f, was at epoch %d",
+                     self.key, self.waited, self.best_value, self.best_epoch)  # fmt: skip
+        return self.state_dict()
+
+    def keep_files(self) -> None:
+        """After the epoch's checkpoint: link it if it made the top k, drop what fell out, point best.pt."""
+        if not self.top_k:
+            return
+        for _, _, name in self.kept[self.top_k :]:
+            (self.folder / name).unlink(missing_ok=True)
+        del self.kept[self.top_k :]
+        for _, _, name in self.kept:
+            target = self.folder / name
+            if not target.exists() and name == self._newest():
+                try:
+                    os.link(self.checkpoint, target)
+                except OSError:  # a file system without hard links
+                    shutil.copy2(self.checkpoint, target)
+        link = self.folder / f"{self.prefix}best.pt"
+        link.unlink(missing_ok=True)
+        if self.kept:
+            link.symlink_to(self.kept[0][2])
+
+    def _newest(self) -> str:
+        return max(self.kept, key=lambda kept: kept[1])[2]
+
+    def summary(self) -> dict:
+        if self.best_epoch is None:
+            return {}
+        return {"best_epoch": self.best_epoch, f"best/{self.key}": self.best_value}
+
+
+class _Loop:
+    """A fit's state across epochs: the step's parts, the checkpoint, the sampler and batches, the
+    evaluation history and best epoch, and the stop signals; `epoch` runs one epoch end to end."""
+
+    def __init__(self, model, data: Data, cfg, ctx: RunContext, hooks, tag: str | None):
+        self.model, self.data, self.cfg, self.ctx, self.hooks, self.tag = model, data, cfg, ctx, hooks, tag
+        make_optimizers = getattr(hooks, "optimizer", None)
+        self.warmup = make_optimizers is None  # the config's optimizer, schedule and warm-up
+        if self.warmup:
+            optimizer = make_optimizer(model, cfg)
+            scheduler, per_step = make_scheduler(optimizer, cfg), False
+        else:
+            optimizer, scheduler, per_step = make_optimizers(model)
+        net = ctx.prepare(model)
+        ema = None
+        if cfg.ema:  # on the device beside the model, buffers (batch-norm statistics) averaged too
+            multi_avg_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema)
+            ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=multi_avg_fn, use_buffers=True)
+        self.step = Step(
+            net, model, optimizer, scheduler, per_step, ctx.grad_scaler(), ctx,
+            ctx.pin(data.train.y).to(ctx.device, non_blocking=True), data.num_classes,
+            getattr(hooks, "transform", None), getattr(hooks, "loss", None), cfg.accumulate,
+            cfg.clip_grad_norm, ema, ctx.stopwatch(), torch.zeros((), device=ctx.device),
+            torch.zeros(2, device=ctx.device),
+        )  # fmt: skip
+        path = ctx.dir / CHECKPOINT if tag is None else ctx.dir / "checkpoints" / f"{tag}.pt"
+        self.state = Resumable(path, ctx, model, optimizer, scheduler, self.step.scaler, hooks, ema)
+        self.monitor = Monitor(getattr(hooks, "select", None) or ("val/acc", "max"), cfg, path)
+        has_pass = getattr(hooks, "on_epoch_start", None) is not None
+        self.mid_epoch = cfg.checkpoint and (not has_pass or getattr(hooks, "mid_epoch_resume", False))
+        self.last_save = time.monotonic()
+        self.train_s, self.carried_loss, self.history, self.best, self.signals = 0.0, 0.0, [], None, None
+
+    def start_batches(self, augment: str) -> None:
+        ctx, n = self.ctx, len(self.data.train.y)
+        self.sampler = EpochBatches(n, self.cfg.batch_size, ctx.rank, ctx.world_size, torch.initial_seed())
+        if hasattr(self.hooks, "batch_sampler"):
+            self.sampler = self.hooks.batch_sampler(self.sampler)
+        self.train_batches = batches(self.data.train, self.ctx, self.sampler, augment,
+                                     self.data.meta.get("crop_pad", 4))  # fmt: skip
+
+    def epoch(self, epoch: int, first: int) -> tuple[dict, dict]:
+        """Epoch `epoch` from step `first` (> 0: resumed inside it): the method's pass, the steps, the
+        evaluation, the log row and the epoch-end checkpoint; its metrics and calibration bins."""
+        cfg, ctx, s, t0 = self.cfg, self.ctx, self.step, time.perf_counter()
+        self.model.train()
+        if not first:
+            epoch_start(self.hooks, epoch, self.model, self.data)
+        t_pass = time.perf_counter() - t0
+        self.sampler.set_epoch(epoch, start=first)
+        steps = len(self.sampler)  # after set_epoch: a hook's sampler may vary it by epoch
+        loss_sum, checks = train_one_epoch(s, self, epoch, first)
+        _, first_bad, scale = checks.read()
+        self.check(epoch, first_bad, scale)
+        timings = _timings(ctx, t0 + t_pass, t_pass, s.transform_time, steps - first)
+        self.train_s += timings["time/train_s"]
+        if not s.per_step:
+            for group, lr in zip(s.optimizer.param_groups, s.scheduler.get_last_lr()):
+                group["lr"] = lr  # undo the warm-up factor: the schedulers compute from the current lr
+            s.scheduler.step()
+        train_loss = all_reduce_sum(loss_sum.reshape(1)).item() / (steps * ctx.world_size)
+        metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": s.optimizer.param_groups[0]["lr"]}
+        metrics.update(self._step_stats(scale))
+        evaluated, calibration = self._evaluate(epoch)
+        metrics.update(evaluated)
+        metrics.update(getattr(self.hooks, "epoch_metrics", dict)())
+        metrics.update(timings)
+        metrics["time/epoch_s"] = time.perf_counter() - t0
+        _log(ctx, self.tag, metrics, epoch)
+        if ctx.is_main:
+            if cfg.progress:
+                log.info("%sepoch %d/%d  %s", f"{self.tag}: " if self.tag else "", epoch + 1, cfg.epochs,
+                         _brief(metrics))  # fmt: skip
+        watched = self.monitor.after(epoch, evaluated)
+        if ctx.is_main and cfg.checkpoint:
+            self.state.save(epoch, None, {"history": self.history, "best": self.best, "monitor": watched})
+            self.monitor.keep_files()
+        self.last_save = time.monotonic()
+        stop = self.signals.signum is not None
+        if stop if not ctx.distributed else checks.read(stop)[0][0]:
+            self.signals.stop()
+        return metrics, calibration
+
+    def _step_stats(self, scale: float) -> dict:
+        """The epoch's pre-clip gradient norm (mean of the finite ones) and fp16 skipped steps and scale."""
+        s, out = self.step, {}
+        if s.clip:
+            total, count = s.grad_norm.tolist()
+            out["train/grad_norm"] = total / count if count else math.nan
+            s.grad_norm.zero_()
+        if s.scaler.is_enabled():
+            out.update({"train/loss_scale": scale, "train/skipped_steps": int(s.skipped)})
+            s.skipped.zero_()
+        return out
+
+    def _evaluate(self, epoch: int) -> tuple[dict, dict]:
+        """Every `train.eval_every` epochs and at the last: the splits' metrics (the EMA weights' too,
+        as `<key>_ema`) and calibration bins; the test accuracy history and the `select` best."""
+        cfg = self.cfg
+        if (epoch + 1) % cfg.eval_every and epoch + 1 < cfg.epochs:
+            return {}, {}
+        evaluated, calibration = evaluate_all(self.model, self.data, self.ctx, cfg, self.hooks)
+        if self.step.ema is not None:
+            averaged, _ = evaluate_all(self.step.ema.module, self.data, self.ctx, cfg, self.hooks)
+            evaluated |= {f"{key}_ema": value for key, value in averaged.items()}
+        if "test/acc" in evaluated:
+            self.history.append(evaluated["test/acc"])
+        select = getattr(self.hooks, "select", None)
+        if select is not None and _better(evaluated[select[0]], self.best, select[1]):
+            self.best = _snapshot(self.model, evaluated, calibration, select)
+        return evaluated, calibration
+
+    def check(self, epoch: int, first_bad: float, scale: float) -> None:
+        """Stop (Diverged) on a non-finite loss (`first_bad` >= 0: its step) or an underflowed fp16 scale."""
+        steps = len(self.sampler)
+        if first_bad >= 0:
+            where = f"step {int(first_bad) + 1}/{steps}" if first_bad < math.inf else "another rank"
+            raise Diverged(
+                f"non-finite loss at epoch {epoch + 1}, {where}; last good checkpoint: {self.state.last}; "
+                "lower train.lr (or check the data)"
+            )
+        if scale < MIN_LOSS_SCALE:
+            raise Diverged(
+                f"the fp16 loss scale fell to {scale:.3g} at epoch {epoch + 1} (every step skipped: "
+                f"non-finite gradients); last good checkpoint: {self.state.last}; use "
+                "hardware.precision=bf16 or lower train.lr"
+            )
+
+    def save_partial(self, epoch: int, steps_done: int, loss_sum: torch.Tensor, stop: bool) -> None:
+        """A mid-epoch checkpoint (when due, or on a stop signal), then the stop if asked."""
+        if self.mid_epoch:
+            partial = all_reduce_sum(loss_sum.clone().reshape(1)).item()
+            if self.ctx.is_main:
+                extra = {"history": self.history, "best": self.best, "loss_sum": partial}
+                self.state.save(epoch, steps_done, extra)
+            self.last_save = time.monotonic()
+        if stop:
+            if not self.mid_epoch:
+                log.warning("stopping inside epoch %d without a checkpoint of it", epoch + 1)
+            self.signals.stop()
 
 
 def _better(value: float, best: dict | None, mode: str) -> bool:
@@ -590,39 +879,16 @@ def _follow_config(optimizer, scheduler, cfg) -> None:
              reference.get_last_lr()[0], epoch + 1)  # fmt: skip
 
 
-def _check_finite(pending, epoch: int, steps: int, state: Resumable) -> None:
-    """Stop (Diverged) if the step in `pending` had a non-finite loss."""
-    if pending is not None and not bool(pending[1]):
-        raise Diverged(
-            f"non-finite loss at epoch {epoch + 1}, step {pending[0] + 1}/{steps}; last good checkpoint: "
-            f"{state.last}; lower train.lr (or check the data)"
-        )
-
-
-# Under DDP the ranks vote on stopping / saving every AGREE_EVERY steps: each vote is an all-reduce read
-# on the host, which stalls the GPU queue, and a stop signal may wait this many steps.
-AGREE_EVERY = 16
-
-
-def _agree(ctx: RunContext, *flags: bool) -> list[bool]:
-    """Each flag, true if it is true on any rank (so that every rank stops or saves at the same step)."""
-    if not ctx.distributed:
-        return list(flags)
-    votes = all_reduce_sum(torch.tensor([float(f) for f in flags], device=ctx.device))
-    return [bool(v > 0) for v in votes.tolist()]
-
-
-def _timings(ctx: RunContext, t_start: float, t_pass: float, t_transform: float, steps: int) -> dict:
+def _timings(ctx: RunContext, t_start: float, t_pass: float, transform: Stopwatch, steps: int) -> dict:
     """The epoch's time split: the method's per-epoch pass, the training steps (ms per step) and the
-    batch transforms within them (the mixup family's CPU work); peak GPU memory on CUDA."""
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
+    batch transforms within them (device time on CUDA, read here once); peak and reserved GPU memory of
+    the epoch on CUDA."""
+    ctx.synchronize()
     train_s = time.perf_counter() - t_start
     out = {"time/pass_s": t_pass, "time/train_s": train_s, "time/step_ms": 1000 * train_s / max(steps, 1)}
-    out["time/transform_s"] = t_transform
-    if ctx.device.type == "cuda":
-        out["mem/peak_gb"] = torch.cuda.max_memory_allocated(ctx.device) / 2**30
-    return out
+    out["time/transform_s"] = transform.seconds()
+    transform.total = 0.0
+    return out | ctx.memory()
 
 
 def _brief(metrics: dict) -> str:

@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from runner.cli import _compose
 from runner.data import Data, split_of
+from runner.faults import Diverged
 from runner.hardware import RunContext
 from runner.models import build_model
 from runner.schema import validate
@@ -162,3 +163,25 @@ def test_evaluate_counts_correct_predictions(tmp_path):
 
     acc = evaluate(AlwaysZero(), data.test, ctx)["acc"]
     assert acc == pytest.approx(float((data.test.y_clean == 0).float().mean()))
+
+
+class InfiniteLoss:
+    """A loss whose gradients are never finite: the fp16 scaler skips every step and halves its scale."""
+
+    def loss(self, model, x, y_soft, idx, epoch):
+        return model(x).sum() * torch.tensor(float("inf"))
+
+
+def test_fp16_logs_skipped_steps_and_the_scale_and_stops_when_it_underflows(tmp_path):
+    model_cfg, train_cfg, ctx = setup(tmp_path, "train.epochs=1", "train.batch_size=2")
+    ctx.precision = "fp16"
+    model = build_model(model_cfg, (4,), 3)
+    # The scale starts at 2**16 and halves per skipped step: under MIN_LOSS_SCALE (1e-4) after 30 steps,
+    # seen at the next read (every 16 steps): step 32 of the epoch's 50.
+    with pytest.raises(Diverged, match=r"the fp16 loss scale fell to 1.5\de-05 at epoch 1"):
+        fit(model, blobs(), train_cfg, ctx, InfiniteLoss())
+    model_cfg, train_cfg, ctx = setup(tmp_path / "short", "train.epochs=1", "train.batch_size=20")
+    ctx.precision = "fp16"
+    fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx, InfiniteLoss())  # 5 steps: 2**16 / 2**5
+    row = json.loads((tmp_path / "short" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["train/skipped_steps"] == 5 and row["train/loss_scale"] == 2.0**11

@@ -1,0 +1,281 @@
+"""Count, on the CPU, what a run would make the host wait for on a GPU.
+
+`DeviceTracker` is a `torch.overrides.TorchFunctionMode`: every tensor is "on the device" or "on the
+host", the tag following each op (device if any input is on the device; a factory's `device=`; `.to`,
+`.cpu()`), and the device is a stand-in (`STAND_IN`, a CPU device with an index, so that `tensor.device`
+and `device=` arguments still name it). Counted, per phase (`train`, `epoch_start`, `eval`, `other`):
+
+    sync      an op that would block the host until the device is done: `item`, `tolist`,
+              `float`/`int`/`bool` of a device tensor, a device -> host copy, `nonzero`, `unique`,
+              boolean-mask or host-index indexing of a device tensor, a blocking host -> device copy
+              (`.to(device)` without `non_blocking=True`, `torch.tensor(data, device=...)`)
+    mix       an op with device and host tensor inputs (a CUDA error; 0-dim host tensors are allowed)
+    numpy     `.numpy()` of a device tensor (a CUDA error)
+
+Tensors the tracker did not see made (autograd's gradients, module parameters) are on the device.
+`python -m runner.device_tracking OVERRIDES... [--json PATH]` runs the CLI under the tracker with the
+stand-in as the CUDA device (`RunContext.accelerator` true) and prints syncs per training step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import inspect
+import json
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+STAND_IN = torch.device("cpu", 0)
+TAG = "_on_device"  # the attribute that holds a tensor's tag (absent: made out of sight, so on the device)
+
+T = torch.Tensor
+_READS = {T.item, T.tolist, T.__bool__, T.__float__, T.__int__, T.__index__, T.__complex__}
+_NUMPY = {T.numpy, T.__array__}
+_DATA_DEPENDENT = {torch.nonzero, T.nonzero, torch.unique, T.unique, torch.masked_select, T.masked_select,
+                   torch.argwhere, T.argwhere, torch.unique_consecutive, T.unique_consecutive,
+                   torch.equal, T.equal, torch.allclose, T.allclose, torch.bincount, T.bincount}  # fmt: skip
+_FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
+              torch.linspace, torch.eye, torch.rand, torch.randn, torch.randint, torch.randperm,
+              torch.from_numpy, torch.logspace, torch.empty_strided, torch.scalar_tensor}  # fmt: skip
+_FROM_DATA = {torch.tensor, torch.as_tensor}  # a device= here copies host data: a blocking copy
+_INDEXING = {T.__getitem__, T.__setitem__, T.index_put_, T.index_put, torch.index_put}
+_COPIES = {T.copy_}
+_TO = {T.to, T.cuda, T.cpu}
+_DEVICE = inspect.getattr_static(T, "device")
+_DATA = inspect.getattr_static(T, "data")
+
+
+def _where(t: torch.Tensor) -> bool:
+    return getattr(t, TAG, True)
+
+
+def _tag(out, on_device: bool):
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor):
+            with contextlib.suppress(AttributeError, RuntimeError):
+                setattr(t, TAG, on_device)
+    return out
+
+
+def _is_stand_in(device) -> bool:
+    return device is not None and torch.device(device) == STAND_IN
+
+
+def _site() -> str:
+    """The innermost frame of the project's code (runner/, tasks/, benchmarks/) that made the call."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if any(part in name for part in ("/runner/", "/tasks/", "/benchmarks/")) and not name.endswith(
+            "device_tracking.py"
+        ):
+            return f"{Path(name).parent.name}/{Path(name).name}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+class DeviceTracker(TorchFunctionMode):
+    """See the module docstring. `counts[phase][kind]`, `sites[(phase, kind, where)]`, `steps`."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, Counter] = defaultdict(Counter)
+        self.sites: Counter = Counter()
+        self.phase = "other"
+        self.steps = 0
+
+    @contextlib.contextmanager
+    def in_phase(self, name: str):
+        outer, self.phase = self.phase, name
+        try:
+            yield
+        finally:
+            self.phase = outer
+
+    def count(self, kind: str, what: str) -> None:
+        self.counts[self.phase][kind] += 1
+        self.sites[(self.phase, kind, f"{what} at {_site()}")] += 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = getattr(func, "__self__", None)
+        if owner is _DEVICE:  # a device tensor names the stand-in, so `device=x.device` keeps it there
+            return STAND_IN if _where(args[0]) else func(*args)
+        if owner is _DATA and func.__name__ == "__set__":  # `param.data = moved` (Module.to) moves it
+            setattr(args[0], TAG, _where(args[1]))
+            return func(*args, **kwargs)
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        on_device = [t for t in tensors if _where(t)]
+        name = getattr(func, "__name__", str(func))
+        if func in _TO:
+            return self._to(func, args, kwargs, name)
+        if func in _READS and on_device:
+            self.count("sync", name)
+        elif func in _NUMPY and on_device:
+            self.count("numpy", name)
+        elif func in _DATA_DEPENDENT and on_device:
+            self.count("sync", name)
+        elif func in _INDEXING and on_device:
+            self._indexing(args, name)
+        elif func in _COPIES and len(tensors) == 2 and _where(args[0]) != _where(args[1]):
+            if _where(args[0]) is False or not kwargs.get("non_blocking", len(args) > 2 and args[2]):
+                self.count("sync", "copy_")  # device -> host, or a blocking host -> device copy
+            return func(*args, **kwargs)
+        elif on_device and len(on_device) < len(tensors) and func not in _INDEXING:
+            host = [t for t in tensors if not _where(t) and t.dim() > 0]
+            if host:
+                self.count("mix", f"{name} {tuple(host[0].shape)}")
+        out = func(*args, **kwargs)
+        if func in _FACTORIES or name.endswith("_like") or name.startswith("new_"):
+            device = kwargs.get("device")
+            if device is not None:
+                if func in _FROM_DATA and _is_stand_in(device) and not (tensors and on_device):
+                    self.count("sync", f"{name}(host data, device=...)")
+                return _tag(out, _is_stand_in(device))
+            if func in _FACTORIES and func not in _FROM_DATA or func is torch.from_numpy:
+                return _tag(out, False)
+        if tensors:
+            _tag(out, bool(on_device))
+        elif func in _FROM_DATA:
+            _tag(out, False)
+        return out
+
+    def _to(self, func, args, kwargs, name):
+        src, non_blocking = args[0], kwargs.get("non_blocking", False)
+        if func is T.cpu:
+            target, dtype, memory_format = torch.device("cpu"), None, None
+        elif func is T.cuda:
+            target, dtype, memory_format = STAND_IN, None, None
+        elif len(args) > 1 and isinstance(args[1], torch.Tensor):  # .to(other): its device and dtype
+            target = STAND_IN if _where(args[1]) else torch.device("cpu")
+            dtype, memory_format = args[1].dtype, None
+        else:
+            parse = {k: v for k, v in kwargs.items() if k != "copy"}
+            target, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **parse)
+        if target is None:
+            return _tag(func(*args, **kwargs), _where(src))
+        to_device = _is_stand_in(target)
+        if to_device and _where(src):  # already there: no copy (a CPU `.to(cpu:0)` would copy)
+            kw = {"dtype": dtype, "memory_format": memory_format}
+            return _tag(src.to(**{k: v for k, v in kw.items() if v is not None}), True)
+        if not to_device and _where(src):
+            self.count("sync", f"{name} to host")
+        elif to_device and not non_blocking:
+            self.count("sync", f"{name} blocking host -> device")
+        kw = {"dtype": dtype, "memory_format": memory_format}
+        moved = src.to(torch.device("cpu"), **{k: v for k, v in kw.items() if v is not None}, copy=True)
+        return _tag(moved, to_device)
+
+    def _indexing(self, args, name):
+        index = args[1] if len(args) > 1 else None
+        parts = index if isinstance(index, (tuple, list)) else (index,)
+        for part in parts:
+            if isinstance(part, torch.Tensor) and part.dtype == torch.bool and part.dim() > 0:
+                self.count("sync", f"{name}[boolean mask]")
+                return
+            if isinstance(part, torch.Tensor) and not _where(part) and part.dim() > 0:
+                self.count("sync", f"{name}[host index]")
+                return
+            if isinstance(part, list):
+                self.count("sync", f"{name}[list index]")
+                return
+        if name == "__setitem__" and len(args) > 2 and isinstance(args[2], torch.Tensor):
+            if not _where(args[2]) and args[2].dim() > 0:
+                self.count("sync", f"{name}(host value)")
+
+    def report(self) -> dict:
+        """Counts by phase, syncs per training step, and the sites (most frequent first)."""
+        steps = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "counts": {phase: dict(c) for phase, c in self.counts.items()},
+            "syncs_per_step": self.counts["train"]["sync"] / steps,
+            "sites": [f"{n} x {phase} {kind}: {what}" for (phase, kind, what), n in self.sites.most_common()],
+        }
+
+
+def _in_phase(tracker: DeviceTracker, name: str, fn, counts_step: bool = False):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if counts_step:
+            tracker.steps += 1
+        with tracker.in_phase(name):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def tracking():
+    """The tracker, with the run's device the stand-in (an accelerator to the code) and fit's pieces
+    wrapped in their phases; leaves everything as it was on exit."""
+    import runner.hardware as hardware
+    import runner.train as train
+
+    tracker = DeviceTracker()
+    saved = {
+        (hardware, "setup"): hardware.setup,
+        (hardware, "is_accelerator"): hardware.is_accelerator,
+        (train, "train_step"): train.train_step,
+        (train, "train_one_epoch"): train.train_one_epoch,
+        (train, "epoch_start"): train.epoch_start,
+        (train, "evaluate_all"): train.evaluate_all,
+    }
+
+    def setup(hw):  # hardware=gpu or cpu: the stand-in
+        on_cpu = copy.copy(hw)
+        on_cpu.device = "cpu"
+        _, rank, world_size = saved[(hardware, "setup")](on_cpu)
+        return STAND_IN, rank, world_size
+
+    hardware.setup = setup
+    accelerated = saved[(hardware, "is_accelerator")]
+    hardware.is_accelerator = lambda device: _is_stand_in(device) or accelerated(device)
+    train.train_step = _in_phase(tracker, "train", train.train_step, counts_step=True)
+    train.train_one_epoch = _in_phase(tracker, "train", train.train_one_epoch)
+    train.epoch_start = _in_phase(tracker, "epoch_start", train.epoch_start)
+    train.evaluate_all = _in_phase(tracker, "eval", train.evaluate_all)
+    try:
+        with tracker:
+            yield tracker
+    finally:
+        for (module, attr), value in saved.items():
+            setattr(module, attr, value)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = None
+    if "--json" in argv:
+        i = argv.index("--json")
+        out = Path(argv[i + 1])
+        del argv[i : i + 2]
+    from runner import cli
+
+    sys.argv = ["runner", *argv]
+    with tracking() as tracker:
+        try:
+            cli.main()
+        except SystemExit as stop:
+            if stop.code:
+                raise
+    report = tracker.report()
+    if out is not None:
+        out.write_text(json.dumps(report, indent=1))
+    per_step, steps = report["syncs_per_step"], report["steps"]
+    print(f"device tracking: {per_step:.2f} syncs per training step over {steps} steps")
+    for phase, counts in sorted(report["counts"].items()):
+        print(f"  {phase}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    for line in report["sites"][:25]:
+        print("  " + line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""The GPU path, proven on the CPU: host-device synchronisations per training step, counted by
+`runner.device_tracking` on every method family's paper preset shrunk to CPU size (generated data of the
+preset's shape, a few steps at a small batch; the preset's network, method and precision)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from runner.device_tracking import STAND_IN, DeviceTracker
+
+SHRUNK = ["logger=none", "dataset=fake", "dataset.like=cifar100", "dataset.train_size=256",
+          "dataset.test_size=32", "hardware.num_workers=0", "train.batch_size=32", "train.epochs=1"]  # fmt: skip
+MIXUP = "+experiment=comixup_cifar100_preactresnet18"
+PRESETS = {
+    "erm": [MIXUP, "+method=erm"],
+    "input_mixup": [MIXUP, "+method=input_mixup"],
+    "manifold_mixup": [MIXUP, "+method=manifold_mixup"],
+    "cutmix": [MIXUP, "+method=cutmix"],
+    "puzzle_mix": [MIXUP, "+method=puzzle_mix"],
+    "comixup": [MIXUP, "+method=comixup"],
+    # the warm-up epoch, then an epoch after CSOT's first selection (an allocation of several chunks)
+    "csot": ["+experiment=csot_cifar100", "method.warmup=1", "train.epochs=2", "method.solve_batch=64"],
+    "dbot": ["+experiment=dbot_cifar100_lt", "train.warmup_epochs=0", "dataset.imbalance=2"],
+    "hashing": ["+experiment=hier_hash_cifar100_triplet", "method.iters=16", "method.input_norm=dataset"],
+}
+SYNCS_PER_STEP = 2  # the deferred non-finite check (every 16 steps) and a method's one inherent read
+EPOCH_START_SYNCS = 100  # CSOT's allocation: the chunks solved as one batched problem
+
+
+def _track(tmp_path, overrides) -> dict:
+    out = tmp_path / "counts.json"
+    args = [*SHRUNK, *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run([sys.executable, "-m", "runner.device_tracking", *args, "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_training_step_waits_for_the_device_at_most_twice(tmp_path, name):
+    report = _track(tmp_path, PRESETS[name])
+    sites = "\n".join(report["sites"][:15])
+    assert report["steps"] >= 8, report
+    assert report["syncs_per_step"] <= SYNCS_PER_STEP, sites
+    counts = report["counts"]
+    for phase, kinds in counts.items():  # each would be an error on CUDA
+        assert kinds.get("mix", 0) == 0 and kinds.get("numpy", 0) == 0, (phase, sites)
+    epochs = 2 if name == "csot" else 1
+    assert counts.get("epoch_start", {}).get("sync", 0) <= EPOCH_START_SYNCS * epochs, sites
+    # evaluation: per split, the labels copied to the device and the sums read once (not per batch)
+    assert counts.get("eval", {}).get("sync", 0) <= 2 * 3 * epochs + 2, sites
+
+
+def test_the_tracker_counts_what_would_wait_and_what_would_fail():
+    with DeviceTracker() as tracker, tracker.in_phase("train"):
+        host = torch.arange(6.0)
+        x = host.to(STAND_IN, non_blocking=True)  # free (pinned on CUDA)
+        y = torch.ones(6, device=x.device)  # made on the device: x.device names it
+        z = (x * y).sum()
+        float(z)  # 1: a read
+        x[x > 2]  # 2: a boolean mask
+        host.to(STAND_IN)  # 3: a blocking copy
+        x.cpu()  # 4: to the host
+        x + host  # a mix: fails on CUDA
+        x.numpy()  # fails on CUDA
+        (host * 2).sum().item()  # host only: free
+    counts = tracker.counts["train"]
+    assert counts == {"sync": 4, "mix": 1, "numpy": 1}, tracker.report()["sites"]

@@ -1,0 +1,122 @@
+"""What a paper-scale loop needs: gradient accumulation, clipping, an EMA of the weights, evaluation every
+N epochs, the best / top-k checkpoints and early stopping, each surviving a resume."""
+
+import json
+
+import pytest
+import torch
+from test_train import KillAt, blobs, setup
+
+from runner.models import build_model
+from runner.schema import ConfigError
+from runner.train import CHECKPOINT, fit
+
+
+def run(tmp_path, *overrides, hooks=None, data=None, seed=0):
+    model_cfg, train_cfg, ctx = setup(tmp_path, *overrides)
+    torch.manual_seed(seed)
+    model = build_model(model_cfg, (4,), 3)
+    return model, fit(model, data or blobs(), train_cfg, ctx, hooks)
+
+
+def rows(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_accumulating_micro_batches_takes_the_same_steps(tmp_path):
+    # The MLP has no batch norm: K micro-batches of B/K give the batch's mean gradient, up to float32
+    # summation order (~1e-7 relative per step, a few dozen steps).
+    one, m1 = run(tmp_path / "k1", "train.epochs=3", "train.batch_size=20")
+    two, m2 = run(tmp_path / "k2", "train.epochs=3", "train.batch_size=20", "train.accumulate=2")
+    for a, b in zip(rows(tmp_path / "k1"), rows(tmp_path / "k2")):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4)
+    for p, q in zip(one.parameters(), two.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+class WholeBatch:
+    def loss(self, model, x, y_soft, idx, epoch):
+        return (model(x).log_softmax(1) * -y_soft).sum(1).mean()
+
+
+def test_accumulation_is_refused_where_a_method_needs_the_whole_batch(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.accumulate=2: this method needs each whole batch"):
+        run(tmp_path, "train.accumulate=2", "train.batch_size=20", hooks=WholeBatch())
+    with pytest.raises(ConfigError, match=r"train.batch_size=20: must split evenly .* train.accumulate=3"):
+        run(tmp_path, "train.accumulate=3", "train.batch_size=20")
+
+
+def test_clipping_bounds_the_step_and_logs_the_norm_before_it(tmp_path):
+    model, _ = run(tmp_path / "free", "train.epochs=1", "train.lr=1", "train.momentum=0")
+    clipped, _ = run(tmp_path / "clip", "train.epochs=1", "train.lr=1", "train.momentum=0",
+                     "train.clip_grad_norm=0.01", "train.weight_decay=0")  # fmt: skip
+    norm = rows(tmp_path / "clip")[0]["train/grad_norm"]
+    assert norm > 0.01  # the pre-clip norm: the clip was active
+    torch.manual_seed(0)
+    start = build_model(setup(tmp_path / "x")[0], (4,), 3)
+    moved = torch.cat([(p - q).flatten() for p, q in zip(clipped.parameters(), start.parameters())]).norm()
+    steps = 100 // 64
+    assert moved <= 0.01 * steps * (1 + 1e-5)  # each step moves the weights by lr x at most 0.01
+    assert "train/grad_norm" not in rows(tmp_path / "free")[0]
+
+
+def test_ema_is_evaluated_beside_the_weights_and_resumes_exactly(tmp_path):
+    _, straight = run(tmp_path / "a", "train.epochs=4", "train.ema=0.9")
+    assert {"test/acc_ema", "val/acc_ema", "test/loss_ema"} <= set(straight)
+    assert straight["test/loss_ema"] != straight["test/loss"]
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "b", "train.epochs=4", "train.ema=0.9", hooks=KillAt(2))
+    _, resumed = run(tmp_path / "b", "train.epochs=4", "train.ema=0.9", seed=1)
+    assert resumed["test/loss_ema"] == straight["test/loss_ema"]
+    assert "ema" in torch.load(tmp_path / "b" / CHECKPOINT, weights_only=False)
+
+
+def test_eval_every_skips_evaluations_but_not_the_last(tmp_path):
+    run(tmp_path, "train.epochs=5", "train.eval_every=2")
+    assert ["val/acc" in row for row in rows(tmp_path)] == [False, True, False, True, True]
+
+
+class Scripted:
+    """val/acc as scripted per epoch (the evaluation replaced), so the monitor's choices are known."""
+
+    def __init__(self, values):
+        self.values, self.epoch = values, 0
+
+    def evaluate(self, model):
+        self.epoch += 1
+        return {"val/acc": self.values[self.epoch - 1], "test/acc": 0.0}
+
+
+def test_top_k_checkpoints_and_early_stop_follow_the_validation_metric(tmp_path, caplog):
+    values = [0.5, 0.7, 0.6, 0.65, 0.64, 0.9, 0.95]
+    with caplog.at_level("INFO", logger="runner.train"):
+        _, metrics = run(tmp_path, "train.epochs=7", "train.save_top_k=2", "train.early_stop=3",
+                         hooks=Scripted(values))  # fmt: skip
+    folder = tmp_path / "checkpoints"
+    # epochs 3, 4, 5 do not beat 0.7: stopped after epoch 5, epochs 6 and 7 never run
+    assert len(rows(tmp_path)) == 5 and metrics["best_epoch"] == 2 and metrics["best/val/acc"] == 0.7
+    assert sorted(p.name for p in folder.glob("best-*")) == ["best-2-0.7000.pt", "best-4-0.6500.pt"]
+    assert (folder / "best.pt").resolve().name == "best-2-0.7000.pt"
+    assert torch.load(folder / "best.pt", weights_only=False)["epoch"] == 1  # epoch 2's checkpoint
+    assert "early stop: val/acc has not improved for 3 evaluations; the best, 0.7000, was at epoch 2" in (
+        caplog.text
+    )
+
+
+def test_top_k_and_early_stop_survive_a_resume(tmp_path):
+    values = [0.5, 0.7, 0.6, 0.65, 0.64, 0.9, 0.95]
+    run(tmp_path, "train.epochs=3", "train.save_top_k=2", "train.early_stop=3", hooks=Scripted(values))
+    hooks = Scripted(values)
+    hooks.epoch = 3  # the evaluations of the epochs done
+    _, metrics = run(tmp_path, "train.epochs=7", "train.save_top_k=2", "train.early_stop=3", hooks=hooks)
+    assert len(rows(tmp_path)) == 5 and metrics["best_epoch"] == 2  # epochs 3-5: the patience ran out
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("best-*"))
+    assert names == ["best-2-0.7000.pt", "best-4-0.6500.pt"]
+
+
+def test_top_k_needs_a_validation_metric(tmp_path):
+    model_cfg, train_cfg, ctx = setup(tmp_path, "train.save_top_k=1", "train.epochs=1")
+    data = blobs()
+    data.val = data.val.subset([])
+    with pytest.raises(ConfigError, match="follow val/acc, which this run does not report"):
+        fit(build_model(model_cfg, (4,), 3), data, train_cfg, ctx)
