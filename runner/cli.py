@@ -252,6 +252,7 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     seed_everything(cfg.seed, cfg.hardware.deterministic, rank)
     if rank == 0:
         OmegaConf.save(cfg, run_dir / "config.yaml")
+        log.info("config (validated):\n%s", OmegaConf.to_yaml(cfg).rstrip())
     tracker = Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg), enabled=rank == 0, resume=resume)
     cleanup.callback(tracker.close, exit_code=1)  # a no-op after tracker.finish
     ctx = RunContext(
@@ -279,7 +280,7 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
         cfg.seed,
         run_dir,
     )
-    summary = dict(module.run(cfg, ctx))
+    summary = {"name": cfg.name, "tags": list(cfg.logger.tags), **ctx.info, **module.run(cfg, ctx)}
     summary["time/total_s"] = time.perf_counter() - t0
     metric = module.METRIC[0]
     # A non-finite main metric or search objective fails the run (for the report, and for Optuna).

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from runner.schema import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def is_accelerator(device: torch.device) -> bool:
@@ -74,6 +77,7 @@ class RunContext:
     channels_last: bool = False  # image batches and conv weights in NHWC
     compile: bool = False  # torch.compile the network's training forward
     sync_bn: bool = False  # under DDP, batch-norm statistics over the global batch
+    info: dict = field(default_factory=dict)  # facts for summary.json (the model's parameter count)
 
     @property
     def accelerator(self) -> bool:
@@ -122,6 +126,12 @@ class RunContext:
         model.to(self.device)
         if self.channels_last:
             model.to(memory_format=torch.channels_last)
+        total = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.info.update({"model/params": total, "model/trainable_params": trainable})
+        if self.is_main:
+            log.info("model: %s, %.2fM parameters (%.2fM trainable)", type(model).__name__, total / 1e6,
+                     trainable / 1e6)  # fmt: skip
         net = model
         if self.distributed:
             if self.sync_bn and self.device.type == "cuda":  # SyncBatchNorm runs on CUDA only (NCCL)

@@ -78,7 +78,8 @@ class Tracker:
                 mode=cfg.mode,
                 dir=str(self.dir),
                 config=config,
-                name=self.dir.name,
+                # `name` (the config's label) before the run dir's leaf: a sweep's runs share a prefix
+                name=f"{config['name']}-{self.dir.name}" if config and "name" in config else self.dir.name,
                 reinit="finish_previous",
                 settings=wandb.Settings(silent=True, init_timeout=60),
             )

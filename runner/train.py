@@ -325,11 +325,10 @@ class Resumable:
     writes one at a position, refusing non-finite weights. One object per loop, so another loop (e.g.
     iterations instead of epochs) reuses it whole."""
 
-    def __init__(self, path, ctx: RunContext, model, optimizer, scheduler, scaler, hooks=None, ema=None):
+    def __init__(self, path, ctx: RunContext, model, optimizer, scheduler, scaler, hooks=None, parts=None):
         self.path, self.ctx, self.model, self.hooks = Path(path), ctx, model, hooks
         self.parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
-        if ema is not None:
-            self.parts["ema"] = ema
+        self.parts.update({key: part for key, part in (parts or {}).items() if part is not None})
         self.last = "none written yet"  # the last good checkpoint, for error messages
 
     def resume(self) -> tuple[int, int | None, dict] | None:
@@ -497,7 +496,6 @@ def train_one_epoch(s: Step, loop: _Loop, epoch: int, first: int) -> tuple[torch
     end to read). Reads the checks every AGREE_EVERY steps and saves mid-epoch when due or stopped."""
     cfg, ctx = loop.cfg, s.ctx
     steps = len(loop.sampler)
-    warmup_steps = cfg.warmup_epochs * steps if loop.warmup else 0
     # The partial loss sum of a resumed epoch is the global one: rank 0 carries it.
     loss_sum = torch.full((), loop.carried_loss if first and ctx.is_main else 0.0, device=ctx.device)
     checks = DeferredChecks(s, check_loss=not s.scaler.is_enabled())
@@ -510,11 +508,9 @@ def train_one_epoch(s: Step, loop: _Loop, epoch: int, first: int) -> tuple[torch
         disable=None if cfg.progress and ctx.is_main else True,
     )
     for step, (x, idx) in enumerate(bar, start=first):
-        if epoch * steps + step < warmup_steps:  # linear warm-up of the scheduled lr
-            factor = (epoch * steps + step + 1) / (warmup_steps + 1)
-            for group, lr in zip(s.optimizer.param_groups, s.scheduler.get_last_lr()):
-                group["lr"] = lr * factor
         loss = train_step(s, x, idx, epoch)
+        if loop.warmup_lr is not None:
+            loop.warmup_lr.step()
         loss_sum += loss
         checks.record(step, loss)
         save = loop.mid_epoch and 0 < cfg.checkpoint_every_minutes * 60 <= time.monotonic() - loop.last_save
@@ -710,8 +706,15 @@ class _Loop:
             cfg.clip_grad_norm, ema, ctx.stopwatch(), torch.zeros((), device=ctx.device),
             torch.zeros(2, device=ctx.device),
         )  # fmt: skip
+        # The linear warm-up, per step: lr x (t + 1) / (W + 1) for steps t < W, times the epoch schedule
+        # (both schedulers are multiplicative, so they compose); its state travels in the checkpoint.
+        self.warmup_lr = None
+        if self.warmup and cfg.warmup_epochs:
+            w = cfg.warmup_epochs * len(EpochBatches(len(data.train.y), cfg.batch_size))
+            self.warmup_lr = torch.optim.lr_scheduler.LinearLR(optimizer, 1 / (w + 1), 1.0, total_iters=w)
         path = ctx.dir / CHECKPOINT if tag is None else ctx.dir / "checkpoints" / f"{tag}.pt"
-        self.state = Resumable(path, ctx, model, optimizer, scheduler, self.step.scaler, hooks, ema)
+        extra = {"ema": ema, "warmup_lr": self.warmup_lr}
+        self.state = Resumable(path, ctx, model, optimizer, scheduler, self.step.scaler, hooks, extra)
         self.monitor = Monitor(getattr(hooks, "select", None) or ("val/acc", "max"), cfg, path)
         has_pass = getattr(hooks, "on_epoch_start", None) is not None
         self.mid_epoch = cfg.checkpoint and (not has_pass or getattr(hooks, "mid_epoch_resume", False))
@@ -742,8 +745,6 @@ class _Loop:
         timings = _timings(ctx, t0 + t_pass, t_pass, s.transform_time, steps - first)
         self.train_s += timings["time/train_s"]
         if not s.per_step:
-            for group, lr in zip(s.optimizer.param_groups, s.scheduler.get_last_lr()):
-                group["lr"] = lr  # undo the warm-up factor: the schedulers compute from the current lr
             s.scheduler.step()
         train_loss = all_reduce_sum(loss_sum.reshape(1)).item() / (steps * ctx.world_size)
         metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": s.optimizer.param_groups[0]["lr"]}

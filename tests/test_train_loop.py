@@ -2,6 +2,8 @@
 N epochs, the best / top-k checkpoints and early stopping, each surviving a resume."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -120,3 +122,33 @@ def test_top_k_needs_a_validation_metric(tmp_path):
     data.val = data.val.subset([])
     with pytest.raises(ConfigError, match="follow val/acc, which this run does not report"):
         fit(build_model(model_cfg, (4,), 3), data, train_cfg, ctx)
+
+
+def test_runner_eval_scores_the_best_checkpoint_again_and_on_other_data(cli, tmp_path):
+    cli("logger=none", "train.epochs=4", "train.lr=2", "train.save_top_k=1", "hydra.run.dir=run")
+    best = min(rows(tmp_path / "run"), key=lambda row: (-row["val/acc"], row["epoch"]))
+    proc = evaluate(tmp_path / "run", check=True)
+    again = json.loads((tmp_path / "run" / "eval-test.json").read_text())
+    assert again["checkpoint"].endswith("best.pt") and f"test/acc={best['test/acc']:.4f}" in proc.stdout
+    assert again["test/acc"] == pytest.approx(best["test/acc"], abs=1e-12)
+    other = evaluate(tmp_path / "run", "model=cnn")
+    assert other.returncode == 2 and other.stderr.startswith("runner-eval: error: ")
+    assert "does not fit cnn" in other.stderr
+    evaluate(tmp_path / "run", "dataset.test_fraction=0.5", check=True)
+    assert (tmp_path / "run" / "eval-dataset.test_fraction=0.5.json").exists()
+
+
+def evaluate(run_dir, *args, check=False):
+    command = [sys.executable, "-m", "runner.evaluate_run", str(run_dir), *args]
+    return subprocess.run(command, capture_output=True, text=True, check=check)
+
+
+def test_a_run_resumed_inside_its_warm_up_continues_it_exactly(tmp_path):
+    straight, _ = run(tmp_path / "a", "train.epochs=4", "train.warmup_epochs=3")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "b", "train.epochs=4", "train.warmup_epochs=3", hooks=KillAt(1))
+    assert "warmup_lr" in torch.load(tmp_path / "b" / CHECKPOINT, weights_only=False)
+    resumed, _ = run(tmp_path / "b", "train.epochs=4", "train.warmup_epochs=3", seed=1)
+    for p, q in zip(straight.parameters(), resumed.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert [r["lr"] for r in rows(tmp_path / "a")] == [r["lr"] for r in rows(tmp_path / "b")]

@@ -1,0 +1,91 @@
+"""`runner-eval RUN_DIR [OVERRIDES...]`: evaluate a finished run's checkpoint again, on its own test split
+or on another dataset.
+
+The run's config is composed again from its command line (`RUN_DIR/.hydra/overrides.yaml`) with
+OVERRIDES after it, so a group can change (`dataset=imagefolder dataset.root=...`: ImageNet val for a
+WebVision run, CIFAR-10-C style folders). The weights are `checkpoints/best.pt` (kept by
+`train.save_top_k`), else `checkpoints/last.pt`. Prints the evaluation splits' metrics in the run's format
+and writes them to `RUN_DIR/eval-<name>.json` (`--name`, default: the overrides, or `test`).
+
+    runner-eval outputs/2026-11-25/10-00-00
+    runner-eval outputs/2026-11-25/10-00-00 dataset=imagefolder dataset.root=data/cifar10c --name cifar10c
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from runner.schema import ConfigError
+
+# The tasks whose model is the config's network on the dataset's classes (their checkpoints load into it).
+TASKS = ("tasks.classify", "tasks.longtail")
+WEIGHTS = ("checkpoints/best.pt", "checkpoints/last.pt", "checkpoints/fit.pt")
+
+
+def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -> dict:
+    """The metrics of `run_dir`'s best (else last) weights on the evaluation splits of its config with
+    `overrides`; written to `run_dir/eval-<name>.json`."""
+    from runner.cli import _compose, _typed, task_module
+    from runner.data import load_data
+    from runner.hardware import RunContext, setup
+    from runner.models import build_model
+    from runner.schema import validate
+    from runner.train import _evaluate_splits, load_checkpoint
+
+    run_dir = Path(run_dir)
+    saved = run_dir / ".hydra" / "overrides.yaml"
+    if not saved.exists():
+        raise ConfigError(f"{run_dir} is not a run dir (no .hydra/overrides.yaml); pass the folder of a run")
+    cfg = _compose([*OmegaConf.load(saved), *overrides])
+    cfg = _typed(cfg, validate(cfg))
+    module = task_module(cfg)
+    if module.__name__ not in TASKS:
+        raise ConfigError(f"runner-eval evaluates runs of {', '.join(TASKS)}; {run_dir} is {module.__name__}")
+    path = next((run_dir / w for w in WEIGHTS if (run_dir / w).exists()), None)
+    if path is None:
+        raise ConfigError(f"{run_dir} has no checkpoint ({', '.join(WEIGHTS)})")
+    device, _, _ = setup(cfg.hardware)
+    data = load_data(cfg.dataset, cfg.seed)
+    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    try:
+        model.load_state_dict(load_checkpoint(path, device)["model"])
+    except RuntimeError as e:
+        raise ConfigError(
+            f"{path} does not fit {cfg.model.name} on {cfg.dataset.name} with {data.num_classes} classes "
+            f"({str(e).splitlines()[0]})"
+        ) from None
+    hw = cfg.hardware
+    ctx = RunContext(device, run_dir, None, precision=hw.precision, channels_last=hw.channels_last,
+                     num_workers=hw.num_workers)  # fmt: skip
+    model.to(device)
+    metrics, _ = _evaluate_splits(model, data, ctx, cfg.train.eval_batch_size)
+    name = name or (re.sub(r"[^\w.=-]+", "_", "_".join(overrides)) if overrides else "test")
+    out = {"checkpoint": str(path), "overrides": overrides, **metrics}
+    (run_dir / f"eval-{name}.json").write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="runner-eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("overrides", nargs="*", help="config overrides after the run's own (key=value)")
+    parser.add_argument("--name", help="eval-<name>.json (default: the overrides, or 'test')")
+    args = parser.parse_args(argv)
+    try:
+        out = evaluate_run(args.run_dir, args.overrides, args.name)
+    except ConfigError as e:
+        print(f"runner-eval: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    shown = {k: v for k, v in out.items() if isinstance(v, float)}
+    print(f"runner-eval {args.run_dir} ({out['checkpoint']}): "
+          + "  ".join(f"{k}={v:.4f}" for k, v in shown.items()))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
