@@ -49,6 +49,7 @@ from runner.faults import CheckpointError, Diverged, StopSignals
 from runner.hardware import RunContext, Stopwatch, all_reduce_sum
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary, reliability_plot
 from runner.schema import ConfigError
+from runner.untrusted import RefusedPickle, torch_load
 
 log = logging.getLogger(__name__)
 
@@ -290,9 +291,15 @@ def save_checkpoint(path, state) -> None:
 
 
 def load_checkpoint(path, device) -> dict:
-    """`torch.load` a checkpoint; CheckpointError naming the file (which is kept) if it cannot be read."""
+    """`torch.load` a checkpoint with `weights_only=True` (a run dir can come from someone else: no
+    unpickled object may run code); CheckpointError naming the file (which is kept) if it cannot be read."""
     try:
-        return torch.load(path, map_location=device, weights_only=False)
+        return torch_load(path, device)
+    except RefusedPickle:
+        raise CheckpointError(
+            f"{path} holds pickled objects other than tensors, numbers, containers and numpy arrays, "
+            "which could run code: not loaded (only runner checkpoints load)"
+        ) from None
     except Exception as e:  # truncated or corrupt: zip, pickle and EOF errors, among others
         raise CheckpointError(
             f"cannot read checkpoint {path} ({type(e).__name__}: {_first_line(e)}); the file is kept: "

@@ -9,6 +9,7 @@ import torch
 
 from runner.data import Data, Split, next_class_map, register_dataset, split_of, three_way_split
 from runner.schema import HUMAN_NOISE_VARIANTS, ConfigError, SyntheticConfig
+from runner.untrusted import RefusedPickle, torch_load
 
 
 @register_dataset("digits")
@@ -103,7 +104,11 @@ def human_labels(root: Path, name: str, variant: str, targets: np.ndarray) -> np
             f"dataset.label_noise.kind=human: {path.resolve()} not found; put CIFAR-N's {path.name} "
             "(github.com/UCSC-REAL/cifar-10-100n, data/) in dataset.root"
         )
-    labels = torch.load(path, weights_only=False)  # the released files pickle numpy arrays
+    try:
+        labels = torch_load(path)  # the released files pickle numpy arrays
+    except RefusedPickle:
+        raise ConfigError(f"{path}: holds pickled objects other than numpy arrays, which could run code; "
+                          "not loaded") from None  # fmt: skip
     noisy = np.asarray(labels.get(variant, ()), dtype=np.int64)
     clean = np.asarray(labels.get("clean_label", targets))
     if len(noisy) != len(targets) or not np.array_equal(clean, targets):

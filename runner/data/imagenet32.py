@@ -12,7 +12,6 @@ with the ImageNet statistics; the val file is the test split, the runner's `val`
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +21,21 @@ from runner.data import Data, Split, register_dataset
 from runner.data.builtin import carve
 from runner.data.files import IMAGENET_STATS
 from runner.schema import ConfigError
+from runner.untrusted import RefusedPickle, load_pickle
 
 LAYOUT = "Imagenet32_train/train_data_batch_1..10 and Imagenet32_val/val_data (pickled dicts: data, labels)"
 ROW = 3 * 32 * 32
+
+
+def _load_batch(f: Path) -> dict:
+    with open(f, "rb") as fh:
+        try:
+            return load_pickle(fh, encoding="latin1")
+        except RefusedPickle as e:
+            raise ConfigError(
+                f"{f}: holds a pickled {e}, not an ImageNet32 batch (numpy arrays, lists, dicts, numbers); "
+                "not loaded, as unpickling it could run code"
+            ) from None
 
 
 def read_batches(files: list[Path]) -> tuple[torch.Tensor, np.ndarray]:
@@ -34,8 +45,7 @@ def read_batches(files: list[Path]) -> tuple[torch.Tensor, np.ndarray]:
     x = np.empty((sum(f.stat().st_size for f in files) // ROW, ROW), dtype=np.uint8)
     labels, n = [], 0
     for f in files:
-        with open(f, "rb") as fh:
-            batch = pickle.load(fh, encoding="latin1")
+        batch = _load_batch(f)
         rows, y = np.asarray(batch["data"], dtype=np.uint8), np.asarray(batch["labels"], dtype=np.int64)
         if rows.ndim != 2 or rows.shape[1] != ROW or len(y) != len(rows) or y.min() < 1 or y.max() > 1000:
             raise ConfigError(f"{f}: expected data uint8 N x {ROW} and N labels in 1..1000, got {rows.shape}")

@@ -35,14 +35,13 @@ def trained_model(cfg, ctx, data):
     to dev_share of it (n_missing / (n_missing + n_others) = dev_share)."""
     from runner.data import Data
     from runner.models import build_model
-    from runner.train import fit
+    from runner.train import fit, load_checkpoint
 
     m = cfg.method
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     if m.checkpoint:
         try:
-            state = torch.load(m.checkpoint, map_location="cpu", weights_only=False)
-            model.load_state_dict(state["model"])
+            model.load_state_dict(load_checkpoint(m.checkpoint, "cpu")["model"])
         except (OSError, KeyError, RuntimeError) as e:
             raise ConfigError(
                 f"method.checkpoint={m.checkpoint!r}: not a runner checkpoint of this model ({e})"
