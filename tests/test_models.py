@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -216,7 +217,7 @@ def test_inception_resnet_v2_is_timms_and_loads_its_weights(tmp_path):
 def test_pretrained_weights_file(tmp_path):
     source = model("cnn", (3, 8, 8), 10, channels=[4, 8])
     runner_ckpt = tmp_path / "last.pt"  # the runner's checkpoint layout
-    torch.save({"model": source.state_dict(), "epoch": 3}, runner_ckpt)
+    torch.save({"model": source.state_dict(), "epoch": 3, "rng": {"numpy": np.random.get_state()}}, runner_ckpt)
     net = model("cnn", (3, 8, 8), 10, channels=[4, 8], pretrained=str(runner_ckpt))
     assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), source.state_dict().values()))
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from runner.schema import ConfigError
+from runner.untrusted import torch_load
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def load_weights(model: nn.Module, path: str) -> None:
 
             state = load_file(path)
         else:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            state = torch_load(path)  # a runner checkpoint's RNG states are numpy arrays
     except Exception as e:  # whatever makes the file unreadable, one line for the user
         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
         raise ConfigError(
