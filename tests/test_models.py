@@ -217,7 +217,8 @@ def test_inception_resnet_v2_is_timms_and_loads_its_weights(tmp_path):
 def test_pretrained_weights_file(tmp_path):
     source = model("cnn", (3, 8, 8), 10, channels=[4, 8])
     runner_ckpt = tmp_path / "last.pt"  # the runner's checkpoint layout
-    torch.save({"model": source.state_dict(), "epoch": 3, "rng": {"numpy": np.random.get_state()}}, runner_ckpt)
+    rng = {"numpy": np.random.get_state()}  # as a checkpoint holds it: numpy arrays
+    torch.save({"model": source.state_dict(), "epoch": 3, "rng": rng}, runner_ckpt)
     net = model("cnn", (3, 8, 8), 10, channels=[4, 8], pretrained=str(runner_ckpt))
     assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), source.state_dict().values()))
 
