@@ -43,7 +43,7 @@ _DATA_DEPENDENT = {torch.nonzero, T.nonzero, torch.unique, T.unique, torch.maske
                    torch.equal, T.equal, torch.allclose, T.allclose, torch.bincount, T.bincount}  # fmt: skip
 _FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange,
               torch.linspace, torch.eye, torch.rand, torch.randn, torch.randint, torch.randperm,
-              torch.from_numpy, torch.logspace, torch.empty_strided, torch.scalar_tensor}  # fmt: skip
+              torch.logspace, torch.empty_strided, torch.scalar_tensor}  # fmt: skip
 _FROM_DATA = {torch.tensor, torch.as_tensor}  # a device= here copies host data: a blocking copy
 _INDEXING = {T.__getitem__, T.__setitem__, T.index_put_, T.index_put, torch.index_put}
 _COPIES = {T.copy_}
@@ -139,7 +139,7 @@ class DeviceTracker(TorchFunctionMode):
                 if func in _FROM_DATA and _is_stand_in(device) and not (tensors and on_device):
                     self.count("sync", f"{name}(host data, device=...)")
                 return _tag(out, _is_stand_in(device))
-            if func in _FACTORIES and func not in _FROM_DATA or func is torch.from_numpy:
+            if func in _FACTORIES and func not in _FROM_DATA:
                 return _tag(out, False)
         if tensors:
             _tag(out, bool(on_device))
@@ -235,6 +235,9 @@ def tracking():
         _, rank, world_size = saved[(hardware, "setup")](on_cpu)
         return STAND_IN, rank, world_size
 
+    from_numpy = torch.from_numpy  # a factory the mode does not see: its tensors are host tensors
+    torch.from_numpy = lambda array: _tag(from_numpy(array), False)
+    saved[(torch, "from_numpy")] = from_numpy
     hardware.setup = setup
     accelerated = saved[(hardware, "is_accelerator")]
     hardware.is_accelerator = lambda device: _is_stand_in(device) or accelerated(device)

@@ -1,5 +1,6 @@
 """Co-Mixup solver, saliency, compatibility and transform, against brute force and closed forms."""
 
+import importlib.util
 import itertools
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import torch
 
 from runner.canvas_metrics import box_iou, cam_boxes, canvas_metrics
 from runner.data.canvas import box_masks
+from runner.device_tracking import STAND_IN, DeviceTracker
+from runner.hardware import RunContext
 from runner.methods import comixup as cm
 from runner.methods.comixup import (
     ComixupPool,
@@ -19,9 +22,19 @@ from runner.methods.comixup import (
     objective,
     pool_saliency,
     saliency,
+    salient_locations,
 )
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def host_path():
+    """benchmarks/bench_comixup.py, whose `old_*` functions are the host path before the device one."""
+    spec = importlib.util.spec_from_file_location("bench_comixup", ROOT / "benchmarks" / "bench_comixup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def blob_saliency(rng, m, size=16, sigma=2.0):
@@ -402,15 +415,13 @@ def test_worker_pool_gives_the_in_process_result():
 def hooks_step(workers, seed=3):
     """One Co-Mixup step of `MixupHooks` (clean pass, mix, loss, backward) on a fixed model and batch:
     (mixed x, mixed y, loss, weight gradients, the hooks)."""
-    from types import SimpleNamespace
-
     from runner.configs.classify import CoMixupConfig
     from runner.methods.mixup_training import MixupHooks
     from runner.schema import to_node
 
     cfg = to_node(CoMixupConfig(grid=2, part=4, preview=False))
     cfg.workers = workers  # -1 (auto) is the hooks' to resolve, past the schema's range
-    hooks = MixupHooks(cfg, 5, SimpleNamespace(is_main=True), seed=seed)
+    hooks = MixupHooks(cfg, 5, RunContext(torch.device("cpu"), ROOT, tracker=None), seed=seed)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 4, 3, padding=1),
@@ -443,7 +454,25 @@ def test_overlapped_pool_step_gives_the_in_process_step_exactly():
 
 def test_auto_workers_one_per_partition_up_to_the_cores(monkeypatch):
     monkeypatch.setattr(cm.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert [cm.auto_workers(b, 20) for b in (1, 20, 21, 100, 1000)] == [1, 1, 2, 5, 16]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's ranks on this node share the cores
+    assert [cm.auto_workers(b, 20) for b in (1, 20, 21, 100, 1000)] == [1, 1, 2, 4, 4]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert cm.auto_workers(1000, 20) == 1
+
+
+def test_auto_workers_start_a_pool_on_an_accelerator(monkeypatch):
+    import runner.hardware
+    from runner.configs.classify import CoMixupConfig
+    from runner.methods import mixup_training
+    from runner.schema import to_node
+
+    monkeypatch.setattr(runner.hardware, "is_accelerator", lambda device: True)  # what the ctx is asked
+    monkeypatch.setattr(mixup_training, "ComixupPool", lambda workers: ("pool", workers))
+    cfg = to_node(CoMixupConfig(part=4, preview=False))
+    hooks = mixup_training.MixupHooks(cfg, 5, RunContext(torch.device("cpu"), ROOT, tracker=None), seed=0)
+    assert hooks._comixup_pool(torch.zeros(9, 3, 8, 8)) == ("pool", cm.auto_workers(9, 4))
 
 
 def test_defaults_match_the_paper():
@@ -745,6 +774,63 @@ def test_mix_steps_on_cuda_match_the_cpu():
         assert cuda[name][0].device.type == "cuda" and cuda[name][1].device.type == "cuda", name
         assert torch.allclose(cuda[name][0].cpu(), cpu[name][0], atol=1e-5), name
         assert torch.allclose(cuda[name][1].cpu(), cpu[name][1], atol=1e-5), name
+
+
+# the device path: what the host reads and sends, against the host path before it ----------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("size, window", [(16, 8), (24, 8), (6, 8), (13, 4)])
+def test_salient_boxes_found_on_the_device_are_the_host_path_ones(size, window, dtype):
+    rng = np.random.default_rng(size)
+    s = blob_saliency(rng, 12, size).astype(dtype) + 0.01 * rng.random((12, size, size)).astype(dtype)
+    expected = host_path().old_salient_locations(s.astype(np.float64), window)
+    assert np.array_equal(salient_locations(torch.from_numpy(s), window).numpy(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "B, options",
+    [(23, dict(grid=4, part=10)), (40, dict(grid=2, part=20)), (30, dict(grid=-1, part=8)),
+     (12, dict(grid=3, part=5, mixed_labels=False)), (20, dict(omega=0.3, thres_type="soft"))],
+)  # fmt: skip
+def test_device_path_mixes_the_batch_the_host_path_did(B, options, dtype):
+    x, y, s = batch(B, B)
+    s = torch.from_numpy(s).to(dtype)
+    old = host_path().old_comixup(x, y, s, rng=B, **options)
+    new = comixup(x, y, s, rng=B, **options)
+    for name, a, b in zip(("x_mixed", "y_mixed", "masks"), old, new):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    x_mix, y_mix = comixup(x, y, s, rng=B, with_masks=False, **options)
+    assert torch.equal(x_mix, new[0]) and torch.equal(y_mix, new[1])
+
+
+def test_every_mix_step_waits_for_the_device_at_most_once():
+    """On a stand-in device (`runner.device_tracking`): Co-Mixup reads its batch summary, Puzzle Mix its
+    costs, the pair mixups nothing; no step mixes device and host tensors or reads a device array."""
+    from runner.methods.mixup import cutmix, input_mixup, manifold_mixup, puzzle_mix
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+    with DeviceTracker() as tracker:
+        x = torch.rand(8, 3, 16, 16, device=STAND_IN)
+        y = torch.eye(8, device=STAND_IN)
+        s = torch.rand(8, 16, 16, device=STAND_IN)
+        steps = {
+            "comixup": lambda: comixup(x, y, s, rng=0),
+            "comixup without masks": lambda: comixup(x, y, s, rng=0, with_masks=False),
+            "puzzle_mix": lambda: puzzle_mix(x, y, s, grid=4, t_size=2, mean=(0.5,) * 3, std=(0.2,) * 3),
+            "input_mixup": lambda: input_mixup(x, y, rng=0),
+            "cutmix": lambda: cutmix(x, y, rng=0),
+            "manifold_mixup": lambda: manifold_mixup(model, x, y, layers=[model[0]], rng=1),
+        }
+        for name, step in steps.items():
+            with tracker.in_phase(name):
+                step()
+    reads = {"comixup": 1, "comixup without masks": 1, "puzzle_mix": 1}
+    for name in steps:
+        counts = tracker.counts[name]
+        assert counts["sync"] <= reads.get(name, 0), (name, tracker.report()["sites"])
+        assert counts["mix"] == counts["numpy"] == 0, (name, tracker.report()["sites"])
 
 
 @pytest.mark.slow  # a subprocess importing torch and Hydra: 15 s on a quiet machine, a minute on a busy one

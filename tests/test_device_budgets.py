@@ -12,7 +12,8 @@ import torch
 from runner.device_tracking import STAND_IN, DeviceTracker
 
 SHRUNK = ["logger=none", "dataset=fake", "dataset.like=cifar100", "dataset.train_size=256",
-          "dataset.test_size=32", "hardware.num_workers=0", "train.batch_size=32", "train.epochs=1"]  # fmt: skip
+          "dataset.test_size=32", "hardware.num_workers=0", "train.batch_size=32",
+          "train.epochs=1"]  # fmt: skip
 MIXUP = "+experiment=comixup_cifar100_preactresnet18"
 PRESETS = {
     "erm": [MIXUP, "+method=erm"],
@@ -69,3 +70,14 @@ def test_the_tracker_counts_what_would_wait_and_what_would_fail():
         (host * 2).sum().item()  # host only: free
     counts = tracker.counts["train"]
     assert counts == {"sync": 4, "mix": 1, "numpy": 1}, tracker.report()["sites"]
+
+
+def test_tensors_from_numpy_are_host_tensors():
+    import numpy as np
+
+    from runner.device_tracking import tracking
+
+    with tracking() as tracker, tracker.in_phase("train"):
+        x = torch.ones(3, device=STAND_IN)
+        x + torch.from_numpy(np.ones(3, dtype=np.float32))
+    assert tracker.counts["train"] == {"mix": 1}

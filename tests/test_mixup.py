@@ -298,15 +298,17 @@ def test_numpy_in_numpy_out_and_bad_input():
 
 
 def test_puzzle_mix_hooks_adversarial_option_perturbs_within_the_ball():
-    from types import SimpleNamespace
+    from pathlib import Path
 
     from runner.configs.classify import PuzzleMixConfig
+    from runner.hardware import RunContext
     from runner.methods.mixup_training import MixupHooks
     from runner.schema import to_node
 
     cfg = to_node(PuzzleMixConfig(adv_p=1.0, adv_eps=10.0, grid=2, clean_lam=1.0, preview=False))
     mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
-    hooks = MixupHooks(cfg, 4, SimpleNamespace(is_main=True), seed=0, normalize=(mean, std))
+    ctx = RunContext(torch.device("cpu"), Path(__file__).parent, tracker=None)
+    hooks = MixupHooks(cfg, 4, ctx, seed=0, normalize=(mean, std))
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()

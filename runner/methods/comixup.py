@@ -141,6 +141,7 @@ def pool_saliency(s, grid: int):
     """Average-pool per-pixel saliency (B, H, W) to (B, g, g) cells and normalise each map to sum 1.
 
     An all-zero map stays zero (the normalisation has an eps where the authors divide by zero).
+    A tensor is pooled where it is, in its dtype; an array in float64.
     """
     B, H, W = s.shape
     if H % grid or W % grid:
@@ -152,19 +153,18 @@ def pool_saliency(s, grid: int):
     return pooled / (pooled.sum((1, 2), keepdims=True) + 1e-12)
 
 
-def salient_locations(s: np.ndarray, window: int = 8) -> np.ndarray:
-    """(row, col) of the most salient window x window box of each map (B, H, W) -> (B, 2) ints.
+def salient_locations(s, window: int = 8) -> torch.Tensor:
+    """(row, col) of the most salient window x window box of each map (B, H, W) -> (B, 2) int64 on s's
+    device, as the authors: the argmax (the first on ties) of avg_pool2d(s, window, stride=1).
 
-    Box sums come from an integral image (avg_pool2d(s, window, stride=1) up to a constant);
-    the window shrinks to the image size on small images.
+    The window shrinks to the image size on small images.
     """
+    s = torch.as_tensor(s)
     B, H, W = s.shape
     k = min(window, H, W)
-    integral = np.zeros((B, H + 1, W + 1))
-    integral[:, 1:, 1:] = s.cumsum(1).cumsum(2)
-    boxes = integral[:, k:, k:] - integral[:, :-k, k:] - integral[:, k:, :-k] + integral[:, :-k, :-k]
-    flat = boxes.reshape(B, -1).argmax(1)
-    return np.stack(np.unravel_index(flat, boxes.shape[1:]), axis=1)
+    flat = F.avg_pool2d(s[:, None], k, stride=1).reshape(B, -1).argmax(1)
+    cols = W - k + 1
+    return torch.stack([flat // cols, flat % cols], 1)
 
 
 def _compatibility_from_locations(loc: np.ndarray, valid: np.ndarray, omega: float) -> np.ndarray:
@@ -190,12 +190,12 @@ def compatibility(saliency_maps, omega: float = 0.001) -> np.ndarray:
     apart) makes outputs that share i and i' costly, so far-apart objects end up in one output.
     """
     _check_range("omega", omega, 0.0, 1.0)
-    s = _as_numpy(saliency_maps)
+    s = torch.as_tensor(saliency_maps)
     if s.ndim != 3:
         raise ValueError(f"saliency_maps: shape {tuple(s.shape)}, expected (m, H, W)")
-    if not np.isfinite(s).all():
+    if not torch.isfinite(s).all():
         raise ValueError("saliency_maps: contains NaN or inf")
-    loc = salient_locations(s)[None]
+    loc = salient_locations(s).cpu().numpy()[None]
     return _compatibility_from_locations(loc, np.ones(loc.shape[:2], bool), omega)[0]
 
 
@@ -610,6 +610,7 @@ def comixup(
     method: str = "gco_swap",
     rng=None,
     log: bool = False,
+    with_masks: bool = True,
 ):
     """Co-Mixup of a batch: x (B, C, H, W), y_onehot (B, K), saliency_maps (B, H, W) per-pixel saliency.
 
@@ -617,10 +618,13 @@ def comixup(
     `comixup_masks` (whose options, `max_iter`, `tol` and `method` included, these are). Returns
     (x_mixed (B, C, H, W), y_mixed (B, K), masks (B, g, g, B)) where masks[j, :, :, i] is the
     weight of input i in the cells of output j (zero outside j's partition) and
-    y_mixed[j] = sum_i mean(masks[j, :, :, i]) y_onehot[i]. Outputs are torch tensors on x's device
-    when x is a tensor, numpy arrays otherwise. grid=-1 draws g from {2, 4, 8, 16} (among those
+    y_mixed[j] = sum_i mean(masks[j, :, :, i]) y_onehot[i]; with_masks=False leaves the masks out
+    (and unbuilt). Outputs are torch tensors on x's device when x is a tensor, numpy arrays
+    otherwise. Only the partitions are solved on the host: the saliency is pooled and its salient
+    boxes found on x's device and read in one copy, and the mix is made there from the cells'
+    sources, sent back in one non-blocking copy. grid=-1 draws g from {2, 4, 8, 16} (among those
     dividing H and W) at every call. With log=True the log of `comixup_masks` (over all partitions:
-    the most sweeps, the largest err; energies per partition) is returned fourth.
+    the most sweeps, the largest err; energies per partition) is returned last.
 
     >>> x, y = torch.rand(4, 3, 8, 8), torch.eye(4)
     >>> x_mix, y_mix, masks, info = comixup(x, y, torch.rand(4, 8, 8), grid=2, rng=0, log=True)
@@ -630,40 +634,40 @@ def comixup(
     sweeps = _Sweeps(beta, gamma, eta, tau, thres_type, max_iter, tol, set_resolve, mixed_labels, method)
     problem = _prepare(x, y_onehot, saliency_maps, sweeps, omega, alpha, grid, part, rng)
     W, info = _solve_partitions(*problem["arrays"], sweeps, log=log)
-    out = _mix(x, y_onehot, W, problem)
+    out = _mix(problem, W, with_masks)
     return (*out, info) if log else out
 
 
 def _option_defaults() -> dict:
-    """The keyword options of `comixup` (besides rng and log) and their defaults."""
+    """The keyword options of `comixup` that shape the mix (all but rng, log, with_masks), with defaults."""
     parameters = inspect.signature(comixup).parameters.items()
-    return {k: p.default for k, p in parameters if p.default is not p.empty and k not in ("rng", "log")}
+    calls = ("rng", "log", "with_masks")
+    return {k: p.default for k, p in parameters if p.default is not p.empty and k not in calls}
 
 
-def _prepare(x, y_onehot, saliency_maps, sweeps: _Sweeps, omega, alpha, grid, part, rng):
-    """Validate, pool saliency, split the batch into padded partitions and draw lambda and the start."""
+def _prepare(x, y_onehot, saliency_maps, sweeps: _Sweeps, omega, alpha, grid, part, rng) -> dict:
+    """Validate, summarise the batch on its device (`_batch_summary`), read the summary (the one wait for
+    the device) and set up the partitions from it (`_partitions`). x, y and the saliency stay where they
+    are (numpy: torch views on the CPU)."""
     sweeps._checked()
     _check_range("omega", omega, 0.0, 1.0)
     if not alpha > 0:
         raise ValueError(f"alpha={alpha}: must be > 0")
     if not (isinstance(part, int | np.integer) and part >= 2):
         raise ValueError(f"part={part}: must be an integer >= 2")
+    numpy_out = not isinstance(x, torch.Tensor)
+    x = torch.as_tensor(x)
     if x.ndim != 4:
         raise ValueError(f"x: shape {tuple(x.shape)}, expected (B, C, H, W)")
     B, _, H, W = x.shape
     if B < 2:
         raise ValueError(f"x: batch of {B}; mixing needs at least 2 inputs")
-    y = _as_numpy(y_onehot)
-    if y.ndim != 2 or y.shape[0] != B or not (np.isin(y, (0, 1)).all() and (y.sum(1) == 1).all()):
-        raise ValueError(
-            f"y_onehot: must be one-hot of shape ({B}, K), got shape {tuple(y.shape)} "
-            "with rows that are not one-hot"
-        )
-    s = _as_numpy(saliency_maps).astype(np.float64, copy=False)
+    y = torch.as_tensor(y_onehot, device=x.device)
+    if y.ndim != 2 or y.shape[0] != B:
+        raise ValueError(f"y_onehot: shape {tuple(y.shape)}, expected one-hot rows of shape ({B}, K)")
+    s = torch.as_tensor(saliency_maps, device=x.device)
     if s.shape != (B, H, W):
         raise ValueError(f"saliency_maps: shape {tuple(s.shape)}, expected ({B}, {H}, {W})")
-    if not np.isfinite(s).all():
-        raise ValueError("saliency_maps: contains NaN or inf")
     rng = np.random.default_rng(rng)
     if grid == -1:
         choices = [c for c in RANDOM_GRIDS if H % c == 0 and W % c == 0]
@@ -672,74 +676,122 @@ def _prepare(x, y_onehot, saliency_maps, sweeps: _Sweeps, omega, alpha, grid, pa
         grid = int(rng.choice(choices))
     if not (isinstance(grid, int | np.integer) and grid >= 1 and H % grid == 0 and W % grid == 0):
         raise ValueError(f"grid={grid}: must be a positive divisor of the image size {H}x{W}, or -1")
+    summary = _batch_summary(y, s, grid).cpu().numpy()
+    problem = _partitions(summary, omega, alpha, grid, part, rng)
+    return {**problem, "x": x, "y": y, "numpy_out": numpy_out}
+
+
+def _batch_summary(y: torch.Tensor, s: torch.Tensor, grid: int) -> torch.Tensor:
+    """What the host needs of the batch, computed on its device as one (B, n + 3) tensor (one copy to
+    read): each map's saliency pooled to the g x g cells and normalised (n), its salient box's (row, col)
+    and whether y's row is one-hot (1 or 0). In s's float dtype (float32 at least)."""
+    dtype = torch.promote_types(s.dtype, torch.float32)
+    one_hot = ((y == 0) | (y == 1)).all(1) & (y.sum(1) == 1)
+    columns = (pool_saliency(s, grid).reshape(len(s), -1), salient_locations(s), one_hot[:, None])
+    return torch.cat([c.to(dtype) for c in columns], 1)
+
+
+def _partitions(summary: np.ndarray, omega, alpha, grid: int, part, rng) -> dict:
+    """From the batch summary (host): validate, split the batch into near-equal padded partitions, and
+    build their compatibility and draw lambda and the start. -> {"arrays" of `_solve_partitions`,
+    "index" (P, m) batch index of each partition slot (-1: padding), "grid"}."""
     n = grid * grid
+    pooled = summary[:, :n].astype(np.float64)
+    loc = summary[:, n : n + 2].astype(np.int64)
+    if not (summary[:, n + 2] > 0).all():
+        raise ValueError("y_onehot: has rows that are not one-hot")
+    if not np.isfinite(pooled).all():
+        raise ValueError("saliency_maps: contains NaN or inf")
+    B = len(summary)
     chunks = np.array_split(np.arange(B), math.ceil(B / part))
     sizes = np.array([len(c) for c in chunks])
     index = np.full((len(chunks), sizes.max()), -1)
     for p, chunk in enumerate(chunks):
         index[p, : len(chunk)] = chunk
     real = index >= 0
-    s_grid = pool_saliency(s, grid).reshape(B, n)[index] * real[:, :, None]
-    A = _compatibility_from_locations(salient_locations(s)[index], real, omega)
+    s_grid = pooled[index] * real[:, :, None]
+    A = _compatibility_from_locations(loc[index], real, omega)
     gammas = rng.gamma(alpha, size=real.shape) * real
     lam = gammas / gammas.sum(1, keepdims=True)
     z0 = rng.integers(0, sizes[:, None, None], size=(*real.shape, n))
-    return {"arrays": (s_grid, A, lam, z0, sizes), "sweeps": sweeps, "index": index, "grid": grid}
+    return {"arrays": (s_grid, A, lam, z0, sizes), "index": index, "grid": grid}
 
 
-def _mix(x, y_onehot, W, problem):
-    """Cell-wise mixing from the partition weights W (P, m', n, m): x_j = sum_i Z[j,i] * x_i.
-
-    A cell draws on at most two inputs, so the mix is two gathers instead of a B x B product. The
-    gathers run in torch on x's device, every index a tensor there (numpy x: on the CPU, zero-copy).
-    Returns (x_mixed, y_mixed, masks (B, g, g, B)) in the type (and device) of x.
-    """
-    index, g = problem["index"], problem["grid"]
-    B, C, H, Wd = x.shape
-    n = g * g
+def _cell_sources(W: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The solved weights W (P, m', n, m) as the mix needs them: per output (in batch order) and cell,
+    the two inputs it draws on and their weights, packed (B, n, 4) [a, b, w_a, w_b] in float32 for one
+    copy (batch indices and the weights 0, 1/2, 1 are exact there). A single-source cell has w_a = 0
+    and a = b, so that no index is padding."""
+    n = W.shape[2]
     out_rows = index.ravel() >= 0
     top2 = np.argsort(W, axis=-1)[..., -2:]  # (P, m', n, 2) partition slots of the two largest weights
     weights = np.take_along_axis(W, top2, axis=-1).reshape(-1, n, 2)[out_rows]
     sources = index[np.arange(len(index))[:, None, None, None], top2].reshape(-1, n, 2)[out_rows]
     order = np.argsort(index.ravel()[out_rows])  # outputs back in batch order
     sources, weights = sources[order], weights[order]
-    sources[..., 0] = np.where(weights[..., 0] > 0, sources[..., 0], sources[..., 1])  # no padding index
-    masks = np.zeros((B, n, B), np.float32)
-    for p, row in enumerate(index):
-        m = int((row >= 0).sum())
-        masks[np.ix_(row[:m], np.arange(n), row[:m])] = W[p, :m, :, :m]
-    xt = torch.as_tensor(x)
-    cells = xt.reshape(B, C, g, H // g, g, Wd // g).permute(0, 2, 4, 1, 3, 5).reshape(B, n, -1)
-    sources = torch.as_tensor(sources, device=xt.device)
-    weights = torch.as_tensor(weights, dtype=xt.dtype, device=xt.device)
-    cell_idx = torch.arange(n, device=xt.device)[None, :]
-    mixed = (
-        weights[..., :1] * cells[sources[..., 0], cell_idx]
-        + weights[..., 1:] * cells[sources[..., 1], cell_idx]
-    )
-    x_mixed = mixed.reshape(B, g, g, C, H // g, Wd // g).permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, Wd)
-    y_mixed = masks.mean(1) @ _as_numpy(y_onehot).astype(np.float32)
-    masks = masks.reshape(B, g, g, B)
-    if not isinstance(x, torch.Tensor):
-        return x_mixed.numpy(), y_mixed, masks
-    return x_mixed, torch.from_numpy(y_mixed).to(x.device), torch.from_numpy(masks).to(x.device)
+    sources[..., 0] = np.where(weights[..., 0] > 0, sources[..., 0], sources[..., 1])
+    return np.concatenate([sources, weights], -1).astype(np.float32)
+
+
+def _mix(problem: dict, W: np.ndarray, with_masks: bool):
+    """Cell-wise mixing on x's device, x_j = sum_i Z[j,i] * x_i, from `_cell_sources` (one non-blocking
+    copy): a cell draws on at most two inputs, so the mix is two gathers instead of a B x B product, and
+    y_mixed = (mean over cells of Z) @ y. Returns (x_mixed, y_mixed[, masks (B, g, g, B)]), float32
+    labels and masks, in the type of the input x."""
+    x, y, g = problem["x"], problem["y"], problem["grid"]
+    B, n = len(x), g * g
+    packed = _to_device(_cell_sources(W, problem["index"]), x.device)
+    sources, weights = packed[..., :2].long(), packed[..., 2:]
+    cells, cell_idx, w = _cells(x, g), torch.arange(n, device=x.device), weights.to(x.dtype)
+    mixed = w[..., :1] * cells[sources[..., 0], cell_idx] + w[..., 1:] * cells[sources[..., 1], cell_idx]
+    share = torch.zeros(B, B, device=x.device).scatter_add_(1, sources.reshape(B, -1), weights.reshape(B, -1))
+    out = (_uncells(mixed, x.shape), (share / n) @ y.float())
+    if with_masks:
+        masks = torch.zeros(B, n, B, device=x.device).scatter_add_(2, sources, weights)
+        out += (masks.reshape(B, g, g, B),)
+    return tuple(o.numpy() for o in out) if problem["numpy_out"] else out
+
+
+def _cells(x: torch.Tensor, g: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, g^2, C H W / g^2): the g x g cells of each image, row by row."""
+    B, C, H, W = x.shape
+    return x.reshape(B, C, g, H // g, g, W // g).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, -1)
+
+
+def _uncells(cells: torch.Tensor, shape) -> torch.Tensor:
+    """The inverse of `_cells` for images of `shape`."""
+    B, C, H, W = shape
+    g = math.isqrt(cells.shape[1])
+    return cells.reshape(B, g, g, C, H // g, W // g).permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
+
+
+def _to_device(host, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data (an array, tensor, list or number) on `device` without the host waiting for the device:
+    a non-blocking copy, from page-locked memory where the backend has it (CUDA, as `RunContext.pin`;
+    the caching host allocator keeps the buffer until the copy is done)."""
+    t = torch.as_tensor(host, dtype=dtype)
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def auto_workers(batch_size: int, part: int) -> int:
     """Worker processes worth starting for batches of `batch_size`: one per partition
-    (ceil(batch_size / part)), at most one per CPU core this process may run on."""
+    (ceil(batch_size / part)), at most this rank's share of the CPU cores it may run on (the cores
+    divided by the ranks on this node, torchrun's LOCAL_WORLD_SIZE)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cpus, math.ceil(batch_size / part)))
+    share = cpus // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, min(share, math.ceil(batch_size / part)))
 
 
 class ComixupPool:
     """Co-Mixup with the partitions solved in worker processes, off the training thread.
 
-    `submit(x, y_onehot, saliency_maps, **comixup_kwargs)` validates and draws the randomness in the
-    caller (so results do not depend on the number of workers), sends each worker a share of the
-    partitions (small grid arrays only) and returns at once; `.result()` on the returned handle waits
-    and mixes, giving what `comixup` gives. The caller can meanwhile run other work, e.g. the weight
-    backward of the clean loss. Use as a context manager or call `close()`.
+    `submit(x, y_onehot, saliency_maps, **comixup_kwargs)` validates, reads the batch summary and
+    draws the randomness in the caller (so results do not depend on the number of workers), sends
+    each worker a share of the partitions (small grid arrays only) and returns; `.result()` on the
+    returned handle waits and mixes, giving what `comixup` gives. The caller can meanwhile run other
+    work, e.g. the weight backward of the clean loss. Use as a context manager or call `close()`.
     """
 
     def __init__(self, workers: int = 2):
@@ -749,7 +801,7 @@ class ComixupPool:
         self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
 
     @renamed_kwargs(**_RENAMED)
-    def submit(self, x, y_onehot, saliency_maps, rng=None, **kwargs) -> _PendingMix:
+    def submit(self, x, y_onehot, saliency_maps, rng=None, with_masks: bool = True, **kwargs) -> _PendingMix:
         options = _option_defaults()
         unknown = set(kwargs) - set(options)
         if unknown:
@@ -763,7 +815,7 @@ class ComixupPool:
         futures = [
             self._executor.submit(_solve_partitions, *(a[share] for a in arrays), sweeps) for share in shares
         ]
-        return _PendingMix(x, y_onehot, problem, futures)
+        return _PendingMix(problem, futures, with_masks)
 
     def close(self):
         self._executor.shutdown()
@@ -776,20 +828,16 @@ class ComixupPool:
 
 
 class _PendingMix:
-    def __init__(self, x, y_onehot, problem, futures: list[Future]):
-        self._args, self._futures = (x, y_onehot, problem), futures
+    def __init__(self, problem: dict, futures: list[Future], with_masks: bool):
+        self._problem, self._futures, self._with_masks = problem, futures, with_masks
 
     def result(self):
         W = np.concatenate([f.result()[0] for f in self._futures])
-        return _mix(*self._args[:2], W, self._args[2])
+        return _mix(self._problem, W, self._with_masks)
 
 
 # ----------------------------------------------------------------------------------------------
 # argument checks
-
-
-def _as_numpy(a) -> np.ndarray:
-    return a.detach().cpu().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
 
 
 def _check_range(name, value, lo, hi):

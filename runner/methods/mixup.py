@@ -20,7 +20,6 @@ Puzzle Mix's graph cut is chosen by `method=` (`solver` before, deprecated), as 
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import scipy.stats
@@ -29,7 +28,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.methods._common import renamed_kwargs
-from runner.methods.comixup import RANDOM_GRIDS, SOLVERS, _check_choice, _cut, pool_saliency
+from runner.methods.comixup import (
+    RANDOM_GRIDS,
+    SOLVERS,
+    _cells,
+    _check_choice,
+    _cut,
+    _to_device,
+    _uncells,
+    pool_saliency,
+)
 
 __all__ = [
     "cutmix",
@@ -72,10 +80,12 @@ def _check_batch(x, y):
         )
 
 
-def _mix_targets(y, weight, perm):
-    """w y + (1 - w) y[perm], with w a scalar or per sample (B,)."""
-    weight = torch.as_tensor(weight, dtype=y.dtype, device=y.device).reshape(-1, 1)
-    return weight * y + (1 - weight) * y[torch.as_tensor(perm, device=y.device)]
+def _mix_targets(y, weight, partner):
+    """w y + (1 - w) y[partner]; w a number or per sample (B,), partner (B,) indices, both on y's device."""
+    if not isinstance(weight, torch.Tensor):  # filled there: a copy of the number would wait for the device
+        weight = torch.full((), weight, dtype=y.dtype, device=y.device)
+    weight = weight.to(y.dtype).reshape(-1, 1)
+    return weight * y + (1 - weight) * y[partner]
 
 
 @_tensor_io
@@ -90,7 +100,8 @@ def input_mixup(x, y, alpha: float = 1.0, rng=None):
     """x~ = lambda x + (1 - lambda) x[perm], y~ likewise; lambda ~ Beta(alpha, alpha)."""
     _check_batch(x, y)
     lam, perm = _pairing(len(x), alpha, np.random.default_rng(rng))
-    return lam * x + (1 - lam) * x[torch.as_tensor(perm, device=x.device)], _mix_targets(y, lam, perm)
+    partner = _to_device(perm, x.device)
+    return lam * x + (1 - lam) * x[partner], _mix_targets(y, lam, partner)
 
 
 @_tensor_io
@@ -109,10 +120,11 @@ def cutmix(x, y, alpha: float = 1.0, rng=None):
     rh, rw = np.sqrt(1.0 - lam) * H, np.sqrt(1.0 - lam) * W
     r0, r1 = (int(np.clip(v, 0, H)) for v in (cy - rh / 2, cy + rh / 2))
     c0, c1 = (int(np.clip(v, 0, W)) for v in (cx - rw / 2, cx + rw / 2))
+    partner = _to_device(perm, x.device)
     mixed = x.clone()
-    mixed[..., r0:r1, c0:c1] = x[torch.as_tensor(perm, device=x.device)][..., r0:r1, c0:c1]
+    mixed[..., r0:r1, c0:c1] = x[partner, ..., r0:r1, c0:c1]
     keep = 1.0 - (r1 - r0) * (c1 - c0) / (H * W)
-    return mixed, _mix_targets(y, keep, perm)
+    return mixed, _mix_targets(y, keep, partner)
 
 
 def default_mixup_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -147,15 +159,15 @@ def manifold_mixup(model: torch.nn.Module, x, y, alpha: float = 2.0, layers=None
     lam, perm = _pairing(len(x), alpha, rng)
     layers = default_mixup_layers(model) if layers is None else list(layers)
     k = int(rng.integers(len(layers) + 1))
-    index = torch.as_tensor(perm, device=x.device)
+    partner = _to_device(perm, x.device)
     if k == 0:
-        return model(lam * x + (1 - lam) * x[index]), _mix_targets(y, lam, perm)
-    handle = layers[k - 1].register_forward_hook(lambda module, inputs, h: lam * h + (1 - lam) * h[index])
+        return model(lam * x + (1 - lam) * x[partner]), _mix_targets(y, lam, partner)
+    handle = layers[k - 1].register_forward_hook(lambda module, inputs, h: lam * h + (1 - lam) * h[partner])
     try:
         logits = model(x)
     finally:
         handle.remove()
-    return logits, _mix_targets(y, lam, perm)
+    return logits, _mix_targets(y, lam, partner)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -205,7 +217,8 @@ def puzzle_costs(
     + beta' per cut edge + beta' gamma d_e(source above, source below), up to a constant: the data
     term is the authors' linearisation, exact for {0, 1} and interpolated for blends.
     s_own, s_partner: (B, g, g); raw_*: (B, C, H, W) pixels in [0, 1]. Returns numpy float64
-    (unary (B, n, L), edge weights (B, E) in `grid_cut` order (clipped at 0), pairwise (L, L)).
+    (unary (B, n, L), edge weights (B, E) in `grid_cut` order (clipped at 0), pairwise (L, L)), the
+    first two computed on the inputs' device and read in one copy.
     """
     B, g, _ = s_own.shape
     n = g * g
@@ -225,14 +238,16 @@ def puzzle_costs(
         cost[:, 1:, :] += (vert[0, a] + vert[1, a]) / 2  # this cell below
         cost[:, :, :-1] += (horz[a, 0] + horz[a, 1]) / 2
         cost[:, :, 1:] += (horz[0, a] + horz[1, a]) / 2
-    z = torch.linspace(0, 1, n_labels, dtype=torch.float64, device=s_own.device)
+    z = torch.linspace(0, 1, n_labels, dtype=torch.float64)  # on the host, as are the pairwise costs
     prior = scipy.stats.binom.pmf(np.arange(n_labels), n_labels - 1, 1 - lam)
-    log_prior = torch.as_tensor(-eta / n * np.log(prior + 1e-8), device=s_own.device)
-    unary = (1 - z) * keep_x.reshape(B, n, 1) + z * keep_partner.reshape(B, n, 1) + log_prior
+    log_prior = torch.as_tensor(-eta / n * np.log(prior + 1e-8))
+    z_there, log_prior = _to_device(torch.stack([z, log_prior]), s_own.device)
+    unary = (1 - z_there) * keep_x.reshape(B, n, 1) + z_there * keep_partner.reshape(B, n, 1) + log_prior
     residual = [(p[1, 0] + p[0, 1] - p[1, 1] - p[0, 0]).reshape(B, -1) / 2 for p in (vert, horz)]
     edge_weight = (beta_n + torch.cat(residual, 1).double()).clamp(min=0)
-    pairwise = (z[:, None] - z[None, :]) ** 2
-    return unary.cpu().numpy(), edge_weight.cpu().numpy(), pairwise.cpu().numpy()
+    costs = torch.cat([unary.reshape(B, -1), edge_weight], 1).cpu().numpy()  # the step's one read
+    unary, edge_weight = costs[:, : n * n_labels].reshape(B, n, n_labels), costs[:, n * n_labels :]
+    return unary, edge_weight, ((z[:, None] - z[None, :]) ** 2).numpy()
 
 
 def transport_plan(mask: torch.Tensor, saliency: torch.Tensor, t_eps: float = 0.8) -> torch.Tensor:
@@ -269,17 +284,6 @@ def transport_plan(mask: torch.Tensor, saliency: torch.Tensor, t_eps: float = 0.
         win = plan & (cells[:, None] == contest)
         cost += (plan & ~win).float()
     return win.float()
-
-
-def _cells(x: torch.Tensor, g: int) -> torch.Tensor:
-    B, C, H, W = x.shape
-    return x.reshape(B, C, g, H // g, g, W // g).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, -1)
-
-
-def _uncells(cells: torch.Tensor, shape) -> torch.Tensor:
-    B, C, H, W = shape
-    g = math.isqrt(cells.shape[1])
-    return cells.reshape(B, g, g, C, H // g, W // g).permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
 
 
 def _transport(x: torch.Tensor, plan: torch.Tensor, g: int) -> torch.Tensor:
@@ -348,13 +352,11 @@ def puzzle_mix(
     if transport and (t_size < -1 or t_size == 0 or (finer and (W % t_size or H % t_grid))):
         raise ValueError(f"t_size={t_size}: the transport cells must tile the {H}x{W} image (or -1)")
     s = torch.as_tensor(saliency_maps, device=x.device)
-    if s.shape != (B, H, W) or not torch.isfinite(s).all():
-        raise ValueError(
-            f"saliency_maps: expected finite values of shape ({B}, {H}, {W}), got {tuple(s.shape)}"
-        )
-    index = torch.as_tensor(perm, device=x.device)
+    if s.shape != (B, H, W):
+        raise ValueError(f"saliency_maps: shape {tuple(s.shape)}, expected ({B}, {H}, {W})")
+    index = _to_device(perm, x.device)
     shift, scale = (
-        torch.as_tensor(default if v is None else v, dtype=x.dtype, device=x.device).reshape(1, -1, 1, 1)
+        _to_device(default if v is None else v, x.device, x.dtype).reshape(1, -1, 1, 1)
         for v, default in ((mean, 0.0), (std, 1.0))
     )
     raw = x * scale + shift
@@ -362,7 +364,9 @@ def puzzle_mix(
     unary, edge_weight, pairwise = puzzle_costs(
         s_grid, s_grid[index], raw, raw[index], lam, beta, gamma, eta, n_labels, neigh_size
     )
-    labels = torch.as_tensor(_cut(unary, pairwise, edge_weight, grid, method), device=x.device)
+    if not (np.isfinite(unary).all() and np.isfinite(edge_weight).all()):  # checked where read anyway
+        raise ValueError("saliency_maps: contains NaN or inf (or x does)")
+    labels = _to_device(_cut(unary, pairwise, edge_weight, grid, method), x.device)
     mask = 1 - labels.reshape(B, 1, grid, grid).to(x.dtype) / (n_labels - 1)  # weight of x
     own, partner = x, x[index]
     if noise is not None:
@@ -378,4 +382,4 @@ def puzzle_mix(
         own = _transport(own, transport_plan(t_mask, t_sal, t_eps), t_grid)
         partner = _transport(partner, transport_plan(1 - t_mask, t_sal[index], t_eps), t_grid)
     full = F.interpolate(mask, size=(H, W))
-    return full * own + (1 - full) * partner, _mix_targets(y, full.reshape(B, -1).mean(1), perm)
+    return full * own + (1 - full) * partner, _mix_targets(y, full.reshape(B, -1).mean(1), index)

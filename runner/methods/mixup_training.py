@@ -2,9 +2,10 @@
 and `runner.methods.comixup` into `runner.train.fit` (the hook protocol of `runner.train`).
 
 One step, as in the Co-Mixup / Puzzle Mix code:
-1. clean pass (when `clean_lam` > 0 or the method needs saliency): forward the clean batch, take
-   the gradient of L_clean = c * CE (c = 2 clean_lam / K with the BCE loss, clean_lam with CE) with
-   respect to the input (the saliency) and to the weights, in one backward. The weight gradient is
+1. clean pass (when `clean_lam` > 0 or the method needs saliency): forward the clean batch under the
+   step's autocast, take the gradient of L_clean = c * CE (c = 2 clean_lam / K with the BCE loss,
+   clean_lam with CE) with respect to the input (the saliency) and to the weights, in one backward
+   (unscaled: with fp16 small gradients may underflow; bf16 and fp32 are safe). The weight gradient is
    kept and enters the step through the loss hook. With clean_lam = 0 the saliency comes from an
    eval-mode pass and no weight gradient is kept.
 2. mix the batch under no_grad. Co-Mixup with a `ComixupPool` splits the backward of step 1: the
@@ -23,7 +24,7 @@ import torch
 
 from runner.methods.comixup import CONFIG_KEYS as COMIXUP_CONFIG_KEYS
 from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
-from runner.methods.comixup import ComixupPool, auto_workers, comixup
+from runner.methods.comixup import ComixupPool, _to_device, auto_workers, comixup
 from runner.methods.mixup import cutmix, default_mixup_layers, input_mixup, manifold_mixup, puzzle_mix
 from runner.plots import new_figure, save_figure
 from runner.train import soft_cross_entropy
@@ -59,8 +60,9 @@ class MixupHooks:
     normalize: the data's per-channel (mean, std), so that raw pixels are x * std + mean (Puzzle Mix's
     seam cost and adversarial noise live in raw pixels); None when x is raw.
     Co-Mixup's `workers`: 0 solves in-process, n > 0 in a pool of n processes, -1 (auto) one process
-    per partition of the first batch up to the CPU cores when the batch is on CUDA, in-process on the
-    CPU (there the weight backward would take the cores the solvers need).
+    per partition of the first batch up to this rank's share of the CPU cores on an accelerator
+    (`auto_workers`), in-process on the CPU (there the weight backward would take the cores the
+    solvers need).
     """
 
     mid_epoch_resume = True  # on_epoch_start only arms the preview; the rng is in state_dict
@@ -88,10 +90,11 @@ class MixupHooks:
                 x_mix, y_mix = self._mix(x, y_soft, saliency_maps)
         else:
             with torch.no_grad():
-                pending = pool.submit(x, y_soft, saliency_maps, rng=self.rng, **self._comixup_options())
+                options = self._comixup_options()
+                pending = pool.submit(x, y_soft, saliency_maps, rng=self.rng, with_masks=False, **options)
             self._weight_backward()  # on the device while the workers solve the partitions
             with torch.no_grad():
-                x_mix, y_mix, _ = pending.result()
+                x_mix, y_mix = pending.result()
             y_mix = y_mix.to(y_soft.dtype)
         if self._preview:
             self._preview = False
@@ -116,8 +119,7 @@ class MixupHooks:
     def _comixup_pool(self, x):
         """The Co-Mixup worker pool, or None to solve in-process (see the class docstring)."""
         if self.workers == -1:
-            on_cuda = x.device.type == "cuda"
-            self.workers = auto_workers(len(x), self.cfg.part) if on_cuda else 0
+            self.workers = auto_workers(len(x), self.cfg.part) if self.ctx.accelerator else 0
         if self.workers > 0 and self.pool is None:
             self.pool = ComixupPool(self.workers)
         return self.pool
@@ -137,7 +139,8 @@ class MixupHooks:
             model.eval()
         x = self._adversarial_start(x)
         x = x.detach().requires_grad_(needs_saliency)
-        ce = soft_cross_entropy(model(x), y_soft)
+        with self.ctx.autocast():  # the precision of the step's own forward
+            ce = soft_cross_entropy(model(x), y_soft)
         wrt = [x] if needs_saliency else []
         if lam > 0:
             params = [p for p in model.parameters() if p.requires_grad]
@@ -177,8 +180,8 @@ class MixupHooks:
         if not any(masks):
             return x
         shape = (1, -1, 1, 1)
-        mean = torch.as_tensor(0.0 if self.mean is None else self.mean, device=x.device).reshape(shape)
-        std = torch.as_tensor(1.0 if self.std is None else self.std, device=x.device).reshape(shape)
+        mean = _to_device(0.0 if self.mean is None else self.mean, x.device).reshape(shape)
+        std = _to_device(1.0 if self.std is None else self.std, x.device).reshape(shape)
         raw = x * std + mean
         eps = self.cfg.adv_eps / 255
         noisy = (raw + torch.empty_like(raw).uniform_(-eps, eps)).clamp(0, 1)
@@ -197,7 +200,8 @@ class MixupHooks:
             noise, adv_mask = self._adv if self._adv is not None else (None, (False, False))
             return puzzle_mix(x, y_soft, saliency_maps, **{k: cfg[k] for k in PUZZLE_KEYS}, mean=self.mean,
                               std=self.std, noise=noise, adv_mask=adv_mask, rng=self.rng)  # fmt: skip
-        x_mix, y_mix, _ = comixup(x, y_soft, saliency_maps, rng=self.rng, **self._comixup_options())
+        options = self._comixup_options()
+        x_mix, y_mix = comixup(x, y_soft, saliency_maps, rng=self.rng, with_masks=False, **options)
         return x_mix, y_mix.to(y_soft.dtype)
 
     def state_dict(self):
@@ -212,8 +216,8 @@ def save_mixup_preview(
 ) -> Path:
     """PNG grid of the first `count` mixed images, each titled with its label weights (class:weight, the
     three largest, one per line so that a title stays within its image's width)."""
-    images = x[:count].detach().float().cpu()
-    weights = y[:count].detach().float().cpu()
+    shown = torch.cat([x[:count].detach().flatten(1).float(), y[:count].detach().float()], 1).cpu()  # 1 read
+    images, weights = shown[:, : x[0].numel()].reshape(-1, *x.shape[1:]), shown[:, x[0].numel() :]
     cols = min(8, len(images))
     rows = -(-len(images) // cols)
     fig, axes = new_figure((1.5 * cols, 2.0 * rows + 0.4), rows, cols, squeeze=False)
