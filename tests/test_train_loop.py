@@ -152,3 +152,12 @@ def test_a_run_resumed_inside_its_warm_up_continues_it_exactly(tmp_path):
     for p, q in zip(straight.parameters(), resumed.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     assert [r["lr"] for r in rows(tmp_path / "a")] == [r["lr"] for r in rows(tmp_path / "b")]
+
+
+@pytest.mark.parametrize("method, ok", [("input_mixup", True), ("cutmix", True), ("comixup", False)])
+def test_mixup_methods_say_whether_they_accumulate(cli, method, ok):
+    proc = cli("logger=none", f"+method={method}", "train.epochs=1", "train.accumulate=2", "+debug=smoke",
+               check=False)  # fmt: skip
+    assert (proc.returncode == 0) == ok, proc.stderr[-500:]
+    if not ok:
+        assert "train.accumulate=2: this method needs each whole batch" in proc.stderr

@@ -47,6 +47,8 @@ def mixed_loss(logits: torch.Tensor, target: torch.Tensor, kind: str = "ce") -> 
 class TargetLoss:
     """The loss hook of plain training with `mixed_loss` of kind `kind` (ERM with the authors' BCE)."""
 
+    accumulate_ok = True  # a per-sample loss: micro-batches add up to the batch
+
     def __init__(self, kind: str):
         self.kind = kind
 
@@ -66,6 +68,11 @@ class MixupHooks:
     """
 
     mid_epoch_resume = True  # on_epoch_start only arms the preview; the rng is in state_dict
+
+    @property
+    def accumulate_ok(self) -> bool:
+        """Pair mixing works within micro-batches; Co-Mixup and Puzzle Mix cut over the whole batch."""
+        return self.cfg.name not in SALIENCY_METHODS
 
     def __init__(self, cfg, num_classes: int, ctx, seed: int, normalize=None):
         self.cfg, self.num_classes, self.ctx = cfg, num_classes, ctx
