@@ -5,11 +5,13 @@ A run is a Hydra job dir (`.hydra/overrides.yaml`) with the runner's resolved `c
 ones; runs that differ only in `seed` are replicates of one setting. Written into PATH:
 
     report.md                    one row per setting: mean ± std over its seeds, the best setting in bold
+    report.csv | report.tex      with --format csv | latex: the same table, for a spreadsheet | a paper
     report_<param>.png           the main metric against each swept parameter
     report_curves.png            learning curves (mean ± std over seeds) from metrics.jsonl
 
 The main metric and its direction are the task's `METRIC`. Failed runs (`summary.json` holding an
-`error`) and incomplete ones (no `summary.json`: killed, still running) are listed, never averaged.
+`error`), trials an Optuna pruner stopped (`pruned`) and incomplete ones (no `summary.json`: killed,
+still running) are listed, never averaged.
 `SweepSummary` is the Hydra callback that prints the same table at the end of every multirun.
 
 Beside the runs, the papers: a row that ran a paper preset's setting (`paper_setting`) gets the preset's
@@ -21,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import csv
 import functools
 import importlib
+import io
 import json
 import logging
 import math
@@ -53,6 +57,9 @@ SETTING_FREE = (
     "train.checkpoint", "train.checkpoint_every_minutes", "train.resume", "train.eval_batch_size",
 )  # fmt: skip
 _OPS = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+_TEX_ESCAPES = {"\\": r"\textbackslash{}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
+                **{c: "\\" + c for c in "&%$#_{}"}}  # fmt: skip
+FORMATS = {"markdown": "report.md", "csv": "report.csv", "latex": "report.tex"}
 
 
 @dataclass
@@ -67,6 +74,8 @@ class Run:
     def status(self) -> str:
         if self.summary is None:
             return "incomplete"
+        if "pruned" in self.summary:  # stopped early by the search (runner.sweeper): partial metrics
+            return "pruned"
         return "failed" if "error" in self.summary else "ok"
 
     def value(self, key: str):
@@ -210,11 +219,12 @@ def build_report(
 
 def markdown(report: Report, plots: list[Path] = ()) -> str:
     """The report as Markdown: a line of counts, the table, Optuna's pick, skipped runs, plots."""
-    counts = {s: sum(r.status == s for r in report.runs) for s in ("ok", "failed", "incomplete")}
+    counts = {s: sum(r.status == s for r in report.runs) for s in ("ok", "pruned", "failed", "incomplete")}
+    pruned = f"{counts['pruned']} pruned, " if counts["pruned"] else ""
     lines = [
         f"# {report.root}",
         "",
-        f"{len(report.runs)} runs: {counts['ok']} completed, {counts['failed']} failed, "
+        f"{len(report.runs)} runs: {counts['ok']} completed, {pruned}{counts['failed']} failed, "
         f"{counts['incomplete']} incomplete. "
         + (f"Swept: {', '.join(report.swept)}. " if report.swept else "")
         + f"Mean ± std over seeds; best ({report.direction} {report.metric}) in bold.",
@@ -243,7 +253,8 @@ def markdown(report: Report, plots: list[Path] = ()) -> str:
     if report.skipped:
         lines += ["", "Skipped runs:"]
         for r in report.skipped:
-            why = f": {r.summary['error']}" if r.status == "failed" else " (no summary.json)"
+            reason = {"failed": "error", "pruned": "pruned"}.get(r.status)  # the summary.json key saying why
+            why = f": {r.summary[reason]}" if reason else " (no summary.json)"
             lines.append(f"- {_label(r, report)}: {r.status}{why}")
     if plots:
         lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
@@ -251,22 +262,75 @@ def markdown(report: Report, plots: list[Path] = ()) -> str:
 
 
 def table(report: Report) -> list[str]:
-    """One row per setting; a last column `wall s` (the mean wall time of its runs) where runs recorded it."""
-    best = report.best()
-    timed = WALL_KEY not in report.columns and any(g.stats(WALL_KEY)[2] for g in report.groups)
-    header = [*report.swept, "seeds", *report.columns] + (["wall s"] if timed else [])
-    rows = [header, ["---"] * len(header)]
+    """The table in Markdown: mean ± std per setting and column, the best setting's main metric in bold."""
+    rows = _grid(report, lambda mean, std, n: _mean_std(mean, std) if n else "-", lambda text: f"**{text}**")
+    rows.insert(1, ["---"] * len(rows[0]))
+    return ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def latex(report: Report) -> str:
+    """The table as a LaTeX tabular (booktabs rules): $mean \\pm std$, the best setting's main metric in
+    bold; parameter columns left-aligned, numbers right-aligned."""
+
+    def cell(mean, std, n):
+        return "$" + _mean_std(mean, std).replace("±", r"\pm") + "$" if n else "--"
+
+    rows = _grid(report, cell, lambda text: r"$\mathbf{" + text.strip("$") + "}$", label=_tex)
+    align = "l" * len(report.swept) + "r" * (len(rows[0]) - len(report.swept))
+    lines = [rf"\begin{{tabular}}{{{align}}}", r"\toprule", " & ".join(rows[0]) + r" \\", r"\midrule"]
+    lines += [" & ".join(r) + r" \\" for r in rows[1:]]
+    return "\n".join([*lines, r"\bottomrule", r"\end{tabular}"]) + "\n"
+
+
+def csv_table(report: Report) -> str:
+    """The table as CSV, for a spreadsheet: the same rows, numbers at full precision, each column's std
+    beside its mean (`<key> std`, empty for one seed), empty cells where no run logged a value."""
+    timed = _timed(report)
+    header = [*report.swept, "seeds", *(c for key in report.columns for c in (key, f"{key} std"))]
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(header + (["wall s"] if timed else []))
     for g in report.groups:
-        row = [_show(v) for v in g.params.values()] + [str(len(g.runs))]
+        row = [*(_hashable(v) for v in g.params.values()), len(g.runs)]
         for key in report.columns:
             mean, std, n = g.stats(key)
-            cell = "-" if n == 0 else _mean_std(mean, std)
-            row.append(f"**{cell}**" if g is best and key == report.metric else cell)
+            row += [mean if n else "", "" if math.isnan(std) else std]
         if timed:
             mean, _, n = g.stats(WALL_KEY)
-            row.append(f"{mean:.3g}" if n else "-")
+            row.append(mean if n else "")
+        writer.writerow(row)
+    return out.getvalue()
+
+
+def _grid(report: Report, cell, bold, label=str) -> list[list[str]]:
+    """The table's cells, the header row first: per setting its parameter values, its number of seeds,
+    `cell(mean, std, n)` per column (through `bold` for the best setting's main metric), and a last
+    column `wall s`, the mean wall time of its runs, where runs recorded it. `label` escapes the names
+    and parameter values."""
+    best = report.best()
+    timed = _timed(report)
+    rows = [[label(h) for h in [*report.swept, "seeds", *report.columns] + (["wall s"] if timed else [])]]
+    for g in report.groups:
+        row = [label(_show(v)) for v in g.params.values()] + [str(len(g.runs))]
+        for key in report.columns:
+            mean, std, n = g.stats(key)
+            text = cell(mean, std, n)
+            row.append(bold(text) if n and g is best and key == report.metric else text)
+        if timed:
+            mean, _, n = g.stats(WALL_KEY)
+            row.append(f"{mean:.3g}" if n else cell(mean, math.nan, 0))
         rows.append(row)
-    return ["| " + " | ".join(r) + " |" for r in rows]
+    return rows
+
+
+def _timed(report: Report) -> bool:
+    """Whether the table ends in a `wall s` column: runs recorded their wall time, not already a column."""
+    return WALL_KEY not in report.columns and any(g.stats(WALL_KEY)[2] for g in report.groups)
+
+
+def _tex(text: str) -> str:
+    """`text` with LaTeX's special characters escaped."""
+    return re.sub(r"[\\&%$#_{}~^]", lambda m: _TEX_ESCAPES[m.group()], text)
 
 
 # ------------------------------------------------------------------------------ the papers' numbers
@@ -537,15 +601,28 @@ def _label(run: Run, report: Report) -> str:
 
 
 def write_report(
-    root, metric: str | None = None, columns: list[str] | None = None, out=None, claims=CLAIMS_FILE
+    root,
+    metric: str | None = None,
+    columns: list[str] | None = None,
+    out=None,
+    claims=CLAIMS_FILE,
+    format: str = "markdown",
 ) -> Report:
-    """Build the report for `root`, write report.md and the plots into `out` (default: `root`)."""
+    """Build the report for `root`, write report.md and the plots into `out` (default: `root`), and with
+    `format` csv or latex the table as report.csv or report.tex too."""
     report = build_report(root, metric, columns, claims)
     out = Path(out) if out is not None else report.root
     out.mkdir(parents=True, exist_ok=True)
     plots = plot(report, out) if report.groups else []
     (out / "report.md").write_text(markdown(report, plots))
+    if format != "markdown":
+        (out / FORMATS[format]).write_text(render(report, format))
     return report
+
+
+def render(report: Report, format: str) -> str:
+    """The report as `format` prints it: all of it in Markdown; the table alone as CSV or LaTeX."""
+    return {"markdown": markdown, "csv": csv_table, "latex": latex}[format](report)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -558,17 +635,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--columns", help="comma-separated summary keys to table (default: the metric's kin)")
     parser.add_argument("--out", type=Path, help="where to write report.md and the PNGs (default: PATH)")
     parser.add_argument(
+        "--format",
+        choices=list(FORMATS),
+        default="markdown",
+        help="what to print: the Markdown report, or its table as CSV or a LaTeX tabular (also written "
+        "to report.csv / report.tex)",
+    )
+    parser.add_argument(
         "--claims", type=Path, default=CLAIMS_FILE, help="the claims to check (conf/claims.yaml)"
     )
     args = parser.parse_args(argv)
     columns = [c for c in args.columns.split(",") if c] if args.columns else None
     try:
-        report = write_report(args.path, args.metric, columns, args.out, args.claims)
+        report = write_report(args.path, args.metric, columns, args.out, args.claims, args.format)
     except ValueError as e:
         parser.exit(2, f"runner-report: error: {e}\n")
     out = args.out or args.path
-    print(markdown(report), end="")
-    print(f"\nwrote {out / 'report.md'} and its plots")
+    print(render(report, args.format), end="")
+    written = ", ".join(str(out / FORMATS[f]) for f in dict.fromkeys(["markdown", args.format]))
+    print(f"wrote {written} and the plots", file=sys.stderr)  # stdout: the report alone, to redirect
     if not report.groups:
         sys.exit(1)
 
@@ -587,7 +672,8 @@ def print_sweep_summary(sweep_dir) -> None:
 
 
 class SweepSummary(Callback):
-    """Hydra callback (hydra.callbacks in conf/config.yaml): report failures, summarize each multirun.
+    """Hydra callback (hydra.callbacks in conf/config.yaml): record failed and pruned jobs (the search
+    stopped them: runner.sweeper) in their summary.json, summarize each multirun.
 
     Hydra's sweepers run every job of a batch, then raise the first failure, so `on_multirun_end` never
     runs after a failed job: the summary is printed at exit instead, after Hydra's own error report.
@@ -600,15 +686,20 @@ class SweepSummary(Callback):
         from hydra.core.utils import JobStatus
         from hydra.types import RunMode
 
+        from runner.sweeper import Pruned
+
         if job_return.status != JobStatus.FAILED or config.hydra.mode != RunMode.MULTIRUN:
             return  # a single run reports its own failure
         error = job_return._return_value  # the exception; `.return_value` would re-raise it
-        # Into the job's own log, with the traceback unless a bad value's one line says it all.
-        log.error("job %s failed: %s", config.hydra.job.num, error,
-                  exc_info=None if isinstance(error, ConfigError) else error)  # fmt: skip
         path = Path(config.hydra.runtime.output_dir) / "summary.json"
         summary = json.loads(path.read_text()) if path.exists() else {}
-        summary["error"] = f"{type(error).__name__}: {error}"  # what runner-report lists it by
+        if isinstance(error, Pruned):  # the search stopped a trial falling behind: no failure
+            log.info("job %s: %s", config.hydra.job.num, error)
+            summary["pruned"] = str(error)
+        else:  # into the job's own log, with the traceback unless a bad value's one line says it all
+            log.error("job %s failed: %s", config.hydra.job.num, error,
+                      exc_info=None if isinstance(error, ConfigError) else error)  # fmt: skip
+            summary["error"] = f"{type(error).__name__}: {error}"  # what runner-report lists it by
         path.write_text(json.dumps(summary, indent=2) + "\n")
 
 

@@ -14,6 +14,8 @@ import os
 import uuid
 from pathlib import Path
 
+from runner import sweeper
+
 log = logging.getLogger(__name__)
 
 WANDB_ID = "wandb_run_id"
@@ -97,6 +99,7 @@ class Tracker:
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
+        sweeper.report(record)  # an Optuna trial of this process: may raise sweeper.Pruned, ending the job
 
     def truncate(self, last_step: int, key: str = "step", missing: float = -1) -> None:
         """Drop records whose `key` is above `last_step` (a resumed run redoes what came after its

@@ -325,7 +325,7 @@ def test_a_failing_task_finishes_its_wandb_run_and_frees_the_run_dir(tmp_path):
 @pytest.mark.slow
 def test_optuna_goes_on_past_a_diverging_trial(tmp_path):
     sweep = tmp_path / "study"
-    # TPE with this seed asks lr 1e6 first, then 0.05 and 0.1 (optuna 2.10).
+    # TPE with this seed asks lr 1e6 first, then 0.05 and 0.1 (optuna 4 and 5).
     trials = ["hydra/sweeper=optuna", "hydra.sweeper.sampler.seed=1", "hydra.sweeper.n_trials=3"]
     one_epoch = [a for a in BASE if not a.startswith("train.epochs=")] + ["train.epochs=1"]
     args = ["-m", *one_epoch, *trials, "train.lr=choice(0.05,1e6,0.1)", f"hydra.sweep.dir={sweep}"]

@@ -1,5 +1,8 @@
-"""`runner-report` on hand-made run dirs: grouping, mean ± std, best row, skipped runs, plots."""
+"""`runner-report` on hand-made run dirs: grouping, mean ± std, best row, skipped runs, plots, the table
+as CSV and LaTeX."""
 
+import csv
+import io
 import json
 import logging
 import re
@@ -15,7 +18,17 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from runner.cli import CONF_DIR, _compose
-from runner.report import SweepSummary, build_report, check_claims, load_claims, main, markdown
+from runner.report import (
+    SweepSummary,
+    build_report,
+    check_claims,
+    csv_table,
+    latex,
+    load_claims,
+    main,
+    markdown,
+)
+from runner.sweeper import Pruned
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -130,6 +143,53 @@ def test_cli_writes_table_and_plots_next_to_the_runs(tmp_path, capsys):
         assert f"]({name})" in md
 
 
+def test_csv_and_latex_have_the_markdown_tables_rows_and_columns(tmp_path, capsys):
+    accs = grid(tmp_path)
+    md = table_rows(markdown(build_report(tmp_path, metric="test/acc")))
+    main([str(tmp_path), "--metric", "test/acc", "--format", "csv"])
+    printed = capsys.readouterr().out  # the table alone: `runner-report DIR --format csv > table.csv`
+    assert (tmp_path / "report.csv").read_text() == printed and (tmp_path / "report.md").exists()
+    header, *rows = csv.reader(io.StringIO(printed))
+    assert header == ["train.lr", "model", "seeds", "test/acc", "test/acc std", "test/loss", "test/loss std"]
+    assert [r[:3] for r in rows] == [r[:3] for r in md]
+    for row, md_row in zip(rows, md):
+        values = accs[(float(row[0]), row[1])]  # at full precision, the std beside the mean
+        expected = (statistics.mean(values), statistics.stdev(values))
+        assert (float(row[3]), float(row[4])) == pytest.approx(expected)
+        assert mean_std(md_row[3]) == pytest.approx((float(row[3]), float(row[4])), abs=5e-5)
+
+    main([str(tmp_path), "--metric", "test/acc", "--format", "latex"])
+    printed = capsys.readouterr().out
+    assert (tmp_path / "report.tex").read_text() == printed
+    lines = printed.splitlines()
+    head = r"train.lr & model & seeds & test/acc & test/loss \\"
+    assert lines[:4] == [r"\begin{tabular}{llrrr}", r"\toprule", head, r"\midrule"]  # booktabs rules
+    assert lines[-2:] == [r"\bottomrule", r"\end{tabular}"]
+    body = [line.removesuffix(r" \\").split(" & ") for line in lines[4:-2]]
+    assert [r[:3] for r in body] == [r[:3] for r in md]
+    for row, md_row in zip(body, md):
+        for cell, md_cell in zip(row[3:], md_row[3:]):
+            math_ = md_cell.strip("*").replace(" ± ", r" \pm ")
+            assert cell == (rf"$\mathbf{{{math_}}}$" if md_cell.startswith("**") else f"${math_}$")
+
+
+def test_latex_escapes_and_both_formats_mark_missing_values(tmp_path):
+    make_run(tmp_path / "0", ["method.loss=balanced_softmax"], {"test/acc": 0.5, "time/total_s": 3.0})
+    make_run(tmp_path / "1", ["method.loss=ce"], {"test/acc": 0.7, "test/loss": 0.9})
+    report = build_report(tmp_path, metric="test/acc")
+    tex = latex(report).splitlines()
+    assert tex[2] == r"method.loss & seeds & test/acc & test/loss & wall s \\"
+    assert tex[4:6] == [
+        r"balanced\_softmax & 1 & $0.5000$ & -- & 3 \\",
+        r"ce & 1 & $\mathbf{0.7000}$ & $0.9000$ & -- \\",
+    ]
+    assert list(csv.reader(io.StringIO(csv_table(report)))) == [
+        ["method.loss", "seeds", "test/acc", "test/acc std", "test/loss", "test/loss std", "wall s"],
+        ["balanced_softmax", "1", "0.5", "", "", "", "3.0"],  # one seed: no std
+        ["ce", "1", "0.7", "", "0.9", "", ""],
+    ]
+
+
 def test_exponent_notation_is_a_number(tmp_path):
     for job, lr in enumerate(["1e-3", "0.01", "1e-1"]):
         make_run(tmp_path / str(job), [f"train.lr={lr}"], {"test/acc": 0.5 + job / 10})
@@ -210,6 +270,24 @@ def test_callback_records_a_failed_job_and_logs_its_traceback(tmp_path, caplog):
     single = {"mode": RunMode.RUN, "runtime": {"output_dir": str(run_dir)}}
     SweepSummary().on_job_end(OmegaConf.create({"hydra": single}), failed)
     assert not (run_dir / "summary.json").exists() and len(caplog.records) == 1
+
+
+def test_a_pruned_trial_is_recorded_counted_and_listed_not_averaged(tmp_path, caplog):
+    make_run(tmp_path / "0", ["train.lr=0.1"], {"test/acc": 0.9, "val/acc": 0.9})
+    make_run(tmp_path / "1", ["train.lr=0.0001"], None)  # stopped by the search's pruner (runner.sweeper)
+    hydra = {"mode": RunMode.MULTIRUN, "job": {"num": 1}, "runtime": {"output_dir": str(tmp_path / "1")}}
+    stopped = Pruned("trial 1 stopped at epoch 1: val/acc=0.1")
+    pruned = JobReturn(status=JobStatus.FAILED, _return_value=stopped)
+    with caplog.at_level(logging.INFO, logger="runner.report"):
+        SweepSummary().on_job_end(OmegaConf.create({"hydra": hydra}), pruned)
+    summary = json.loads((tmp_path / "1" / "summary.json").read_text())
+    assert summary == {"pruned": "trial 1 stopped at epoch 1: val/acc=0.1"}  # no error: not a failure
+    (record,) = caplog.records
+    assert record.levelno == logging.INFO and record.exc_info is None  # no traceback
+    text = markdown(build_report(tmp_path, metric="test/acc"))
+    assert "2 runs: 1 completed, 1 pruned, 0 failed, 0 incomplete." in text
+    assert "- 1 (train.lr=0.0001): pruned: trial 1 stopped at epoch 1: val/acc=0.1" in text
+    assert len(table_rows(text)) == 1
 
 
 # ------------------------------------------------------------------- the papers' numbers and the claims

@@ -1,20 +1,26 @@
-"""Multiruns end to end: a 2 x 2 grid over seeds then `runner-report`, a failing job, an Optuna search,
-and the shipped sweep and launcher presets."""
+"""Multiruns end to end: a 2 x 2 grid over seeds then `runner-report`, a failing job, an Optuna search
+and its pruning, and the shipped sweep and launcher presets."""
 
+import contextlib
 import json
 import re
 import statistics
 from pathlib import Path
 
+import optuna
 import pytest
 import yaml
-from conftest import summaries
+from conftest import run_cli, summaries
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ValueType
+from omegaconf import open_dict
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from test_report import PNG, mean_std, table_rows
 
 import tasks.classify
+from runner import sweeper
 from runner.cli import CONF_DIR, _compose, _launch_overrides, canonical, preflight
 from runner.report import main as report_main
 from runner.schema import ConfigError, validate
@@ -68,7 +74,7 @@ def test_a_failed_job_is_reported_and_the_others_summarized(cli, tmp_path):
 def test_optuna_search_of_4_trials_reports_its_best_parameters(cli, tmp_path):
     sweep = tmp_path / "study"
     proc = cli("-m", "+sweep=erm", *FAST, "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={sweep}")
-    assert "Directions: ['maximize']" in proc.stdout  # test/acc: the task's METRIC direction
+    assert "direction maximize" in proc.stdout  # test/acc: the task's METRIC direction
     log = proc.stdout + proc.stderr
     assert "\x1b[" not in log and "setup plugin" not in log  # no Optuna colour codes, no alembic noise
     trials = {}
@@ -98,6 +104,91 @@ def test_optuna_direction_follows_the_task_metric(monkeypatch):
     assert "hydra.sweeper.max_failure_rate=1.0" in _launch_overrides(["-m", "hydra/sweeper=optuna"])
     given = _launch_overrides(["-m", "hydra/sweeper=optuna", "hydra.sweeper.max_failure_rate=0.2"])
     assert not any(o.startswith("hydra.sweeper.max_failure_rate") for o in given)
+
+
+def test_search_space_in_hydras_sweep_syntax():
+    space, fixed = sweeper.search_space([
+        "train.lr=interval(0.01, 0.5)",
+        "train.lr=tag(log, interval(0.01, 0.5))",  # a later override of a key wins (the command line's)
+        "train.batch_size=tag(int, interval(16, 128))",
+        "train.epochs=range(1, 10, 2)",  # stop excluded, as in a grid
+        "train.momentum=range(0.25, 1, 0.25)",
+        "model=mlp,cnn",
+        "method.eps=choice(0.1, 1)",
+        "seed=3",
+    ])  # fmt: skip
+    assert space == {
+        "train.lr": FloatDistribution(0.01, 0.5, log=True),
+        "train.batch_size": IntDistribution(16, 128),
+        "train.epochs": IntDistribution(1, 9, step=2),
+        "train.momentum": FloatDistribution(0.25, 0.75, step=0.25),
+        "model": CategoricalDistribution(["mlp", "cnn"]),
+        "method.eps": CategoricalDistribution([0.1, 1]),
+    }
+    assert fixed == {"seed": "3"}  # the same in every trial
+
+
+@contextlib.contextmanager
+def as_job(num: int):
+    """Inside Hydra's job `num` of a multirun, as the basic launcher runs it (in this process)."""
+    cfg = _hydra_compose([])
+    with open_dict(cfg):
+        cfg.hydra.job.num = num
+    before = HydraConfig.instance().cfg
+    HydraConfig.instance().set_config(cfg)
+    try:
+        yield
+    finally:
+        HydraConfig.instance().cfg = before
+
+
+def test_report_stops_a_trial_below_the_median_of_the_finished_ones():
+    """The call the tracker makes for every metrics row: the running job's trial learns its objective per
+    epoch, and stops (Pruned) when it falls below the median of finished trials at that epoch, unless
+    that is its last epoch (stopping it there saves nothing)."""
+    study = optuna.create_study(direction="maximize", pruner=optuna.pruners.MedianPruner(n_startup_trials=1))
+    good, bad, short = study.ask(), study.ask(), study.ask()
+    jobs = {0: (good, 2), 1: (bad, 2), 2: (short, 1)}  # by job number: (trial, last epoch)
+    with as_job(0), sweeper.running(jobs, "val/acc"):
+        for epoch, acc in enumerate([0.6, 0.8], 1):
+            sweeper.report({"step": epoch - 1, "epoch": epoch, "train/loss": 1.0, "val/acc": acc})
+    study.tell(good, 0.8)
+    with as_job(1), sweeper.running(jobs, "val/acc"):
+        sweeper.report({"step": 0, "test/acc": 0.1})  # no epoch, no objective: not the trial's
+        with pytest.raises(sweeper.Pruned, match="trial 1 stopped at epoch 1: val/acc=0.2$"):
+            sweeper.report({"step": 0, "epoch": 1, "val/acc": 0.2})
+    study.tell(bad, state=optuna.trial.TrialState.PRUNED)
+    with as_job(2), sweeper.running(jobs, "val/acc"):
+        sweeper.report({"epoch": 1, "val/acc": 0.2})  # as low, but its last epoch: it finishes
+    assert [t.intermediate_values for t in study.trials] == [{1: 0.6, 2: 0.8}, {1: 0.2}, {1: 0.2}]
+    with as_job(1):
+        sweeper.report({"epoch": 2, "val/acc": 0.0})  # after the batch (or outside a search): nothing
+
+
+def test_a_trial_falling_behind_is_pruned_after_its_first_epoch(tmp_path):
+    sweep, db = tmp_path / "pruned", tmp_path / "study.db"
+    # TPE's random start with seed 10 asks lr 0.1, then 1e-4 (far slower: behind after epoch 1), then 0.1.
+    search = ["hydra/sweeper=optuna", "hydra.sweeper.sampler.seed=10", "hydra.sweeper.n_trials=3",
+              "hydra.sweeper.pruners.median.n_startup_trials=1", "train.lr=choice(0.1, 1e-4)",
+              f"hydra.sweeper.storage=sqlite:///{db}", "hydra.sweeper.study_name=s"]  # fmt: skip
+    args = ["-m", "logger=none", "train.epochs=3", "train.progress=false",
+            *search, f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    proc = run_cli(args, tmp_path)
+    lrs, epochs = {}, {}
+    for run_dir in sorted(p for p in sweep.iterdir() if p.is_dir()):
+        overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
+        lrs[run_dir.name] = float(next(o for o in overrides if o.startswith("train.lr=")).split("=")[1])
+        epochs[run_dir.name] = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    assert lrs == {"0": 0.1, "1": 1e-4, "2": 0.1}
+    assert epochs == {"0": 3, "1": 1, "2": 3}  # stopped after its first epoch
+    pruned = json.loads((sweep / "1" / "summary.json").read_text())
+    assert list(pruned) == ["pruned"] and pruned["pruned"].startswith("trial 1 stopped at epoch 1: val/acc=")
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{db}")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "PRUNED", "COMPLETE"]  # pruned, not failed
+    assert "3 trials: 2 complete, 1 pruned, 0 failed" in proc.stdout  # the sweeper's count
+    assert "3 runs: 2 completed, 1 pruned, 0 failed, 0 incomplete" in proc.stdout  # the sweep's summary
+    assert "- 1 (train.lr=0.0001): pruned: trial 1 stopped at epoch 1: val/acc=" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(
