@@ -171,10 +171,11 @@ def task_metric(config: dict) -> tuple[str, str]:
 
 
 def build_report(
-    root, metric: str | None = None, columns: list[str] | None = None, claims=CLAIMS_FILE
+    root, metric: str | None = None, columns: list[str] | None = None, claims=CLAIMS_FILE, by=None
 ) -> Report:
     """Read, group and order the runs under `root`. `metric` is `KEY` or `KEY:max|min`; `claims` the
-    claims file to check."""
+    claims file to check; `by` the keys that make a group (default: the swept ones), e.g. the runs'
+    `name` or `logger.tags` across several sweeps."""
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"{root}: no such directory")
@@ -184,6 +185,8 @@ def build_report(
     done = [r for r in runs if r.status == "ok"]
     keys = list(dict.fromkeys(k for r in runs for k in r.overrides))
     swept = [k for k in keys if k != REPLICATE_KEY and len({_hashable(r.value(k)) for r in runs}) > 1]
+    if by:
+        swept = list(by)
 
     if metric is None:
         key, direction = task_metric((done or runs)[0].config)
@@ -607,10 +610,11 @@ def write_report(
     out=None,
     claims=CLAIMS_FILE,
     format: str = "markdown",
+    by=None,
 ) -> Report:
     """Build the report for `root`, write report.md and the plots into `out` (default: `root`), and with
     `format` csv or latex the table as report.csv or report.tex too."""
-    report = build_report(root, metric, columns, claims)
+    report = build_report(root, metric, columns, claims, by)
     out = Path(out) if out is not None else report.root
     out.mkdir(parents=True, exist_ok=True)
     plots = plot(report, out) if report.groups else []
@@ -634,6 +638,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--metric", help="KEY or KEY:max|min (default: the task's main metric)")
     parser.add_argument("--columns", help="comma-separated summary keys to table (default: the metric's kin)")
     parser.add_argument("--out", type=Path, help="where to write report.md and the PNGs (default: PATH)")
+    parser.add_argument("--by", help="comma-separated keys to group by (default: the swept ones; e.g. name)")
     parser.add_argument(
         "--format",
         choices=list(FORMATS),
@@ -647,7 +652,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     columns = [c for c in args.columns.split(",") if c] if args.columns else None
     try:
-        report = write_report(args.path, args.metric, columns, args.out, args.claims, args.format)
+        by = [k for k in args.by.split(",") if k] if args.by else None
+        report = write_report(args.path, args.metric, columns, args.out, args.claims, args.format, by)
     except ValueError as e:
         parser.exit(2, f"runner-report: error: {e}\n")
     out = args.out or args.path

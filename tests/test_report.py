@@ -404,3 +404,13 @@ def test_every_paper_scale_preset_has_a_paper_block_of_values_and_tables():
             assert entry["table"].startswith("Table "), (path.name, metric)
             level1 = re.match(r"hash/\w+/k1-d(\d+)/", metric)  # [11]'s row is named by its width
             assert not level1 or int(level1.group(1)) in preset["method"]["level1_d"], (path.name, metric)
+
+
+def test_groups_by_a_given_key_such_as_the_runs_name(tmp_path):
+    for job, (name, acc) in enumerate([("base", 0.5), ("base", 0.7), ("ours", 0.8), ("ours", 0.9)]):
+        config = {"seed": job, "name": name, "logger": {"tags": [name]}, "model": {"name": "mlp"}}
+        make_run(tmp_path / str(job), [f"seed={job}"], {"test/acc": acc}, config=config)
+    for by, groups in ((["name"], ["base", "ours"]), (["logger.tags"], ["['base']", "['ours']"])):
+        rows = table_rows(markdown(build_report(tmp_path, metric="test/acc:max", by=by)))
+        assert [(r[0], r[1]) for r in rows] == [(groups[0], "2"), (groups[1], "2")]
+        assert [mean_std(r[2])[0] for r in rows] == pytest.approx([0.6, 0.85])
