@@ -59,8 +59,9 @@ def test_imagefolder_labels_sorted_class_folders_and_test_falls_back_to_val(tmp_
     assert (data.train.y == data.train.y_clean).all()
     assert data.train.root == tmp_path.resolve()
     # Decoding goes through the ImageNet normalisation at the configured side (the images are 12-16 px).
-    image, index = data.test.dataset(train=False)[1]
-    assert image.shape == (3, 16, 16) and index == 1 and image.dtype == torch.float32
+    image, index = data.test.dataset(train=False)[1]  # workers send uint8; decode normalises (on the device)
+    assert image.shape == (3, 16, 16) and index == 1 and image.dtype == torch.uint8
+    image = data.test.decode(image[None])[0]
     assert float(image.min()) < -1.5 and float(image.max()) > 1.5  # (x - 0.485) / 0.229 spans [-2.1, 2.2]
 
     written = write_imagefolder(tmp_path / "with_test", test=True)

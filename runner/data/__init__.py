@@ -35,13 +35,12 @@ class Split:
         return Split(self.x[idx], self.y[idx], self.y_clean[idx], self.mean, self.std)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """A batch of `x` (already on its device) as float32 network input."""
+        """A batch of `x` (already on its device) as float32 network input (mean/std made once per device)."""
         if self.mean is None:
             return x
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        mean = torch.tensor(self.mean, device=x.device).view(shape)
-        std = torch.tensor(self.std, device=x.device).view(shape)
-        return (x.float() / 255.0 - mean) / std
+        from runner.data.files import normalized
+
+        return normalized(x, self.mean, self.std)
 
 
 @dataclass

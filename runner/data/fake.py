@@ -1,5 +1,6 @@
 """`dataset=fake`: random images of a real dataset's shape, generated on the fly (benchmarks, GPU smoke
-checks without files). `dataset.like` names the shape: classes, image side and split sizes.
+checks without files). `dataset.like` names the shape: classes, image side and split sizes. They take a
+file-backed split's path: uint8 images from DataLoader workers, normalised on the device by `decode`.
 
     runner dataset=fake dataset.like=imagenet model=resnet50 hardware=gpu +debug=smoke
 """
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from runner.data import Data, register_dataset
+from runner.data.files import IMAGENET_STATS, normalized
 from runner.schema import DatasetConfig, check_choice, check_range
 
 # like -> (classes, image side, train size, test size) of the real dataset
@@ -37,7 +39,7 @@ class FakeConfig(DatasetConfig):
 
 
 class FakeImages(torch.utils.data.Dataset):
-    """Sample i: N(0, 1) pixels from a generator seeded by (seed, id i), so every read is the same."""
+    """Sample i: uniform uint8 pixels from a generator seeded by (seed, id i), so every read is the same."""
 
     def __init__(self, ids: np.ndarray, shape: tuple[int, ...], seed: int):
         self.ids, self.shape, self.seed = ids, shape, seed
@@ -47,7 +49,7 @@ class FakeImages(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int):
         g = torch.Generator().manual_seed(self.seed * 10_000_019 + int(self.ids[i]))
-        return torch.randn(self.shape, generator=g), i
+        return torch.randint(0, 256, self.shape, generator=g, dtype=torch.uint8), i
 
 
 class FakeSplit:
@@ -61,6 +63,10 @@ class FakeSplit:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """A uint8 batch from the workers (already on its device) as normalised float32 network input."""
+        return normalized(x, *IMAGENET_STATS)
 
     def subset(self, idx) -> FakeSplit:
         return FakeSplit(self.ids[np.asarray(idx, dtype=np.int64)], self.num_classes, self.shape, self.seed)
@@ -78,4 +84,4 @@ def fake(cfg, rng) -> Data:
     shape = (3, side, side)
     train = FakeSplit(np.arange(n_train), classes, shape, seed)
     test = FakeSplit(np.arange(n_train, n_train + n_test), classes, shape, seed)
-    return Data(train, test.subset([]), test, classes, shape)
+    return Data(train, test.subset([]), test, classes, shape, meta={"normalize": IMAGENET_STATS})
