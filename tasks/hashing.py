@@ -151,8 +151,8 @@ def train_hash_nets(cfg, ctx, data, embed, backbone, input_norm, splits):
                 groups.append({"params": net.backbone.parameters(), "lr": method.lr_backbone})
             beta, margin, l2_reg = (per_ks(values, i) for values in (betas, margins, l2s))
             loss = partial(hash_loss_and_codes, nc=method.classes_per_batch, m=method.per_class, k=k, d=d,
-                           ks=ks, method=method, beta=beta, margin=margin, l2_reg=l2_reg,
-                           remap=remap)  # fmt: skip
+                           ks=ks, method=method, beta=beta, margin=margin, l2_reg=l2_reg, remap=remap,
+                           ctx=ctx)  # fmt: skip
 
             def val_score(net=net, d=d, k=k, ks=ks):
                 act = outputs(net, data.val, ctx, batch_size)

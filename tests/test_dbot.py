@@ -1,12 +1,16 @@
 """DB-OT solver, clustering, loss and inference against oracles (POT, scipy HiGHS, closed forms)."""
 
+import math
+
 import numpy as np
 import ot
 import pytest
 import torch
 
+from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.methods.dbot import (
     SOLVERS,
+    DBOTLoss,
     dbot,
     dbot_cluster,
     dbot_dual,
@@ -256,6 +260,60 @@ def test_loss_gradcheck(mode):
     labels = torch.tensor([0, 1, 2, 0])
     prior = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
     assert torch.autograd.gradcheck(lambda x: dbot_loss(x, labels, prior, 0.2, 2, mode), (logits,))
+
+
+def indexed_official_loss(logits, target, prior, delta, n_sweeps):
+    """The official loss as first written: the classes absent from the batch indexed out."""
+    batch, n_classes = logits.shape
+    prior = prior / prior.sum()
+    log_low, log_up = torch.log((1.0 - delta) * prior), torch.log((1.0 + delta) * prior)
+    counts = target.sum(dim=0)
+    present = counts > 0
+    shifted = logits[:, present] + torch.log(counts[present])
+    balanced_ce = -(target[:, present] * torch.log_softmax(shifted, dim=1)).sum(dim=1).mean()
+    log_p = shifted
+    for _ in range(n_sweeps):
+        log_p = log_p - torch.logsumexp(log_p, dim=1, keepdim=True) - math.log(batch)
+        log_p = log_p + (log_low[present] - torch.logsumexp(log_p, dim=0)).clamp(min=0.0)
+        log_p = log_p + (log_up[present] - torch.logsumexp(log_p, dim=0)).clamp(max=0.0)
+    col_sums = torch.zeros(n_classes, dtype=logits.dtype)
+    col_sums[present] = torch.logsumexp(log_p, dim=0).exp()
+    clipped = torch.minimum(torch.maximum(col_sums, log_low.exp()), log_up.exp())
+    return balanced_ce - (clipped * torch.log_softmax(col_sums, dim=0)).sum()
+
+
+@pytest.mark.parametrize("n_sweeps", (1, 3))
+@pytest.mark.parametrize("soft", (False, True))
+def test_masked_official_loss_equals_the_indexed_one_with_its_gradient(n_sweeps, soft):
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(5):
+        logits = torch.randn(24, 8, generator=gen, dtype=torch.float64)
+        labels = torch.randint(0, 5, (24,), generator=gen)  # classes 5-7 absent from the batch
+        target = torch.nn.functional.one_hot(labels, 8).double()
+        if soft:  # mixed labels: a class is present with any positive weight
+            target = 0.7 * target + 0.3 * target.roll(1, dims=0)
+        prior = torch.rand(8, generator=gen, dtype=torch.float64) + 0.05
+        x, y = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        masked = DBOTLoss(prior, 0.2, n_sweeps, "official")(x, target)
+        indexed = indexed_official_loss(y, target, prior, 0.2, n_sweeps)
+        masked.backward()
+        indexed.backward()
+        assert abs(masked.item() - indexed.item()) < 1e-12
+        torch.testing.assert_close(x.grad, y.grad, rtol=0, atol=1e-12)
+        assert x.grad[:, 5:].abs().max() == 0  # the absent classes get no gradient
+
+
+@pytest.mark.parametrize("mode", ("paper", "official"))
+def test_loss_checks_its_prior_once_and_never_waits_for_the_device(mode):
+    with DeviceTracker() as tracker:
+        prior = torch.rand(6, device=STAND_IN) + 0.1
+        loss = DBOTLoss(prior, 0.1, 2, mode)  # the check: one read, here
+        with tracker.in_phase("train"):
+            for _ in range(3):
+                logits = torch.randn(16, 6, device=STAND_IN, requires_grad=True)
+                loss(logits, torch.randint(0, 4, (16,), device=STAND_IN)).backward()
+    assert tracker.counts["other"] == {"sync": 1}
+    assert tracker.counts["train"] == {}, tracker.report()["sites"]
 
 
 def test_loss_rejects_bad_arguments():

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from runner.cli import _compose
 from runner.data import Data, Split, load_data
 from runner.data.samplers import ClassBalancedSampler
+from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.methods import hash_training
 from runner.methods import hier_hash as hh
 from runner.schema import ConfigError, TrainConfig, validate
@@ -124,7 +125,8 @@ def test_level1_baseline_trains_on_class_labels_with_its_own_settings(monkeypatc
     seen = {}
 
     def spy(outputs, codes, labels, *args):
-        seen["labels"], seen["codes"] = labels, codes
+        assert codes.device == labels.device == outputs.device  # sent back to the device, in one copy
+        seen["labels"], seen["codes"] = labels.numpy(), codes.numpy()
         return outputs.sum() * 0
 
     monkeypatch.setattr(hash_training.hh, "hash_loss", spy)
@@ -141,6 +143,21 @@ def test_level1_baseline_trains_on_class_labels_with_its_own_settings(monkeypatc
     assert len({tuple(c) for c in seen["codes"][0]}) < nc  # 6 classes in 3 buckets: shared codes
     hash_training.hash_step(net, torch.optim.SGD(net.parameters(), 0.1), x, method=method, remap=True, **step)
     np.testing.assert_array_equal(seen["labels"], [hh.remap_labels(seen["codes"][0])])
+
+
+@pytest.mark.parametrize("loss", hh.LOSSES)
+def test_hash_step_reads_the_device_once(loss):
+    """The unaries are read for the flow on the host; the codes go back in one non-blocking copy."""
+    nc, d, k = 8, 4, 2
+    method = SimpleNamespace(loss=loss, alpha=100.0, solver="ortools", cost_scale=None)
+    step = dict(nc=nc, m=2, k=k, d=d, ks=2, method=method, beta=0.1, margin=0.5, l2_reg=0.003, remap=True)
+    with DeviceTracker() as tracker:
+        net = torch.nn.Linear(4, d * k)  # parameters count as on the device
+        x = torch.randn(nc * 2, 4).to(STAND_IN, non_blocking=True)
+        with tracker.in_phase("train"):
+            loss_value, _ = hash_training.hash_loss_and_codes(net, x, **step)
+            loss_value.backward()
+    assert tracker.counts["train"] == {"sync": 1}, tracker.report()["sites"]
 
 
 def test_class_balanced_sampler():

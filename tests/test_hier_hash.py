@@ -1,12 +1,14 @@
 """Oracle tests for runner.methods.hier_hash (digest section 4)."""
 
 import itertools
+import math
 from math import comb
 
 import numpy as np
 import pytest
 import torch
 
+from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.methods import hier_hash as hh
 
 # --------------------------------------------------------------------------------------------
@@ -492,6 +494,55 @@ def test_triplet_semihard_matches_loop():
             d_neg = min(far) if far else max(neg)
             losses.append(max(float(dist[i, j] - d_neg + 0.4), 0.0))
     assert float(hh.triplet_semihard_loss(dist, labels, 0.4)) == pytest.approx(np.mean(losses), rel=1e-6)
+
+
+def indexed_triplet_semihard_loss(dist, labels, margin):
+    """The semi-hard triplet loss as first written: the pairs and negatives indexed out."""
+    same = labels[:, None] == labels[None, :]
+    eye = torch.eye(len(labels), dtype=torch.bool)
+    anchor, positive = torch.nonzero(same & ~eye, as_tuple=True)
+    negative = ~same[anchor]
+    keep = negative.any(1)
+    anchor, positive, negative = anchor[keep], positive[keep], negative[keep]
+    if len(anchor) == 0:
+        return dist.sum() * 0
+    d_ap, d_an = dist[anchor, positive], dist[anchor]
+    semihard = negative & (d_an > d_ap[:, None])
+    nearest_far = torch.where(semihard, d_an, torch.full_like(d_an, math.inf)).min(1).values
+    farthest = torch.where(negative, d_an, torch.full_like(d_an, -math.inf)).max(1).values
+    return torch.relu(d_ap - torch.where(semihard.any(1), nearest_far, farthest) + margin).mean()
+
+
+@pytest.mark.parametrize("n_classes", [1, 2, 5, 12])  # 1: no negatives; 12: pairs rare or absent
+def test_triplet_semihard_equals_the_indexed_one_with_its_gradient(n_classes):
+    g = torch.Generator().manual_seed(n_classes)
+    for _ in range(5):
+        labels = torch.randint(0, n_classes, (12,), generator=g)
+        x = torch.randn(12, 3, generator=g, dtype=torch.float64)
+        dist = torch.cdist(x, x) ** 2
+        a, b = dist.clone().requires_grad_(), dist.clone().requires_grad_()
+        masked = hh.triplet_semihard_loss(a, labels, 0.3)
+        indexed = indexed_triplet_semihard_loss(b, labels, 0.3)
+        masked.backward()
+        indexed.backward()
+        assert abs(masked.item() - indexed.item()) < 1e-12
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("loss", hh.LOSSES)
+def test_hash_loss_with_codes_on_the_device_never_waits_for_it(loss):
+    g = torch.Generator().manual_seed(4)
+    out = torch.randn(6, 2, 2, 5, generator=g, dtype=torch.float64)
+    codes = hh.cascade_codes(hh.class_unaries(out, loss).numpy(), 2, 1.0, 0.5, method="ortools")
+    labels = hh.level_labels(codes, remap=True)
+    with DeviceTracker() as tracker:
+        on_device = torch.from_numpy(codes).to(STAND_IN, non_blocking=True)
+        labels_on_device = torch.from_numpy(labels).to(STAND_IN, non_blocking=True)
+        with tracker.in_phase("train"):
+            x = out.to(STAND_IN, non_blocking=True).requires_grad_()
+            hh.hash_loss(x, on_device, labels_on_device, loss, 0.3, 0.01).backward()
+    assert tracker.counts["train"] == {}, tracker.report()["sites"]
+    assert x.grad.abs().sum() > 0
 
 
 def test_npairs_matches_loop_and_all_ones_codes():

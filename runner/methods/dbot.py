@@ -20,8 +20,9 @@ Special cases: b_low = b_up is Sinkhorn; b_low = 0 is entropic partial OT of mas
 b_up >= sum(a) is the row softmax P_ij = a_i softmax(-C_i / reg)_j.
 
 Applications (same module): :func:`dbot_cluster` (barycentric clustering with bounded cluster masses),
-:func:`dbot_loss` (the DB-OT training loss for long-tailed classification) and :func:`dbot_predict`
-(transductive DB-OT inference on a set of test logits).
+:func:`dbot_loss` (the DB-OT training loss for long-tailed classification; :class:`DBOTLoss` checks its
+prior once, for a training loop) and :func:`dbot_predict` (transductive DB-OT inference on a set of
+test logits).
 
 :func:`dbot`, :func:`dbot_predict` and :func:`dbot_loss` take numpy arrays or torch tensors (CPU or
 CUDA) and compute in float64 (the loss: in the logits' dtype) where their input lives.
@@ -43,6 +44,7 @@ __all__ = [
     "LOSS_MODES",
     "SOLVERS",
     "CosineClassifier",
+    "DBOTLoss",
     "check_problem",
     "class_balanced_weights",
     "dbot",
@@ -494,17 +496,86 @@ def dbot_cluster(
 # ----------------------------------------------------------------------------------------------------
 # Long-tailed classification: training loss and transductive inference (C = -logits, reg = 1)
 # ----------------------------------------------------------------------------------------------------
-def _log_bregman_sweeps(log_kernel, log_low, log_up, n_sweeps: int, end_on_rows: bool):
-    """Unrolled solver-I sweeps in the log domain with a = 1/B (differentiable)."""
+def _masked(x, present):
+    """x where the column is `present`, 0 elsewhere (x unchanged when present is None)."""
+    return x if present is None else x.where(present, 0.0)
+
+
+def _log_bregman_sweeps(log_kernel, log_low, log_up, n_sweeps: int, end_on_rows: bool, present=None):
+    """Unrolled solver-I sweeps in the log domain with a = 1/B (differentiable).
+
+    ``present`` (K,) bool leaves the other columns, all -inf in ``log_kernel``, out of the problem
+    with fixed shapes: their column steps are 0, and their sums are taken over zeros, since -inf there
+    would put inf - inf into the values or the gradient."""
     log_a = -math.log(log_kernel.shape[0])
     log_p = log_kernel
     for sweep in range(n_sweeps):
         log_p = log_p - torch.logsumexp(log_p, dim=1, keepdim=True) + log_a
         if end_on_rows and sweep == n_sweeps - 1:
             break
-        log_p = log_p + (log_low - torch.logsumexp(log_p, dim=0)).clamp(min=0.0)
-        log_p = log_p + (log_up - torch.logsumexp(log_p, dim=0)).clamp(max=0.0)
+        step = (log_low - torch.logsumexp(_masked(log_p, present), dim=0)).clamp(min=0.0)
+        log_p = log_p + _masked(step, present)
+        step = (log_up - torch.logsumexp(_masked(log_p, present), dim=0)).clamp(max=0.0)
+        log_p = log_p + _masked(step, present)
     return log_p
+
+
+class DBOTLoss:
+    """The DB-OT training loss for long-tailed classification, its prior checked once (see
+    :func:`dbot_loss` for the loss and the arguments).
+
+    The prior is validated when the loss is built, on the host (one copy if it lives on a device);
+    the calls then never read the device: classes absent from a batch are masked, not indexed out, so
+    every shape is fixed. The prior's logarithms are made once per dtype and device of the logits,
+    where the logits live (a tensor prior already there is not copied).
+    """
+
+    def __init__(self, prior, delta: float = 0.0, n_sweeps: int = 1, mode: str = "paper"):
+        if mode not in LOSS_MODES:
+            raise ValueError(f"mode={mode!r}: must be one of {LOSS_MODES}")
+        if not 0.0 <= delta < 1.0:
+            raise ValueError(f"delta={delta}: must be in [0, 1)")
+        if not (isinstance(n_sweeps, int) and n_sweeps >= 1):
+            raise ValueError(f"n_sweeps={n_sweeps}: must be an integer >= 1")
+        host = torch.as_tensor(prior).detach().to("cpu", torch.float64)
+        if host.ndim != 1 or not bool((host.isfinite() & (host > 0)).all()):
+            raise ValueError(f"prior has shape {tuple(host.shape)}: must be (K,), all entries finite and > 0")
+        self.prior, self.delta, self.n_sweeps, self.mode = prior, delta, n_sweeps, mode
+        self._logs: dict = {}
+
+    def _log_prior_and_bounds(self, logits):
+        """log r, log b_low, log b_up in the logits' dtype on their device (made at the first call)."""
+        key = (logits.dtype, logits.device)
+        if key not in self._logs:
+            prior = torch.as_tensor(self.prior, dtype=logits.dtype, device=logits.device)
+            prior = prior / prior.sum()
+            low, up = (1.0 - self.delta) * prior, (1.0 + self.delta) * prior
+            self._logs[key] = torch.log(prior), torch.log(low), torch.log(up)
+        return self._logs[key]
+
+    def __call__(self, logits, target):
+        if logits.ndim != 2:
+            raise ValueError(f"logits has shape {tuple(logits.shape)}: must be (B, K)")
+        batch, n_classes = logits.shape
+        if len(self.prior) != n_classes:
+            raise ValueError(f"prior has {len(self.prior)} entries: must have one per class ({n_classes})")
+        if target.ndim == 1:
+            target = torch.nn.functional.one_hot(target, n_classes)
+        target = target.to(logits.dtype)  # soft labels may come in another float dtype
+        log_prior, log_low, log_up = self._log_prior_and_bounds(logits)
+        if self.mode == "paper":
+            log_p = _log_bregman_sweeps(logits + log_prior, log_low, log_up, self.n_sweeps, end_on_rows=True)
+            return -(target * (log_p + math.log(batch))).sum(dim=1).mean()
+
+        counts = target.sum(dim=0)
+        present = counts > 0
+        # a class absent from the batch drops out as a column of -inf (log 0): no mass, no gradient
+        shifted = logits + torch.log(counts)
+        balanced_ce = -(target * _masked(torch.log_softmax(shifted, dim=1), present)).sum(dim=1).mean()
+        log_p = _log_bregman_sweeps(shifted, log_low, log_up, self.n_sweeps, False, present)
+        col_sums = _masked(torch.logsumexp(_masked(log_p, present), dim=0).exp(), present)
+        clipped = torch.minimum(torch.maximum(col_sums, log_low.exp()), log_up.exp())
+        return balanced_ce - (clipped * torch.log_softmax(col_sums, dim=0)).sum()
 
 
 def dbot_loss(logits, target, prior, delta: float = 0.0, n_sweeps: int = 1, mode: str = "paper"):
@@ -530,44 +601,16 @@ def dbot_loss(logits, target, prior, delta: float = 0.0, n_sweeps: int = 1, mode
     prior : (K,) training class frequencies or counts, all > 0.  delta : bound rate in [0, 1).
     n_sweeps : K_train >= 1.  mode : "paper" or "official".
 
-    Runs in the logits' dtype on their device. With one sweep the paper loss is Balanced Softmax:
+    Runs in the logits' dtype on their device. Each call checks the prior again (a read of the device
+    when it lives there): a training loop builds :class:`DBOTLoss` once instead. With one sweep the paper
+    loss is Balanced Softmax:
 
     >>> logits, y, prior = torch.tensor([[1.0, 0.0]]), torch.tensor([0]), torch.tensor([3.0, 1.0])
     >>> bool(torch.isclose(dbot_loss(logits, y, prior), torch.nn.functional.cross_entropy(
     ...     logits + torch.log(prior / 4), y)))
     True
     """
-    if mode not in LOSS_MODES:
-        raise ValueError(f"mode={mode!r}: must be one of {LOSS_MODES}")
-    if not 0.0 <= delta < 1.0:
-        raise ValueError(f"delta={delta}: must be in [0, 1)")
-    if not (isinstance(n_sweeps, int) and n_sweeps >= 1):
-        raise ValueError(f"n_sweeps={n_sweeps}: must be an integer >= 1")
-    if logits.ndim != 2:
-        raise ValueError(f"logits has shape {tuple(logits.shape)}: must be (B, K)")
-    batch, n_classes = logits.shape
-    prior = torch.as_tensor(prior, dtype=logits.dtype, device=logits.device)
-    if prior.shape != (n_classes,) or not bool((prior > 0).all()):
-        raise ValueError(f"prior must have shape ({n_classes},) with all entries > 0")
-    prior = prior / prior.sum()
-    if target.ndim == 1:
-        target = torch.nn.functional.one_hot(target, n_classes)
-    target = target.to(logits.dtype)  # soft labels may come in another float dtype
-    log_low, log_up = torch.log((1.0 - delta) * prior), torch.log((1.0 + delta) * prior)
-
-    if mode == "paper":
-        log_p = _log_bregman_sweeps(logits + torch.log(prior), log_low, log_up, n_sweeps, end_on_rows=True)
-        return -(target * (log_p + math.log(batch))).sum(dim=1).mean()
-
-    counts = target.sum(dim=0)
-    present = counts > 0
-    shifted = logits[:, present] + torch.log(counts[present])
-    balanced_ce = -(target[:, present] * torch.log_softmax(shifted, dim=1)).sum(dim=1).mean()
-    log_p = _log_bregman_sweeps(shifted, log_low[present], log_up[present], n_sweeps, end_on_rows=False)
-    col_sums = torch.zeros(n_classes, dtype=logits.dtype, device=logits.device)
-    col_sums = col_sums.index_put((present.nonzero()[:, 0],), torch.logsumexp(log_p, dim=0).exp())
-    clipped = torch.minimum(torch.maximum(col_sums, log_low.exp()), log_up.exp())
-    return balanced_ce - (clipped * torch.log_softmax(col_sums, dim=0)).sum()
+    return DBOTLoss(prior, delta, n_sweeps, mode)(logits, target)
 
 
 # ----------------------------------------------------------------------------------------------------

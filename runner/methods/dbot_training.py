@@ -13,8 +13,8 @@ from runner.augment import PolicyAugment, cutout
 from runner.data import longtail_counts
 from runner.distributed_passes import global_batch
 from runner.methods.dbot import (
+    DBOTLoss,
     class_balanced_weights,
-    dbot_loss,
     dbot_predict,
     ldam_loss,
     ldam_margins,
@@ -29,9 +29,12 @@ __all__ = ["LossHook", "evaluate_rules", "group_accuracies", "infer", "longtail_
 # ----------------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------------
-def longtail_loss(logits, y_soft, m, prior: torch.Tensor, class_weights=None, margins=None) -> torch.Tensor:
+def longtail_loss(
+    logits, y_soft, m, prior: torch.Tensor, class_weights=None, margins=None, dbot: DBOTLoss | None = None
+) -> torch.Tensor:
     """The loss `m.loss` of (B, K) logits against soft labels, given the training prior (K,); the
-    class-balanced weights (cb_ce, cb_focal, ldam under DRW) and LDAM margins in logit units."""
+    class-balanced weights (cb_ce, cb_focal, ldam under DRW), LDAM margins in logit units, and the DB-OT
+    loss built once (None: built here from `prior`, which checks it again)."""
     if m.loss == "ce":
         return soft_cross_entropy(logits, y_soft)
     if m.loss in ("balanced_softmax", "logit_adjust"):
@@ -47,7 +50,7 @@ def longtail_loss(logits, y_soft, m, prior: torch.Tensor, class_weights=None, ma
         )
     if m.loss == "ldam":
         return ldam_loss(logits, labels, margins, class_weights)
-    return dbot_loss(logits, y_soft, prior, m.train_delta, m.k_train, m.loss_mode)
+    return (dbot or DBOTLoss(prior, m.train_delta, m.k_train, m.loss_mode))(logits, y_soft)
 
 
 class LossHook:
@@ -64,6 +67,9 @@ class LossHook:
         margins = method_cfg.ldam_scale * ldam_margins(train_counts, method_cfg.ldam_max_margin)
         self.margins = torch.as_tensor(margins, dtype=torch.float32, device=device)
         self.drw_epoch = round(method_cfg.drw_start * epochs)
+        self.dbot = None
+        if method_cfg.loss == "dbot":  # its prior checked here, once, not read back every step
+            self.dbot = DBOTLoss(self.prior, method_cfg.train_delta, method_cfg.k_train, method_cfg.loss_mode)
         self.policy = PolicyAugment("autoaugment_cifar10", *stats) if method_cfg.augment != "none" else None
 
     def transform(self, x, y_soft, idx, model):
@@ -77,7 +83,7 @@ class LossHook:
             weights = None
         # Under DDP on the global batch: the DB-OT losses and the weighted means couple the samples.
         logits, y_soft = global_batch(model(x).float(), y_soft)
-        return longtail_loss(logits, y_soft, self.m, self.prior, weights, self.margins)
+        return longtail_loss(logits, y_soft, self.m, self.prior, weights, self.margins, self.dbot)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -99,7 +105,7 @@ def resampled_test_sets(y: np.ndarray, num_classes: int, imbalance: float, names
 
 def infer(rule: str, m, logits, feats, weight, train_prior, test_prior, device=None) -> np.ndarray:
     """Predicted classes (N,) of `rule` from logits (N, K) (and features/classifier weights for cls_norm);
-    the DB-OT rules solve on `device` when it is an accelerator (the model's; CPU or None: numpy)."""
+    the DB-OT rules solve on `device`, an accelerator (None: numpy on the host, there the faster path)."""
     if rule == "argmax":
         return logits.argmax(1)
     if rule == "cls_norm":
@@ -114,7 +120,7 @@ def infer(rule: str, m, logits, feats, weight, train_prior, test_prior, device=N
         return (logits + shift).argmax(1)
     delta = 0.0 if rule == "sinkhorn" else m.delta
     batch = m.batch_size if m.scope == "batch" else None
-    if device is not None and torch.device(device).type != "cpu":  # on the host numpy is the faster path
+    if device is not None:
         logits = torch.as_tensor(logits, dtype=torch.float64, device=device)
     pred = dbot_predict(logits, test_prior, delta, m.eps, batch, m.solver, m.max_iter, m.tol)
     return pred.cpu().numpy() if isinstance(pred, torch.Tensor) else pred
@@ -138,7 +144,7 @@ def group_accuracies(correct: np.ndarray, y: np.ndarray, train_counts: np.ndarra
 def evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, device=None) -> dict:
     """Every rule of `m.inference` on every test set (index arrays into the test split), by class group,
     and the headline: `test/acc` (argmax on the uniform test set) and `test/acc_<m.predict>`; the DB-OT
-    rules solve on `device` (see :func:`infer`)."""
+    rules solve on `device`, an accelerator or None (see :func:`infer`)."""
     k = len(train_counts)
     train_prior = train_counts / train_counts.sum()
     summary: dict = {}

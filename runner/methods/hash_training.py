@@ -20,21 +20,26 @@ from runner.schema import ConfigError
 from runner.train import batches, in_order
 
 
-def hash_loss_and_codes(net, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg, remap):
+def hash_loss_and_codes(net, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg, remap, ctx=None):
     """Alg. 1's loss on a batch x of nc classes x m examples (class-major): class-mean unaries per
     level -> exact codes by min-cost flow, level by level -> labels per level (the code ids with
     `remap`, else the classes) -> `hh.hash_loss` on the active dims. Returns (loss, seconds on codes).
-    Under DDP x is this rank's slice of the batch: the loss and codes are those of the gathered batch."""
+    Under DDP x is this rank's slice of the batch: the loss and codes are those of the gathered batch.
+    The flow runs on the host: the step reads the unaries, its one wait for the device, and sends codes
+    and labels back in one copy the host does not wait for (from page-locked memory with `ctx`)."""
     (out,) = global_batch(net(x))
     out = out.view(nc, m, k, d)
-    unary = hh.class_unaries(out.float(), method.loss).cpu().numpy()  # on the device; the copy waits for it
+    unary = hh.class_unaries(out.float(), method.loss).cpu().numpy()
     start = time.perf_counter()
     codes = hh.cascade_codes(
         unary, ks, method.alpha, beta, method=method.solver, cost_scale=method.cost_scale
     )
     labels = hh.level_labels(codes, remap)
     code_seconds = time.perf_counter() - start
-    return hh.hash_loss(out, codes, labels, method.loss, margin, l2_reg), code_seconds
+    host = torch.from_numpy(np.concatenate([codes, labels[..., None]], axis=-1).astype(np.int64))
+    packed = (host if ctx is None else ctx.pin(host)).to(out.device, non_blocking=True)
+    loss = hh.hash_loss(out, packed[..., :d], packed[..., d], method.loss, margin, l2_reg)
+    return loss, code_seconds
 
 
 def base_loss(net, x, *, nc, m, method):

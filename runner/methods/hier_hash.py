@@ -650,23 +650,22 @@ def triplet_semihard_loss(dist, labels, margin) -> torch.Tensor:
     """FaceNet semi-hard triplet loss on a precomputed (N, N) distance matrix.
 
     For each positive pair (i, j), the negative is the nearest one farther than D_ij, else the
-    farthest one; loss = mean over pairs of max(D_ij - D_in + margin, 0).
+    farthest one; loss = mean over pairs of max(D_ij - D_in + margin, 0), over the pairs whose anchor
+    has a negative (0 without any). Masks over all (i, j) and a search in each anchor's sorted negative
+    distances keep every shape fixed, so nothing waits for the device.
     """
-    same = labels[:, None] == labels[None, :]
-    eye = torch.eye(len(labels), dtype=torch.bool, device=dist.device)
-    anchor, positive = torch.nonzero(same & ~eye, as_tuple=True)
-    negative = ~same[anchor]  # (P, N)
-    keep = negative.any(1)
-    anchor, positive, negative = anchor[keep], positive[keep], negative[keep]
-    if len(anchor) == 0:
-        return dist.sum() * 0
-    d_ap = dist[anchor, positive]
-    d_an = dist[anchor]
-    semihard = negative & (d_an > d_ap[:, None])
-    nearest_far = torch.where(semihard, d_an, torch.full_like(d_an, math.inf)).min(1).values
-    farthest = torch.where(negative, d_an, torch.full_like(d_an, -math.inf)).max(1).values
-    d_neg = torch.where(semihard.any(1), nearest_far, farthest)
-    return F.relu(d_ap - d_neg + margin).mean()
+    n = len(labels)
+    negative = labels[:, None] != labels[None, :]
+    eye = torch.eye(n, dtype=torch.bool, device=dist.device)
+    pair = ~negative & ~eye & negative.any(1, keepdim=True)  # (anchor i, positive j)
+    # the anchor's negative distances ascending, then +inf: the first one > D_ij is the semi-hard one
+    ascending = torch.where(negative, dist, math.inf).sort(dim=1).values
+    first = torch.searchsorted(ascending, dist.contiguous(), right=True)
+    semihard = ascending.gather(1, first.clamp(max=n - 1))
+    farthest = torch.where(negative, dist, -math.inf).max(1, keepdim=True).values
+    d_neg = torch.where(first < negative.sum(1, keepdim=True), semihard, farthest)
+    losses = torch.where(pair, F.relu(dist - d_neg + margin), 0.0)
+    return losses.sum() / pair.sum().clamp(min=1)
 
 
 def npairs_loss(anchor, positive, labels, l2_reg, code_anchor=None, code_positive=None) -> torch.Tensor:
@@ -718,8 +717,9 @@ def hash_loss(outputs, codes, labels, loss, margin=0.5, l2_reg=0.003) -> torch.T
     """Metric loss summed over levels, measured on code-active dimensions (Eq. 7).
 
     outputs (nc, m, k, d) activations; codes (k, nc, d) 0/1 class codes; labels (k, nc) per-level
-    class labels. Triplet: semi-hard on masked L1 of L2-normalized level vectors over all nc*m
-    items. N-pairs (m = 2): example 0 of each class is the anchor, example 1 the positive.
+    class labels (arrays, or tensors on the outputs' device, which are not copied). Triplet: semi-hard
+    on masked L1 of L2-normalized level vectors over all nc*m items. N-pairs (m = 2): example 0 of each
+    class is the anchor, example 1 the positive.
     """
     nc, m, k, d = outputs.shape
     codes = torch.as_tensor(codes, device=outputs.device, dtype=outputs.dtype)
