@@ -27,8 +27,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks $(B)
 
-bench-gpu: $(STAMP)  # CUDA: the paper presets' step time, memory and precision (one line without CUDA)
-	$(PY) -m benchmarks bench_gpu
+bench-gpu: $(STAMP)  # CUDA: the paper presets beside their baselines (one line without CUDA); ARGS=--smoke: any device
+	$(PY) -m benchmarks.bench_gpu $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun wandb .pytest_cache build *.egg-info

@@ -1,119 +1,505 @@
-"""`make bench-gpu`: the paper presets' training steps on CUDA, on generated data (`dataset=fake`).
+"""`make bench-gpu`: the paper presets' training steps, each beside its own baseline, on generated data.
 
-For vanilla ERM and each method family's paper preset, with the paper's model and batch size: ms per
-training step and images/s (the second epoch of `STEPS` steps; the first is warm-up), peak GPU memory, the
-share of step time spent in the method's batch transform (Co-Mixup's saliency + partition solves) or
-per-epoch pass (CSOT's allocation), and the ratio to vanilla at the same scale, measured in this run.
-Then fp32 against bf16, and eager against torch.compile, for vanilla and Co-Mixup at CIFAR scale.
-Without CUDA it prints one line and exits 0. Run: `make bench-gpu` (or `python -m benchmarks.bench_gpu`).
+One row per paper preset (`PRESETS`) at the preset's own network, batch and precision (read from its
+composed config) on `dataset=fake` of the preset's data shape, and one row for its baseline: the preset
+with its task's plain method in the method's place (`BASELINES`; hashing: the preset's base embedding
+net, the same metric learning without codes, trained in the same run). Each run trains 2 epochs of
+`--steps` steps; the second is measured (the first warms up). Columns: ms per training step, images/s,
+peak and reserved GPU memory, the method's share of the epoch's training time (its per-epoch pass and
+batch transform, e.g. CSOT's selection and Co-Mixup's mixing; hashing: the min-cost flow), host-device
+syncs per training step (CUDA: `torch.cuda.set_sync_debug_mode("warn")` warnings; CPU: the
+`runner.device_tracking` harness), and the step time over the baseline's. On CUDA also: the targets
+(`TARGETS`), fp32 against bf16 and torch.compile for `VARIANT_PRESETS`, and DDP scaling when several GPUs
+are visible (torchrun).
+
+The runs share this process (`runner.cli.main`, no import per run), each in its own run dir. On CUDA the
+table and a JSON record go to benchmarks/results/<gpu>-<torch>-<commit>.{md,json}; without CUDA (and
+without --smoke) it prints one line and measures nothing.
+
+    make bench-gpu                          # CUDA: every row, the targets, the variants, DDP
+    make bench-gpu ARGS=--smoke             # every row for 2 steps (tests/test_bench_gpu.py runs it)
+    python -m benchmarks.bench_gpu [--smoke] [--steps N] [--only SUBSTRING ...] [--out DIR]
+
+`--smoke` runs every row for one step per epoch at a batch of 10 on 32-px images of 10 classes (the
+network's smallest side where larger) on whatever device is present, writes its record to `--out` or a
+temporary directory, and fails when any row fails. Exit status: 0 when every row ran and every target
+is met.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
+import gc
 import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
+import time
+import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 
-STEPS = 200
-# name -> (overrides, fake shape, batch, the vanilla row it is compared with)
-ROWS = {
-    "vanilla imagenet": (["model=resnet50", "train.batch_size=100"], "imagenet", 100, None),
-    "comixup imagenet": (["+experiment=comixup_imagenet"], "imagenet", 100, "vanilla imagenet"),
-    "vanilla tiny": (["model=preactresnet18", "model.stem_stride=2", "train.batch_size=100"], "tiny_imagenet",
-                     100, None),
-    "comixup tiny": (["+experiment=comixup_tiny_imagenet"], "tiny_imagenet", 100, "vanilla tiny"),
-    "vanilla cifar100": (["model=preactresnet18", "train.batch_size=100"], "cifar100", 100, None),
-    "comixup cifar100": (["+experiment=comixup_cifar100_preactresnet18"], "cifar100", 100,
-                         "vanilla cifar100"),
-    "csot cifar100": (["+experiment=csot_cifar100", "method.warmup=0"], "cifar100", 128, "vanilla cifar100"),
-    "dbot cifar100": (["+experiment=dbot_cifar100_lt"], "cifar100", 128, "vanilla cifar100"),
-    "hash cifar100": (["+experiment=hier_hash_cifar100_triplet"], "cifar100", 128, "vanilla cifar100"),
-}  # fmt: skip
-TARGETS = {  # row: (largest ratio to its vanilla row, what is compared)
-    "comixup imagenet": (2.2, "step"),
-    "comixup tiny": (2.2, "step"),
-    "dbot cifar100": (1.2, "step"),
-    "hash cifar100": (1.2, "step"),
+PRESETS = (
+    "comixup_cifar100_preactresnet18", "comixup_cifar100_wrn16_8", "comixup_cifar100_resnext29",
+    "comixup_tiny_imagenet", "comixup_imagenet", "csot_cifar100", "csot_webvision", "csot_clothing1m",
+    "dbot_cifar100_lt", "dbot_imagenet_lt", "hier_hash_cifar100_npairs", "hier_hash_cifar100_triplet",
+    "hier_hash_imagenet", "pwc_cifar10",
+)  # fmt: skip
+# A task's plain method in the preset's method's place, with the preset's protocol (`+method=` after a
+# preset replaces its method). PWC trains the same network for every selector: its baseline picks at random.
+BASELINES = {
+    "classify": ["+method=erm"],
+    "noisy_labels": ["+method=ce"],
+    "longtail": ["+method=lt_ce"],
+    "covering": ["method.selector=random"],
 }
+# The dataset a preset reads -> generated data of its shape (`dataset.like`).
+FAKE_LIKE = {"cifar10": "cifar10", "cifar100": "cifar100", "tiny_imagenet": "tiny_imagenet",
+             "imagenet": "imagenet", "imagenet_lt": "imagenet", "clothing1m": "imagenet",
+             "webvision": "imagenet"}  # fmt: skip
+# --smoke: 10 classes, so that one batch of 10 holds every class (long-tailed training needs them all) and
+# a class-balanced hashing batch of the 10 classes is its whole training set: one step per epoch.
+SMOKE_LIKE, SMOKE_BATCH, SMOKE_SIDE = "cifar10", 10, 32
+STEPS = 50
+# preset name prefix -> (what is bounded, the bound): the step time over the baseline's, or CSOT's
+# allocation (its solver seconds) as a share of the epoch's training time
+TARGETS = {"comixup_": ("step", 2.2), "dbot_": ("step", 1.2), "hier_hash_": ("step", 1.2),
+           "csot_": ("allocation", 0.1)}  # fmt: skip
+VARIANT_PRESETS = ("comixup_cifar100_preactresnet18", "comixup_imagenet")
 VARIANTS = {"bf16": ["hardware.precision=bf16"], "compile": ["hardware.compile=true"]}
+DDP_PRESET = "comixup_imagenet"  # its batch of 448 splits over 2, 4 or 8 GPUs
+# In-process runs: no Hydra files or logging set-up of their own (a run's output goes to its log).
+QUIET = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+COLUMNS = ("preset", "method", "batch", "ms/step", "images/s", "peak GB", "reserved GB", "method share",
+           "syncs/step", "vs base")  # fmt: skip
 
 
-def run_row(overrides: list[str], like: str, batch: int, tmp: Path) -> dict:
-    """The second epoch's metrics record of a 2-epoch run of `STEPS` steps on fake data."""
-    out = tmp / f"run{len(list(tmp.iterdir()))}"
-    args = [
-        *overrides, "hardware=gpu", "dataset=fake", f"dataset.like={like}",
-        f"dataset.train_size={STEPS * batch}", f"dataset.test_size={batch}", "train.epochs=2",
-        "train.checkpoint=false", "train.progress=false", "logger=none", f"hydra.run.dir={out}",
-    ]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "runner.cli", *args], capture_output=True, text=True)
-    if proc.returncode:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
-    return json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+class RowError(Exception):
+    """A run that failed, in one line."""
 
 
-def describe(name: str, m: dict, batch: int, vanilla: dict | None) -> str:
-    if "error" in m:
-        return f"  {name:<18} error: {m['error']}"
-    step = m["time/step_ms"]
-    method_share = max(m.get("time/transform_s", 0.0), m.get("time/pass_s", 0.0)) / m["time/epoch_s"]
-    ratio = f"{step / vanilla['time/step_ms']:6.2f}x" if vanilla and "error" not in vanilla else "     -"
-    return (f"  {name:<18} {step:9.1f} {1000 * batch / step:9.0f} {m.get('mem/peak_gb', 0):8.1f} "
-            f"{100 * method_share:7.1f}% {ratio}")  # fmt: skip
+def _one_line(e: BaseException) -> str:
+    """An exception as its type and its message's first line (a RowError: its line)."""
+    if isinstance(e, RowError):
+        return str(e)
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first}"
 
 
-def main() -> bool | None:
-    if not torch.cuda.is_available():
-        print("bench_gpu: no CUDA device here; nothing measured (run it on a GPU machine)")
+@dataclasses.dataclass
+class Row:
+    """One measured fit: its run's overrides, its batch and the pools a step draws one from (CSOT: 2), the
+    prefix of its keys in metrics.jsonl (a tagged fit's), the summary key of the method's time share
+    (else the epoch's pass and transform time), the key of the baseline row it is compared with, and its
+    `result`."""
+
+    preset: str
+    method: str
+    args: list[str]
+    batch: int
+    pools: int = 1
+    prefix: str = ""
+    share_key: str | None = None
+    baseline: str | None = None
+    result: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return f"{self.preset} {self.method}"
+
+    @property
+    def samples(self) -> int:
+        return self.pools * self.batch
+
+    @property
+    def batches(self) -> str:
+        return f"{self.pools}x{self.batch}" if self.pools > 1 else str(self.batch)
+
+
+def _train_size(n: int, classes: int, imbalance: float) -> int:
+    """Generated training samples whose long-tailed subset (`dataset.imbalance`) holds at least `n`, with
+    a sample of every class."""
+    from runner.data import longtail_counts
+
+    if imbalance <= 1:
+        return n
+    n_max = int(imbalance) + 1
+    while sum(longtail_counts(n_max, classes, imbalance)) < n:
+        n_max *= 2
+    return n_max * classes
+
+
+def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
+    """The rows of `preset`, its baseline's first: the overrides of its runs on generated data."""
+    from runner.cli import _compose
+    from runner.configs.hashing import PER_KS
+    from runner.data.fake import SHAPES
+    from runner.models import MIN_SIDE
+
+    cfg = _compose([f"+experiment={preset}"])
+    m, task, like = cfg.method, cfg.method.task, FAKE_LIKE[cfg.dataset.name]
+    classes, side = SHAPES[like][:2]
+    side = cfg.dataset.image_size or side
+    if smoke:
+        like, classes = SMOKE_LIKE, SHAPES[SMOKE_LIKE][0]
+        side = max(SMOKE_SIDE, MIN_SIDE.get(cfg.model.name, 0))
+    args = [f"+experiment={preset}", "dataset=fake", f"dataset.like={like}", f"dataset.image_size={side}",
+            "train.epochs=2", "train.checkpoint=false", "train.progress=false", "logger=none"]  # fmt: skip
+    if smoke and not torch.cuda.is_available():
+        args += ["hardware=cpu"]
+    args += [f"hardware.precision={cfg.hardware.precision}"]  # the preset's, whatever hardware runs it
+    if task == "hashing":
+        per_batch = classes if smoke else m.classes_per_batch
+        batch = per_batch * m.per_class
+        iters = 2 * steps  # without a validation split an epoch is one pass: `steps` batches
+        args += [f"method.classes_per_batch={per_batch}", f"method.iters={iters}",
+                 f"method.base_iters={iters}", f"method.ks=[{m.ks[0]}]", "method.baselines=[]",
+                 "method.tables=[test]"]  # fmt: skip
+        args += [f"method.{key}=[{m[key][0]}]" for key in PER_KS if len(m[key]) > 1]  # the first ks's
+    else:
+        batch = SMOKE_BATCH if smoke else cfg.train.batch_size
+        args += [f"train.batch_size={batch}"]
+    test_size = max(classes, batch)  # the long-tailed evaluation resamples every class
+    if task == "covering":  # its application and development sets come from the held-out pool
+        n = 20 if smoke else max(m.n_app, m.n_dev)
+        args += [f"method.n_app={n}", f"method.n_dev={n}", f"method.k={min(m.k, n // 2)}",
+                 "method.plot=false"]  # fmt: skip
+        test_size = 4 * n
+    if task == "longtail":  # the loss needs every class's training count
+        args += ["dataset.min_per_class=1"]
+    if task == "noisy_labels":  # select from the first epoch on (the preset's warm-up epochs are plain CE)
+        args += ["method.warmup=0"]
+    args += [f"dataset.train_size={_train_size(steps * batch, classes, cfg.dataset.imbalance)}",
+             f"dataset.max_train={steps * batch}", f"dataset.test_size={test_size}"]  # fmt: skip
+    if smoke:
+        args += [f"train.eval_batch_size={test_size}"]
+
+    if task == "hashing":
+        base = Row(preset, "base embedding", args, batch, prefix="base/")
+        ours = Row(preset, m.name, args, batch, prefix=f"ours_ks{m.ks[0]}/", share_key="time/mcf_share",
+                   baseline=base.key)  # fmt: skip
+        return [base, ours]
+    rows: list[Row] = []
+    plain = _compose([f"+experiment={preset}", *BASELINES[task]]).method
+    for extra, job in ((BASELINES[task], plain), ([], m)):
+        own = list(extra)
+        if "preview" in job:  # a mixup's first mixed batch as a picture: matplotlib, not training
+            own += ["method.preview=false"]
+        if smoke and "workers" in job:  # Co-Mixup's solver processes: seconds of imports each, same result
+            own += ["method.workers=0"]
+        # CSOT's step trains on a batch from each of its two pools (clean and unlabeled)
+        pools = 2 if task == "noisy_labels" and job.selection != "none" else 1
+        name = job.name + (f" {job.selector}" if task == "covering" else "")
+        prefix = "fit/" if task == "longtail" else ""  # longtail's fit is tagged "fit"
+        baseline = rows[0].key if rows else None
+        rows.append(Row(preset, name, [*args, *own], batch, pools, prefix, baseline=baseline))
+    return rows
+
+
+def _run_cli(args: list[str], run_dir: Path) -> tuple[list[dict], dict]:
+    """`runner ARGS` in this process into `run_dir` (its output in `<run_dir>.log`): its metrics rows and
+    summary, or RowError."""
+    from runner import cli
+
+    saved, log = sys.argv, run_dir.with_suffix(".log")
+    sys.argv = ["runner", *args, f"hydra.run.dir={run_dir}", *QUIET]
+    try:  # HYDRA_FULL_ERROR: the job's exception itself, rather than Hydra's printed report and exit
+        with (log.open("w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out),
+              mock.patch.dict(os.environ, HYDRA_FULL_ERROR="1")):  # fmt: skip
+            cli.main()
+    except SystemExit as stop:  # the CLI's one-line errors: a bad config, a diverged run
+        if stop.code:
+            lines = [line.strip() for line in log.read_text().splitlines() if line.strip()]
+            raise RowError(lines[-1] if lines else f"exit status {stop.code}") from None
+    except Exception as e:
+        raise RowError(_one_line(e)) from None
+    finally:
+        sys.argv = saved
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return metrics, json.loads((run_dir / "summary.json").read_text())
+
+
+@contextlib.contextmanager
+def _syncs_per_step(tracker=None):
+    """Host-device syncs per training step in each fit's measured (second) epoch, by fit tag ("" for an
+    untagged fit): the steady state, after the first epoch's one-time work (cuDNN autotuning, caches).
+    Counted by `tracker` (`runner.device_tracking`, on the CPU) or as CUDA's sync-debug warnings."""
+    from runner import train
+
+    counts: dict[str, float] = {}
+    inner = train.train_one_epoch
+
+    def counted(s, loop, epoch, first):
+        if epoch != 1:
+            return inner(s, loop, epoch, first)
+        steps = len(loop.sampler) - first
+        if tracker is not None:
+            before = tracker.counts["train"]["sync"]
+            out = inner(s, loop, epoch, first)
+            syncs = tracker.counts["train"]["sync"] - before
+        else:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    out = inner(s, loop, epoch, first)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs = sum("synchronizing CUDA operation" in str(w.message) for w in caught)
+        counts[loop.tag or ""] = syncs / max(steps, 1)
+        return out
+
+    train.train_one_epoch = counted
+    try:
+        yield counts
+    finally:
+        train.train_one_epoch = inner
+
+
+def _tracked_run(args: list[str], run_dir: Path) -> tuple[list[dict], dict, dict | None, str | None]:
+    """`_run_cli` with the syncs counted: (metrics rows, summary, syncs per step by fit tag, and the CPU
+    tracking harness's error where the run failed under it but not without it)."""
+    if torch.cuda.is_available():
+        gc.collect()  # the last run's blocks out of the allocator's cache: this run's reserved memory
+        torch.cuda.empty_cache()
+        with _syncs_per_step() as syncs:
+            return *_run_cli(args, run_dir), syncs, None
+    try:
+        from runner.device_tracking import tracking
+
+        with tracking() as tracker, _syncs_per_step(tracker) as syncs:
+            return *_run_cli(args, run_dir), syncs, None
+    except Exception as e:  # the harness is new: a run that fails under it runs again without it
+        harness_error = _one_line(e)
+    return *_run_cli(args, run_dir.with_name(run_dir.name + "-untracked")), None, harness_error
+
+
+def measure(row: Row, metrics: list[dict], summary: dict, syncs: dict | None) -> dict:
+    """The row's figures: the second epoch of its fit."""
+    epoch = next((r for r in metrics if r.get(row.prefix + "epoch") == 2), None)
+    if epoch is None:
+        raise RowError(f"no second epoch of {row.prefix or 'the fit'} in metrics.jsonl")
+    m = {key.removeprefix(row.prefix): value for key, value in epoch.items() if key.startswith(row.prefix)}
+    train_s = m["time/pass_s"] + m["time/train_s"]
+    own_s = m["time/pass_s"] + m["time/transform_s"]
+    out = {"step_ms": m["time/step_ms"], "images_s": 1000 * row.samples / m["time/step_ms"],
+           "peak_gb": m.get("mem/peak_gb"), "reserved_gb": m.get("mem/reserved_gb"),
+           "method_share": summary[row.share_key] if row.share_key else own_s / train_s,
+           "syncs_per_step": None if syncs is None else syncs.get(row.prefix.removesuffix("/"))}  # fmt: skip
+    if "select/solver_s" in m:  # CSOT's allocation
+        out["allocation_share"] = m["select/solver_s"] / train_s
+    return out
+
+
+def run_rows(rows: list[Row], tmp: Path, extra: tuple[str, ...] = ()) -> None:
+    """Run `rows` (a hashing preset's two in one run) with `extra` overrides into each `row.result`."""
+    runs: dict[tuple, list[Row]] = {}
+    for row in rows:
+        runs.setdefault(tuple(row.args), []).append(row)
+    for args, group in runs.items():
+        run_dir = tmp / f"run{len(list(tmp.glob('run*.log')))}"
+        try:
+            metrics, summary, syncs, harness_error = _tracked_run([*args, *extra], run_dir)
+        except RowError as e:
+            for row in group:
+                row.result = {"error": str(e)}
+            continue
+        for row in group:
+            try:
+                row.result = measure(row, metrics, summary, syncs)
+            except Exception as e:
+                row.result = {"error": _one_line(e)}
+            if harness_error:
+                row.result["syncs_error"] = harness_error
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _ratio(row: Row, base: Row | None) -> float | None:
+    """The row's step time over its baseline's (None: no baseline, or either failed)."""
+    if base is None or "error" in row.result or "error" in base.result:
         return None
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {STEPS} steps per epoch, fake data")
-    print(f"  {'row':<18} {'ms/step':>9} {'images/s':>9} {'peak GB':>8} {'method':>8} {'vs vanilla':>7}")
-    ok = True
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        results = {}
-        for name, (overrides, like, batch, base) in ROWS.items():
-            results[name] = run_row(overrides, like, batch, tmp)
-            print(describe(name, results[name], batch, results.get(base)), flush=True)
-        for name, (bound, _) in TARGETS.items():
-            m, v = results[name], results[ROWS[name][3]]
-            if "error" in m or "error" in v:
-                print(f"  target {name} <= {bound}x vanilla: not measured -> MISS")
-                ok = False
-                continue
-            ratio = m["time/step_ms"] / v["time/step_ms"]
-            print(f"  target {name} step <= {bound}x vanilla: measured {ratio:.2f}x -> "
-                  f"{'OK' if ratio <= bound else 'MISS'}")  # fmt: skip
-            ok &= ratio <= bound
-        csot = results["csot cifar100"]
-        if "error" not in csot:
-            share = csot["time/pass_s"] / csot["time/epoch_s"]
-            print(f"  target csot allocation <= 10% of its epoch: measured {100 * share:.1f}% -> "
-                  f"{'OK' if share <= 0.1 else 'MISS'}")  # fmt: skip
-            ok &= share <= 0.1
-        cifar = results["comixup cifar100"]
-        if "error" not in cifar:
-            share = cifar["time/transform_s"] / cifar["time/train_s"]
-            ratio = cifar["time/step_ms"] / results["vanilla cifar100"]["time/step_ms"]
-            print(f"  record comixup cifar100: {ratio:.2f}x vanilla, mixing {100 * share:.0f}% of step time")
+    return row.result["step_ms"] / base.result["step_ms"]
 
-        print("\nprecision and compile (ms/step; speed-up over fp32 eager)")
-        for name in ("vanilla cifar100", "comixup cifar100", "vanilla imagenet"):
-            overrides, like, batch, _ = ROWS[name]
-            base = results[name]
-            for variant, extra in VARIANTS.items():
-                m = run_row([*overrides, *extra], like, batch, tmp)
-                if "error" in m or "error" in base:
-                    print(f"  {name:<18} {variant:<8} error: {m.get('error', base.get('error'))}")
-                    continue
-                speedup = base["time/step_ms"] / m["time/step_ms"]
-                print(f"  {name:<18} {variant:<8} {m['time/step_ms']:9.1f} ms  {speedup:5.2f}x", flush=True)
+
+def table_line(row: Row, by_key: dict[str, Row]) -> str:
+    """The row's line of the Markdown table; a failed row's error in its figures' place."""
+    r = row.result
+    if "error" in r:
+        return f"| {row.preset} | {row.method} | {row.batches} | error: {r['error']} |"
+    ratio = _ratio(row, by_key.get(row.baseline))
+    syncs = "n/a" if "syncs_error" in r else _fmt(r["syncs_per_step"], ".2f")
+    cells = [row.preset, row.method, row.batches, _fmt(r["step_ms"], ".1f"), _fmt(r["images_s"], ".0f"),
+             _fmt(r["peak_gb"], ".2f"), _fmt(r["reserved_gb"], ".2f"), _fmt(r["method_share"], ".1%"), syncs,
+             "-" if ratio is None else f"{ratio:.2f}x"]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
+
+
+def targets(rows: list[Row], by_key: dict[str, Row]) -> list[tuple[str, bool]]:
+    """`target ...: measured ..., need ... -> OK|MISS` lines, each with whether it is met."""
+    out = []
+    for row in rows:
+        kind, bound = next((t for prefix, t in TARGETS.items() if row.preset.startswith(prefix)), (None, 0))
+        if kind is None or row.baseline is None:
+            continue
+        base = by_key[row.baseline]
+        if kind == "step":
+            what, need = f"{row.key} step vs {base.method}", f"<= {bound}x"
+            value = _ratio(row, base)
+            shown = _fmt(value, ".2f") + "x"
+        else:
+            what, need = f"{row.key} allocation share of its epoch", f"<= {bound:.0%}"
+            value = row.result.get("allocation_share")
+            shown = _fmt(value, ".1%")
+        ok = value is not None and value <= bound
+        if value is None:
+            shown = f"n/a ({row.result.get('error') or base.result.get('error', 'not measured')})"
+        out.append((f"target {what}: measured {shown}, need {need} -> {'OK' if ok else 'MISS'}", ok))
+    return out
+
+
+def variants(rows: list[Row], tmp: Path) -> tuple[list[str], list[dict]]:
+    """fp32 against `VARIANTS` (bf16, torch.compile) for the rows of `VARIANT_PRESETS`: table lines and
+    records (ms/step, speed-up over fp32 eager)."""
+    head = ["preset", "method", "fp32 ms/step", *(f"{v} ms/step (speed-up)" for v in VARIANTS)]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    print("\n".join(lines), flush=True)
+    records = []
+    for row in (r for r in rows if r.preset in VARIANT_PRESETS):
+        cells = [row.preset, row.method, _fmt(row.result.get("step_ms"), ".1f")]
+        for variant, extra in VARIANTS.items():
+            twin = dataclasses.replace(row, result={})
+            run_rows([twin], tmp, tuple(extra))
+            records.append({"key": row.key, "variant": variant, **twin.result})
+            if "error" in twin.result:
+                cells.append(f"error: {twin.result['error']}")
+            else:
+                ms = twin.result["step_ms"]
+                speedup = _fmt(row.result["step_ms"] / ms if "step_ms" in row.result else None, ".2f")
+                cells.append(f"{ms:.1f} ({speedup}x)")
+        lines.append("| " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    return lines, records
+
+
+def ddp_scaling(rows: list[Row], tmp: Path) -> str:
+    """`DDP_PRESET`'s method row on every visible GPU (torchrun, `hardware=ddp`) against one GPU."""
+    n = torch.cuda.device_count()
+    row = next((r for r in rows if r.preset == DDP_PRESET and r.baseline), None)
+    if n < 2:
+        return f"DDP scaling: skipped, {n} CUDA device visible (it needs 2 or more)"
+    if row is None or "error" in row.result:
+        return f"DDP scaling: skipped, no single-GPU row of {DDP_PRESET} to compare with"
+    if row.batch % n:
+        return f"DDP scaling: skipped, {row.key}'s batch of {row.batch} does not split over {n} GPUs"
+    run_dir = tmp / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", "-m",
+           "runner.cli", *row.args, "hardware=ddp", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode:  # a rank's one-line error or exception, above torchrun's report of the failure
+        lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+        reason = re.compile(r"runner: error: |[\w.]+(Error|Exception): \S")
+        error = next((line for line in lines if reason.match(line)), lines[-1] if lines else "no output")
+        return f"DDP scaling: {row.key} on {n} GPUs: error: {error}"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in metrics if r.get(row.prefix + "epoch") == 2)[row.prefix + "time/step_ms"]
+    images = 1000 * row.samples / step
+    return (f"DDP scaling: {row.key} on {n} GPUs: {step:.1f} ms/step, {images:.0f} images/s, "
+            f"{images / (n * row.result['images_s']):.0%} of {n} times one GPU's")  # fmt: skip
+
+
+def _record_name() -> str:
+    """<gpu>-<torch>-<commit>: the device, the torch version and the checkout measured."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    try:
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    except OSError:  # no git
+        git = ""
+    return re.sub(r"[^A-Za-z0-9.+_-]+", "-", f"{device}-{torch.__version__}-{git or 'nogit'}")
+
+
+def main(argv: list[str] | None = None) -> bool | None:
+    parser = argparse.ArgumentParser("python -m benchmarks.bench_gpu", description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="every row for 2 steps, at CPU size")
+    parser.add_argument("--steps", type=int, default=STEPS, help="steps per epoch (default %(default)s)")
+    parser.add_argument("--only", nargs="+", default=[], help="the presets whose name contains one of these")
+    parser.add_argument("--out", type=Path, help="where the record goes (default: results/, or a tmp dir)")
+    opts = parser.parse_args([] if argv is None else argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not opts.smoke:
+        print("bench_gpu: no CUDA device here; nothing measured (run it on a GPU machine, or with --smoke)")
+        return None
+    full = cuda and not opts.smoke
+    steps = opts.steps if full else 1
+    results = Path(__file__).parent / "results"
+    out = opts.out or (results if full else Path(tempfile.mkdtemp(prefix="bench_gpu-")))
+    presets = [p for p in PRESETS if not opts.only or any(s in p for s in opts.only)]
+    started, threads = time.perf_counter(), torch.get_num_threads()
+    if not cuda:  # tiny batches on a shared CPU: threads that wait for each other lose 10x under load
+        torch.set_num_threads(1)
+    name = _record_name()
+    print(f"bench_gpu{'' if full else ' --smoke'} {name}: 2 epochs of {steps} step(s) per run on generated "
+          "data, the second measured", flush=True)  # fmt: skip
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
+    print("\n".join(lines), flush=True)
+    rows: list[Row] = []
+    by_key: dict[str, Row] = {}
+    checks, extra, variant_records = [], [], []
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench_gpu-runs-") as tmp:
+            for preset in presets:
+                try:
+                    planned = plan(preset, not full, steps)
+                except Exception as e:
+                    planned = [Row(preset, "-", [], 0, result={"error": _one_line(e)})]
+                else:
+                    run_rows(planned, Path(tmp))
+                for row in planned:
+                    rows.append(row)
+                    by_key[row.key] = row
+                    lines.append(table_line(row, by_key))
+                    print(lines[-1], flush=True)
+            checks = targets(rows, by_key) if full else []
+            for text, _ in checks:
+                print(text, flush=True)
+            if full:
+                print()
+                variant_lines, variant_records = variants(rows, Path(tmp))
+                try:
+                    ddp = ddp_scaling(rows, Path(tmp))
+                except Exception as e:  # the rows' record is written whatever happens here
+                    ddp = f"DDP scaling: error: {_one_line(e)}"
+                extra = ["", *variant_lines, "", ddp]
+                print(ddp)
+    finally:
+        torch.set_num_threads(threads)
+    notes = [f"syncs n/a for {row.key}: runner.device_tracking failed: {row.result['syncs_error']}"
+             for row in rows if "syncs_error" in row.result]  # fmt: skip
+    for note in notes:
+        print(note)
+    failed = [row for row in rows if "error" in row.result]
+    ok = not failed and all(met for _, met in checks)
+    summary = f"{len(rows) - len(failed)}/{len(rows)} rows ran in {time.perf_counter() - started:.0f} s"
+    out.mkdir(parents=True, exist_ok=True)
+    text = [f"# bench_gpu {name}", "", *lines, "", *(t for t, _ in checks), *notes, *extra, "", summary, ""]
+    (out / f"{name}.md").write_text("\n".join(text))
+    record = {"name": name, "smoke": not full, "steps": steps, "summary": summary,
+              "rows": [{"key": row.key, **dataclasses.asdict(row)} for row in rows],
+              "targets": [{"line": t, "ok": met} for t, met in checks], "variants": variant_records,
+              "ddp": extra[-1] if extra else None}  # fmt: skip
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    print(f"{summary}: {'all ok' if ok else 'FAILED'} -> {out / name}.md, .json")
     return ok
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    sys.exit(0 if main(sys.argv[1:]) is not False else 1)

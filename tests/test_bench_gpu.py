@@ -1,0 +1,102 @@
+"""`make bench-gpu` (benchmarks/bench_gpu.py): `--smoke` runs every paper preset's row and its baseline's
+on this machine; a failed row is one line and the others go on; the targets read the measured ratios;
+without CUDA (and without --smoke) nothing is measured."""
+
+import contextlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "bench_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_gpu"] = module  # dataclasses resolve the module's annotations through it
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["bench_gpu"]
+
+
+def _record(folder: Path) -> dict:
+    (path,) = folder.glob("*.json")
+    return json.loads(path.read_text())
+
+
+def test_smoke_runs_every_preset_and_its_baseline_and_records_them_outside_the_repo(bench, tmp_path, capsys):
+    before = sorted((ROOT / "benchmarks" / "results").iterdir())
+    ok = bench.main(["--smoke", "--out", str(tmp_path)])
+    record = _record(tmp_path)
+    rows = record["rows"]
+    assert {row["key"]: row["result"]["error"] for row in rows if "error" in row["result"]} == {}
+    assert ok is True
+    assert [row["preset"] for row in rows[::2]] == list(bench.PRESETS)
+    assert all(row["result"]["step_ms"] > 0 and row["batch"] > 0 for row in rows)
+    assert all(row["baseline"] == rows[i - 1]["key"] for i, row in enumerate(rows) if i % 2)  # pairs
+    printed = capsys.readouterr().out
+    assert all(f"| {row['preset']} | {row['method']} |" in printed for row in rows)
+    assert (tmp_path / f"{record['name']}.md").read_text().count("\n| ") == 1 + len(rows)  # head, rows
+    assert sorted((ROOT / "benchmarks" / "results").iterdir()) == before
+
+
+def test_a_failed_row_is_one_line_the_others_run_and_the_status_says_so(bench, tmp_path, monkeypatch, capsys):
+    good = bench.plan("pwc_cifar10", smoke=True, steps=1)[0]
+    bad = bench.Row("pwc_cifar10", "nope", ["+experiment=nope", "logger=none"], 1)
+    monkeypatch.setattr(bench, "plan", lambda preset, smoke, steps: [bad, good])
+    assert bench.main(["--smoke", "--only", "pwc_cifar10", "--out", str(tmp_path)]) is False
+    printed = capsys.readouterr().out
+    (line,) = [line for line in printed.splitlines() if "| nope |" in line]
+    assert "error: runner: error: experiment='nope' is not an option" in line
+    rows = {row["method"]: row["result"] for row in _record(tmp_path)["rows"]}
+    assert rows["pwc random"]["step_ms"] > 0 and "error" not in rows["pwc random"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's tracking harness")
+def test_a_run_the_tracking_harness_breaks_runs_again_without_it(bench, tmp_path, monkeypatch, capsys):
+    @contextlib.contextmanager
+    def broken():
+        raise RuntimeError("harness broke\nsecond line")
+        yield
+
+    monkeypatch.setattr("runner.device_tracking.tracking", broken)
+    assert bench.main(["--smoke", "--only", "pwc_cifar10", "--out", str(tmp_path)]) is True
+    lines = capsys.readouterr().out.splitlines()
+    failed = "runner.device_tracking failed: RuntimeError: harness broke"  # its error's first line
+    assert [line for line in lines if failed in line] == [
+        f"syncs n/a for pwc_cifar10 {method}: {failed}" for method in ("pwc random", "pwc ctrans")
+    ]
+    (line,) = [line for line in lines if line.startswith("| pwc_cifar10 | pwc random |")]
+    assert line.endswith("| n/a | - |")
+    assert all(row["result"]["step_ms"] > 0 for row in _record(tmp_path)["rows"])
+
+
+def test_the_targets_bound_the_step_ratio_and_csot_allocation(bench):
+    def pair(preset, base, base_ms, method, ms, **result):
+        first = bench.Row(preset, base, [], 1, result={"step_ms": base_ms})
+        return [first, bench.Row(preset, method, [], 1, baseline=first.key, result={"step_ms": ms, **result})]
+
+    rows = [*pair("comixup_imagenet", "erm", 100.0, "comixup", 230.0),
+            *pair("dbot_cifar100_lt", "lt_ce", 10.0, "dbot", 11.0),
+            *pair("csot_cifar100", "ce", 10.0, "csot", 30.0, allocation_share=0.05),
+            *pair("pwc_cifar10", "pwc random", 1.0, "pwc ctrans", 9.0),  # no target
+            bench.Row("hier_hash_imagenet", "hier_hash", [], 1, baseline="comixup_imagenet erm",
+                      result={"error": "boom"})]  # fmt: skip
+    lines = bench.targets(rows, {r.key: r for r in rows})
+    assert lines == [
+        ("target comixup_imagenet comixup step vs erm: measured 2.30x, need <= 2.2x -> MISS", False),
+        ("target dbot_cifar100_lt dbot step vs lt_ce: measured 1.10x, need <= 1.2x -> OK", True),
+        ("target csot_cifar100 csot allocation share of its epoch: measured 5.0%, need <= 10% -> OK", True),
+        ("target hier_hash_imagenet hier_hash step vs erm: measured n/a (boom), need <= 1.2x -> MISS", False),
+    ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="measures on CUDA")
+def test_without_cuda_and_smoke_nothing_is_measured(bench, capsys):
+    assert bench.main() is None
+    assert capsys.readouterr().out.count("\n") == 1
