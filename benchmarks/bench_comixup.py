@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from runner.cli import _compose
 from runner.configs.classify import CoMixupConfig
 from runner.hardware import RunContext
+from runner.hooks.mixup import MixupHooks
 from runner.methods.comixup import (
     CONFIG_KEYS,
     OPTIONS,
@@ -43,7 +44,6 @@ from runner.methods.comixup import (
     pool_saliency,
 )
 from runner.methods.mixup import puzzle_mix
-from runner.methods.mixup_training import MixupHooks
 from runner.models import build_model
 from runner.schema import to_node
 

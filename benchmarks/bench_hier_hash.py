@@ -68,7 +68,7 @@ def iteration_shares():
     import torch
     from omegaconf import OmegaConf
 
-    from runner.methods.hash_training import hash_step
+    from runner.hooks.hier_hash import hash_step
     from runner.models import build_model
     from runner.models.hashing import EmbeddingNet
 

@@ -12,8 +12,8 @@ import time
 import numpy as np
 
 from runner.cli import _compose
+from runner.hooks.pwc import cover_options
 from runner.methods.pwc import cover
-from runner.methods.pwc_training import cover_options
 
 K = 30
 TARGET_N = 200

@@ -13,7 +13,7 @@ import torch
 from runner.canvas_metrics import canvas_metrics
 from runner.configs.classify import METHODS, MIXUP, CoMixupConfig, PuzzleMixConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
-from runner.methods.mixup_training import MixupHooks, TargetLoss
+from runner.hooks.mixup import MixupHooks, TargetLoss
 from runner.models import build_model
 from runner.schema import ConfigError
 from runner.train import fit

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from runner.configs.covering import METHODS, CoverConfig  # noqa: F401  (tests import them here)
+from runner.hooks.pwc import cover_options, predictive_entropy, share_count, trained_model
 from runner.methods.pwc import cover
-from runner.methods.pwc_training import cover_options, predictive_entropy, share_count, trained_model
 from runner.plots import new_figure, project_2d, save_figure
 from runner.schema import ConfigError
 

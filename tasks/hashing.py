@@ -13,7 +13,7 @@
    is trained per ks (the paper's protocol; margin, N-pairs lambda and beta may differ per ks).
    With `eval_every`, the validation hash Pr@1 is measured before training and every that many
    epochs, and the best-validation weights are kept (the authors' model selection). Every net trains
-   through `runner.train.fit` (`runner.methods.hash_training.HashHooks`), checkpointed and resumed as
+   through `runner.train.fit` (`runner.hooks.hier_hash.HashHooks`), checkpointed and resumed as
    `checkpoints/<net>.pt` (net: base, ours_ks<ks>, k1-d<d>_ks<ks>), its rows `<net>/...` in metrics.
    Under DDP each rank forwards a slice of the batch and the loss is that of the gathered batch.
 3. Retrieval for each ks and K: a hash table of `tables` (test: test items, query excluded;
@@ -41,7 +41,7 @@ from torch import nn
 
 from runner.configs.hashing import METHODS, PER_KS, HierHashConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
-from runner.methods.hash_training import (
+from runner.hooks.hier_hash import (
     HashHooks,
     base_loss,
     baseline_codes,

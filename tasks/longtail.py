@@ -47,8 +47,8 @@ import numpy as np
 from runner.configs.longtail import METHODS, LongTailConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
 from runner.distributed_passes import predict_all
+from runner.hooks.dbot import LossHook, evaluate_rules, resampled_test_sets
 from runner.methods.dbot import CosineClassifier
-from runner.methods.dbot_training import LossHook, evaluate_rules, resampled_test_sets
 from runner.models import build_model
 from runner.schema import ConfigError
 from runner.train import fit

@@ -416,7 +416,7 @@ def hooks_step(workers, seed=3):
     """One Co-Mixup step of `MixupHooks` (clean pass, mix, loss, backward) on a fixed model and batch:
     (mixed x, mixed y, loss, weight gradients, the hooks)."""
     from runner.configs.classify import CoMixupConfig
-    from runner.methods.mixup_training import MixupHooks
+    from runner.hooks.mixup import MixupHooks
     from runner.schema import to_node
 
     cfg = to_node(CoMixupConfig(grid=2, part=4, preview=False))
@@ -465,7 +465,7 @@ def test_auto_workers_one_per_partition_up_to_the_cores(monkeypatch):
 def test_auto_workers_start_a_pool_on_an_accelerator(monkeypatch):
     import runner.hardware
     from runner.configs.classify import CoMixupConfig
-    from runner.methods import mixup_training
+    from runner.hooks import mixup as mixup_training
     from runner.schema import to_node
 
     monkeypatch.setattr(runner.hardware, "is_accelerator", lambda device: True)  # what the ctx is asked
@@ -727,7 +727,7 @@ def test_tiny_imagenet_and_imagenet_presets_compose_for_every_row():
 
 
 def test_erm_with_bce_trains_on_the_authors_loss():
-    from runner.methods.mixup_training import mixed_loss
+    from runner.hooks.mixup import mixed_loss
     from tasks.classify import HOOKS, METHODS
 
     assert HOOKS["erm"](METHODS["erm"](), None, None) is None  # plain soft CE: fit's own loss

@@ -9,7 +9,7 @@ from conftest import summaries
 
 from runner.cli import _compose, _typed, preflight
 from runner.hardware import RunContext, seed_everything
-from runner.methods.pwc_training import predictive_entropy
+from runner.hooks.pwc import predictive_entropy
 from runner.schema import ConfigError, validate
 from runner.track import Tracker
 from tasks.covering import (

@@ -119,7 +119,7 @@ def test_longtail_loss_hook_runs_on_the_device(device, loss):
     """The per-step work of tasks/longtail.py: its hook's loss lives on ctx.device and equals the CPU one."""
     from types import SimpleNamespace
 
-    from runner.methods.dbot_training import LossHook
+    from runner.hooks.dbot import LossHook
 
     cfg = SimpleNamespace(
         loss=loss, loss_mode="official", k_train=2, train_delta=0.1, la_tau=1.0, focal_gamma=2.0,

@@ -12,6 +12,14 @@ from omegaconf import OmegaConf
 from runner.cli import preflight
 from runner.data import load_data, longtail_counts
 from runner.data.blobs import BlobsConfig
+from runner.hooks.dbot import (
+    LossHook,
+    evaluate_rules,
+    group_accuracies,
+    infer,
+    longtail_loss,
+    resampled_test_sets,
+)
 from runner.methods.dbot import (
     CosineClassifier,
     class_balanced_weights,
@@ -19,14 +27,6 @@ from runner.methods.dbot import (
     ldam_loss,
     ldam_margins,
     weighted_focal_loss,
-)
-from runner.methods.dbot_training import (
-    LossHook,
-    evaluate_rules,
-    group_accuracies,
-    infer,
-    longtail_loss,
-    resampled_test_sets,
 )
 from runner.schema import ConfigError
 from tasks.clustering import BalancedClusterConfig, DBOTClusterConfig, cluster_scores

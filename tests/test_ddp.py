@@ -311,7 +311,7 @@ def test_sharded_passes_gather_every_sample_in_order(tmp_path):
 def _mixup_rank(rank, world_size, port, tmp_path, method):
     """A mixup-family method's hooks and `fit` on 8x8 toy images: every rank's parameters, per rank."""
     from runner.configs.classify import METHODS
-    from runner.methods.mixup_training import MixupHooks
+    from runner.hooks.mixup import MixupHooks
     from runner.schema import CNNConfig, to_node
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -24,8 +24,12 @@ PRESETS = {
     "comixup": [MIXUP, "+method=comixup"],
     # the warm-up epoch, then an epoch after CSOT's first selection (an allocation of several chunks)
     "csot": ["+experiment=csot_cifar100", "method.warmup=1", "train.epochs=2", "method.solve_batch=64"],
-    "dbot": ["+experiment=dbot_cifar100_lt", "train.warmup_epochs=0", "dataset.imbalance=2"],
-    "hashing": ["+experiment=hier_hash_cifar100_triplet", "method.iters=16", "method.input_norm=dataset"],
+    # fake labels are the sample index mod 100: every test class needs 100 test samples
+    "dbot": ["+experiment=dbot_cifar100_lt", "train.warmup_epochs=0", "dataset.imbalance=2",
+             "dataset.train_size=600", "dataset.test_size=100"],
+    "hashing": ["+experiment=hier_hash_cifar100_triplet", "method.iters=16", "method.base_iters=16",
+                "method.ks=[1]", "method.margin=[0.5]", "method.npairs_l2=[0.03]",
+                "method.baselines=[th,lsh,level1]", "method.input_norm=dataset"],
 }
 SYNCS_PER_STEP = 2  # the deferred non-finite check (every 16 steps) and a method's one inherent read
 EPOCH_START_SYNCS = 100  # CSOT's allocation: the chunks solved as one batched problem

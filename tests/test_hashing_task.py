@@ -13,7 +13,7 @@ from runner.cli import _compose
 from runner.data import Data, Split, load_data
 from runner.data.samplers import ClassBalancedSampler
 from runner.device_tracking import STAND_IN, DeviceTracker
-from runner.methods import hash_training
+from runner.hooks import hier_hash as hash_training
 from runner.methods import hier_hash as hh
 from runner.schema import ConfigError, TrainConfig, validate
 from runner.track import Tracker

@@ -21,7 +21,7 @@ class ERMConfig(MethodConfig):
     )
 
 
-# --- the mixup family (runner/methods/mixup.py, comixup.py; hooks in mixup_training.py) ---------------
+# --- the mixup family (runner/methods/mixup.py, comixup.py; hooks in runner/hooks/mixup.py) ---------------
 
 
 @dataclass
