@@ -424,9 +424,9 @@ def test_partial_wasserstein_bad_input(a, b, match):
 def test_docstring_examples_run():
     import doctest
 
+    import runner.hooks.pwc
     import runner.methods.pwc
-    import runner.methods.pwc_training
 
-    for module in (runner.methods.pwc, runner.methods.pwc_training,):
+    for module in (runner.methods.pwc, runner.hooks.pwc,):
         result = doctest.testmod(module)
         assert result.attempted and not result.failed, module.__name__
