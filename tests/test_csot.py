@@ -9,8 +9,13 @@ from omegaconf import OmegaConf
 
 from runner.data import inject_label_noise, load_data
 from runner.data.builtin import CIFAR10_ASYM
+from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.methods.csot import (
+    _armijo,
+    _batched_armijo,
     allocate,
+    batched_csot_plan,
+    batched_curriculum_ot,
     coherence_energy,
     csot_plan,
     curriculum_budget,
@@ -320,6 +325,143 @@ def test_allocate_matches_per_chunk_solves():
         np.testing.assert_allclose(confidence[idx], c)
         np.testing.assert_array_equal(selected[idx], s)
     assert selected.sum() == 12 + 12 + 2  # floor(0.4 * 32) twice, floor(0.4 * 6)
+
+
+# ----------------------------------------------------------------------------- batched (tensor) path
+# The batched solvers take each chunk through csot_plan's steps (the same tests decide the same steps) and
+# differ by rounding only: log-domain exponents of a few hundred at a few ulp each (~1e-13 relative),
+# through <= 10 contracting steps; 1e-9 on confidences and plans leaves two orders of magnitude. Every
+# inner solve here converges (no chunk stops at inner_max_iter, where the paths would agree only to the
+# inner residual: see batched_csot_plan).
+
+
+def noisy_epoch(seed, n, c=6, d=10):
+    """Peaked softmax outputs with 40% label noise and clustered features (a network half-way through)."""
+    rng = np.random.default_rng(seed)
+    truth = rng.integers(c, size=n)
+    labels = np.where(rng.random(n) < 0.4, rng.integers(c, size=n), truth)
+    logits = 3.0 * np.eye(c)[truth] + 1.5 * np.eye(c)[labels] + rng.standard_normal((n, c))
+    probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    features = rng.standard_normal((c, d))[truth] + 0.5 * rng.standard_normal((n, d))
+    return probs, features, labels
+
+
+@pytest.mark.parametrize(
+    "m, kwargs",
+    [(0.43, {}), (1.0, {}), (0.3, {"omega_p_input": "log_softmax"}), (0.6, {"kappa_p": 0, "kappa_l": 0}),
+     (0.5, {"kappa_l": 0, "max_iter": 3})],
+)  # fmt: skip
+def test_batched_allocation_matches_the_per_chunk_numpy_path(m, kwargs):
+    """allocate on tensors (one batched problem, the last chunk padded) against allocate on numpy arrays
+    (csot_plan per chunk): the same selection, confidences to rounding, the same steps."""
+    probs, features, labels = noisy_epoch(22, n=700)  # chunks of 128: five full, one of 60 rows
+    ref = allocate(probs, features, labels, m, solve_batch=128, seed=5, log=True, warn=False, **kwargs)
+    out = allocate(*map(torch.as_tensor, (probs, features, labels)), m, solve_batch=128, seed=5, log=True,
+                   warn=False, **kwargs)  # fmt: skip
+    assert out[0].dtype == torch.int64 and out[1].dtype == torch.float64 and out[2].dtype == torch.bool
+    np.testing.assert_array_equal(out[0].numpy(), ref[0])
+    np.testing.assert_allclose(out[1].numpy(), ref[1], rtol=0, atol=1e-9)
+    np.testing.assert_array_equal(out[2].numpy(), ref[2])
+    assert {k: out[3][k] for k in ("n_iter", "converged", "chunks")} == {
+        k: ref[3][k] for k in ("n_iter", "converged", "chunks")
+    }
+    assert out[3]["err"] == pytest.approx(ref[3]["err"], rel=1e-6, abs=1e-12)
+    assert out[2].sum() == 5 * np.floor(m * 128 + 1e-9) + np.floor(m * 60 + 1e-9)
+
+
+def test_batched_csot_plan_takes_the_steps_of_csot_plan_per_chunk():
+    """Chunks of different sizes (rows marked by `valid`, the rest padding without mass): each one's plan
+    and step count are csot_plan's on its rows alone; padding rows get nothing."""
+    probs, features, labels = noisy_epoch(23, n=3 * 48)
+    sizes = (48, 37, 20)
+    valid = torch.arange(48)[None, :] < torch.tensor(sizes)[:, None]
+    t = [torch.as_tensor(a).view(3, 48, *a.shape[1:]) for a in (probs, features, labels)]
+    plans, log = batched_csot_plan(*t, 0.5, valid=valid, max_iter=20)
+    for p, size in enumerate(sizes):
+        rows = slice(p * 48, p * 48 + size)
+        ref, ref_log = csot_plan(probs[rows], features[rows], labels[rows], 0.5, max_iter=20, log=True)
+        np.testing.assert_allclose(plans[p, :size].numpy(), ref, rtol=0, atol=1e-9 * ref.max())
+        assert not plans[p, size:].any()
+        assert log["n_iter"][p] == ref_log["n_iter"] and bool(log["converged"][p]) == ref_log["converged"]
+        assert float(log["err"][p]) == pytest.approx(ref_log["err"], rel=1e-6, abs=1e-13)
+
+
+def test_batched_curriculum_ot_solves_each_problem_and_leaves_the_frozen():
+    """Each problem's plan is curriculum_ot's to its tolerance, also where the two take different steps:
+    on problem 1 (full mass) an early Anderson extrapolation lands where curriculum_ot's centred kernel
+    overflows, which it replaces at once by the last good point while the log domain rejects it a step
+    later, so the step counts part (130 and 144) but not the fixed point."""
+    probs, _, _ = noisy_epoch(24, n=3 * 40)
+    cost = torch.as_tensor(-np.log(probs)).view(3, 40, 6)
+    row_cap = torch.full((3, 40), 1 / 40, dtype=torch.float64)
+    col_mass = torch.tensor([0.3, 1.0, 0.6], dtype=torch.float64)[:, None].expand(3, 6) / 6
+    frozen = torch.tensor([False, False, True])
+    plan, log = batched_curriculum_ot(cost, row_cap, col_mass, 0.1, max_iter=500, frozen=frozen)
+    for p in range(2):
+        ref, ref_log = curriculum_ot(cost[p].numpy(), row_cap[p].numpy(), col_mass[p].numpy(), 0.1,
+                                     max_iter=500, log=True)  # fmt: skip
+        np.testing.assert_allclose(plan[p].numpy(), ref, rtol=0, atol=1e-9 * ref.max())
+        assert bool(log["converged"][p]) and (log["n_iter"][p] == ref_log["n_iter"]) == (p == 0)
+        shift = log["g"][p].numpy() - ref_log["g"]  # potentials: up to a constant at full mass
+        np.testing.assert_allclose(shift - shift.mean() * (p == 1), 0, atol=1e-9)
+    assert plan[2].abs().max() == 0 and log["n_iter"][2] == 0 and not log["converged"][2]
+    # a warm start from the potentials: the same plans in a few steps
+    warm, warm_log = batched_curriculum_ot(cost, row_cap, col_mass, 0.1, max_iter=500, g_init=log["g"])
+    assert torch.all(warm_log["n_iter"][:2] < log["n_iter"][:2])
+    np.testing.assert_allclose(warm[:2].numpy(), plan[:2].numpy(), rtol=0, atol=1e-9)
+
+
+def test_batched_line_search_takes_the_trials_of_armijo():
+    """_batched_armijo on several 1-D functions at once against _armijo on each: the first trial accepted,
+    quadratic then cubic backtracking, no descent (step 0), a chunk left out (not live)."""
+    coeffs = torch.tensor([[1.0, -1.0, 0.6, 0.0], [0.0, -2.0, 50.0, 0.0], [0.0, -1.0, 0.0, 30.0],
+                           [0.0, 0.5, 1.0, 0.0], [2.0, -1e-3, 1e3, -5e3], [0.0, -1.0, 9.0, 0.0]],
+                          dtype=torch.float64)  # fmt: skip
+
+    def phi(t):  # c0 + c1 t + c2 t^2 + c3 t^3, one polynomial per row
+        return ((coeffs[:, 3] * t + coeffs[:, 2]) * t + coeffs[:, 1]) * t + coeffs[:, 0]
+
+    live = torch.tensor([True] * 5 + [False])
+    steps, values, going_on = _batched_armijo(phi, coeffs[:, 0], coeffs[:, 1], live, lambda v: v < -1e9)
+    assert not going_on
+    for p, (c0, c1, c2, c3) in enumerate(coeffs.tolist()):
+        step, value = _armijo(lambda t, c=(c0, c1, c2, c3): ((c[3] * t + c[2]) * t + c[1]) * t + c[0], c0, c1)
+        if p == 5:  # not live: left where it is
+            step, value = 0.0, c0
+        assert float(steps[p]) == pytest.approx(step, rel=1e-12, abs=0)
+        assert float(values[p]) == pytest.approx(value, rel=1e-12, abs=1e-15)
+    assert steps[0] == 0.99 and 0 < steps[1] < 0.5 and 0 < steps[2] < 0.5 and steps[3] == 0
+
+
+@pytest.mark.parametrize("n_chunks", [4, 32])
+def test_batched_allocation_reads_the_device_a_bounded_number_of_times(n_chunks):
+    """On the stand-in device (runner.device_tracking), whatever the number of chunks: at most 100 reads,
+    no host-device mix, nothing numpy'd on the device; the results stay on the device."""
+    probs, features, labels = noisy_epoch(25, n=n_chunks * 64 - 10)
+    with DeviceTracker() as tracker:
+        inputs = [torch.as_tensor(a).to(STAND_IN, non_blocking=True) for a in (probs, features, labels)]
+        out = allocate(*inputs, 0.43, solve_batch=64, seed=1, warn=False)
+        assert all(o.device == STAND_IN for o in out)
+    counts = tracker.counts["other"]
+    assert counts.get("mix", 0) == 0 and counts.get("numpy", 0) == 0, tracker.report()["sites"]
+    assert 5 <= counts["sync"] <= 100, tracker.report()["sites"]
+
+
+def test_batched_input_checks():
+    probs, features, labels = (torch.as_tensor(a) for a in noisy_epoch(26, n=50))
+    bad = probs.clone()
+    bad[3, 1] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        allocate(bad, features, labels, 0.5, solve_batch=16)
+    with pytest.raises(ValueError, match="summing to one"):
+        allocate(probs * 1.1, features, labels, 0.5, solve_batch=16)
+    with pytest.raises(ValueError, match="labels must lie"):
+        allocate(probs, features, labels + 6, 0.5, solve_batch=16)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        allocate(probs, features, labels, 1.5, solve_batch=16)
+    features[7, 2] = float("inf")
+    with pytest.raises(ValueError, match="features contains NaN"):
+        allocate(probs, features, labels, 0.5, solve_batch=16)
 
 
 def test_curriculum_budget_paper_rule_hand_values():

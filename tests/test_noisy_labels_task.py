@@ -1,6 +1,7 @@
 """The noisy-label task: configs, the network, views, the two loaders, the selection hook against the
 solver, the losses and their Table 4 ablations, the CLI."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -9,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from runner.augment import cutout, shift
+from runner.augment import OPS, PolicyAugment, apply_ops, cutout, policy_table, shift
 from runner.data import Data, Split
 from runner.data.samplers import PoolBatches, pool_batches
 from runner.data.views import Views
+from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.faults import Interrupted
 from runner.hardware import RunContext
 from runner.methods.csot import allocate
@@ -135,9 +137,52 @@ def test_views_keep_shapes_and_content():
     torch.manual_seed(0)
     holes = (cutout(torch.ones(64, 3, 32, 32), 16) == 0).sum(dim=(2, 3))  # Cutout 16 of the CIFAR-LT recipe
     assert holes.max() == 256 and holes.min() >= 64 and (holes[:, 0:1] == holes).all()
-    views = Views((3, 32, 32), groups=2, mean=[0.5] * 3, std=[0.25] * 3)
+    views = Views((3, 32, 32), mean=[0.5] * 3, std=[0.25] * 3)
     assert views.strong(torch.randn(6, 3, 32, 32)).shape == (6, 3, 32, 32)
     assert Views((7,)).strong(torch.randn(3, 7)).shape == (3, 7)
+
+
+@pytest.mark.parametrize(
+    "policy, shape", [("autoaugment_cifar10", (3, 32, 32)), ("autoaugment_imagenet", (1, 20, 20)),
+                      ("randaugment", (3, 24, 40))],
+)  # fmt: skip
+def test_policy_ops_are_torchvisions(policy, shape):
+    """Every (op, magnitude, sign) of the policy, one per image of a batch, against torchvision's own call
+    on that image (`AutoAugment`'s dispatch; float kernels): the geometry to the pixel, the colour ops to
+    float rounding (the sharpness smoothing is summed in another order)."""
+    from torchvision.transforms import v2
+
+    stages = [stage for row in policy_table(policy, *shape[1:]) for stage in row]
+    entries = sorted(
+        {(op, sign * mag) for op, _, mag, signed in stages for sign in ((1, -1) if signed else (1,))}
+    )
+    torch.manual_seed(0)
+    images = torch.rand(len(entries), *shape)
+    images[0] = 0.5  # a flat image: autocontrast and equalize leave it
+    augment = PolicyAugment(policy, [0.5] * shape[0], [0.25] * shape[0])
+    ops = torch.tensor([OPS.index(op) for op, _ in entries])
+    out = apply_ops(images, ops, torch.tensor([mag for _, mag in entries], dtype=torch.float64),
+                    augment.constants(images))  # fmt: skip
+    torchvision = v2.AutoAugment()
+    for image, result, (op, mag) in zip(images, out, entries):
+        expected = torchvision._apply_image_or_video_transform(image, op, mag, "nearest", torchvision._fill)
+        torch.testing.assert_close(result, expected, rtol=0, atol=1e-6, msg=f"{op} {mag}")
+
+
+def test_policy_is_drawn_per_image_and_never_waits_for_the_device():
+    image = torch.rand(1, 3, 32, 32)
+    augment = PolicyAugment("autoaugment_cifar10", [0.5] * 3, [0.25] * 3)
+    with DeviceTracker() as tracker:
+        x = image.expand(256, -1, -1, -1).to(STAND_IN, non_blocking=True)
+        augment(x)  # makes its constants on the device (a few copies, once)
+        with tracker.in_phase("train"):
+            out = augment(x)
+    assert dict(tracker.counts["train"]) == {}, tracker.report()["sites"]
+    distinct = torch.unique(out.flatten(1), dim=0)
+    assert len(distinct) > 25  # 25 sub-policies, each stage applied or not, signs: many per batch
+    assert torch.isclose(out, image, atol=1e-6).all((1, 2, 3)).any()  # some drew nothing that changes them
+    with pytest.raises(ValueError, match="policy"):
+        PolicyAugment("trivialaugment", [0.5], [0.25])
 
 
 def test_gmm_separates_small_losses():
@@ -173,8 +218,9 @@ def test_pool_batches_take_the_rank_shard_of_each_pool_for_the_longer_pool(rank)
     sampler.set_epoch(3, start=5)  # mid-epoch resume: the same batches from step 5 on
     assert [b.tolist() for b in sampler] == [b.tolist() for b in steps[5:]]
     pools = [torch.arange(0), torch.arange(10)]  # an empty pool: the other's batches alone
+    assert sampler.layout == [2, 2]  # this rank's share of each pool in every batch, in pool order
     sampler.set_epoch(4)
-    assert [len(b) for b in sampler] == [2, 2]
+    assert [len(b) for b in sampler] == [2, 2] and sampler.layout == [0, 2]
     assert [len(b) for b in PoolBatches(lambda: None, 4, fallback=EpochBatches(12, 4))] == [4, 4, 4]
 
 
@@ -303,6 +349,51 @@ def test_selection_hook_matches_the_solver(tmp_path, name):
     assert (clean | corrected).sum() == sum(
         int(np.floor(m * len(c))) for c in np.array_split(np.arange(n), [50, 100])
     )
+
+
+def test_selection_pass_is_fp32_under_bf16(tmp_path):
+    """The probabilities and features of the selection come from an fp32 pass whatever the run's precision."""
+    data = _toy()
+    hooks, model, ctx = _hooks("csot", data, tmp_path)
+    fp32 = probabilities_and_features(model, data.train, ctx)
+    bf16 = probabilities_and_features(model, data.train, dataclasses.replace(ctx, precision="bf16"))
+    for a, b in zip(fp32, bf16):
+        np.testing.assert_array_equal(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.forward_features(data.train.x).dtype == torch.bfloat16  # what the pass would have been
+
+
+def test_hooks_on_an_accelerator_select_as_on_the_cpu_without_waiting_per_step(tmp_path, monkeypatch):
+    """On the tracker's stand-in device (an accelerator to `RunContext.accelerator`) the selection runs on
+    tensors (the batched solver) and picks the CPU run's sets; the losses then split fit's batch by position
+    and read nothing back from the device."""
+    import runner.hardware
+
+    with DeviceTracker() as tracker:  # data and model made under the tracker: on the host, as in a run
+        data = _toy(n=200)
+        cpu_hooks, model, _ = _hooks("csot", data, tmp_path / "cpu", batch_size=16)
+        cpu_hooks.on_epoch_start(1, model, data)
+        monkeypatch.setattr(runner.hardware, "is_accelerator", lambda device: device == STAND_IN)
+        ctx = RunContext(STAND_IN, tmp_path / "device", _Tracker())
+        assert ctx.accelerator
+        model.to(STAND_IN)
+        cfg = METHODS["csot"](warmup=1, curriculum_end=5, solve_batch=50)
+        hooks = NoisyLabelHooks(cfg, model, data, ctx, Views(data.input_shape), False, 0, 16)
+        with tracker.in_phase("epoch_start"):
+            hooks.on_epoch_start(1, model, data)
+        sampler = hooks.batch_sampler(EpochBatches(len(data.train), 16))
+        sampler.set_epoch(1)
+        batches = [idx.to(STAND_IN, non_blocking=True) for idx in sampler]
+        x = data.train.x.to(STAND_IN, non_blocking=True)
+        with tracker.in_phase("train"):
+            for idx in batches[:3]:
+                hooks.loss(model, x[idx], None, idx, 1).backward()
+    counts = tracker.counts
+    assert counts["epoch_start"].get("numpy", 0) == 0 and counts["epoch_start"].get("mix", 0) == 0
+    assert counts["epoch_start"]["sync"] <= 100 and dict(counts["train"]) == {}, tracker.report()["sites"]
+    for key in ("clean", "corrected", "pseudo"):
+        np.testing.assert_array_equal(getattr(hooks, key).numpy(), getattr(cpu_hooks, key).numpy())
+    np.testing.assert_allclose(hooks.weight.numpy(), cpu_hooks.weight.numpy(), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("switch, expected", [("data", True), ("epoch", True), ("never", False)])

@@ -83,31 +83,36 @@ class PoolBatches:
     gets them concatenated, pool by pool. The epoch runs for the longer pool's `len(pool) //
     batch_size` steps (at least one), the shorter pool cycling (`pool_batches`), as the paper's two
     loaders with drop_last. The batches are a function of (seed, epoch, pools): the same on every rank
-    and after a resume."""
+    and after a resume. `layout` (set by each iteration over pools) is how many of this rank's samples each
+    pool gives every batch (0 for an empty pool): its first `layout[0]` come from the first pool, and so
+    on, so a loss splits a batch by position."""
 
     def __init__(
         self, pools, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, fallback=None
     ):
         self.pools, self.fallback = pools, fallback
         self.batch_size, self.rank, self.world_size, self.seed = batch_size, rank, world_size, seed
-        self.epoch, self.start = 0, 0
+        self.epoch, self.start, self.layout = 0, 0, None
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = epoch, start
         if self.fallback is not None:
             self.fallback.set_epoch(epoch, start)
 
+    def _steps(self, pools) -> int:
+        return max(1, max(len(pool) // self.batch_size for pool in pools))
+
     def __len__(self) -> int:
         pools = self.pools()
-        if pools is None:
-            return len(self.fallback)
-        return max(1, max(len(pool) // self.batch_size for pool in pools))
+        return len(self.fallback) if pools is None else self._steps(pools)
 
     def __iter__(self):
         pools = self.pools()
         if pools is None:
             return iter(self.fallback)
-        g, steps = _epoch_generator(self.seed, self.epoch), len(self)
+        g, steps = _epoch_generator(self.seed, self.epoch), self._steps(pools)
+        shard = len(range(self.rank, self.batch_size, self.world_size))
+        self.layout = [shard if len(pool) else 0 for pool in pools]
         shards = [
             pool_batches(pool, steps, self.batch_size, g)[:, self.rank :: self.world_size]
             for pool in pools

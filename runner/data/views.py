@@ -27,18 +27,18 @@ class Views:
     """Weak and strong augmentations of a batch on its device.
 
     Images of side >= 16: weak = crop (zero padding `pad`) + flip; strong = weak + `policy`
-    (`runner.augment.PolicyAugment`: AutoAugment's CIFAR-10 or ImageNet policy, or RandAugment, one draw
-    per group of `groups`). Smaller images (digits): weak = shift by up to one pixel; strong = weak + a
-    3x3 cutout + Gaussian noise (0.1). Flat inputs: weak = Gaussian noise (0.05), strong = noise (0.2)
-    and 20% feature dropout.
+    (`runner.augment.PolicyAugment`: AutoAugment's CIFAR-10 or ImageNet policy, or RandAugment, drawn per
+    image). Smaller images (digits): weak = shift by up to one pixel; strong = weak + a 3x3 cutout +
+    Gaussian noise (0.1). Flat inputs: weak = Gaussian noise (0.05), strong = noise (0.2) and 20% feature
+    dropout.
     """
 
-    def __init__(self, input_shape, groups=8, mean=None, std=None, pad=4, policy="autoaugment_cifar10"):
+    def __init__(self, input_shape, mean=None, std=None, pad=4, policy="autoaugment_cifar10"):
         self.kind = "flat" if len(input_shape) != 3 else ("large" if input_shape[1] >= 16 else "small")
         self.pad = pad
         if self.kind == "large":
             c = input_shape[0]
-            self.policy = PolicyAugment(policy, mean or [0.0] * c, std or [1.0] * c, groups)
+            self.policy = PolicyAugment(policy, mean or [0.0] * c, std or [1.0] * c)
 
     def weak(self, x):
         if self.kind == "large":

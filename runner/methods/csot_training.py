@@ -4,6 +4,7 @@ loaders, the paper's and the simple loss), the DivideMix GMM baseline and the se
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -21,16 +22,16 @@ from runner.train import soft_cross_entropy
 def probabilities_and_features(model, split, ctx, batch_size: int = 1024):
     """softmax(classifier(f)) and the features f = `model.forward_features` (float64) of every sample of
     `split` in index order, without augmentation, the pass sharded over the ranks and gathered (one
-    forward pass: the classifier reads the features). numpy on the CPU, tensors on the device
-    otherwise (the CSOT solver runs on either)."""
-    feats = predict_all(model, split, ctx, batch_size, features=True)
-    device = ctx.device
-    probs = torch.cat([
-        F.softmax(model.classifier(part.to(device)).double(), dim=1) for part in feats.split(65_536)
-    ])  # fmt: skip
-    if device.type == "cpu":
-        return probs.numpy(), feats.double().numpy()
-    return probs, feats.to(device, torch.float64)
+    forward pass: the classifier reads the features), in fp32 whatever the run's precision (the plan's
+    cost is -log p and its structure terms cosine similarities: bf16's 8 bits would blur both). numpy
+    off an accelerator, float64 tensors on it (the CSOT solver runs on either)."""
+    feats = predict_all(model, split, dataclasses.replace(ctx, precision="fp32"), batch_size, features=True)
+    if ctx.accelerator:
+        feats = ctx.pin(feats).to(ctx.device, non_blocking=True)
+    probs = torch.cat([F.softmax(model.classifier(part).double(), dim=1) for part in feats.split(65_536)])
+    if ctx.accelerator:
+        return probs, feats.double()
+    return probs.numpy(), feats.double().numpy()
 
 
 def gmm_clean_probability(losses):
@@ -85,7 +86,7 @@ class NoisyLabelHooks:
         self.penalty = cfg.asym_penalty and asymmetric
         self.seed, self.batch_size = seed, batch_size
         n, device = len(data.train), ctx.device
-        self.labels = data.train.y.to(device)
+        self.labels = ctx.pin(data.train.y).to(device, non_blocking=True)
         self.clean = torch.zeros(n, dtype=torch.bool, device=device)
         self.corrected = torch.zeros(n, dtype=torch.bool, device=device)
         self.pseudo = self.labels.clone()
@@ -93,13 +94,15 @@ class NoisyLabelHooks:
         self.selecting = False  # a selection has been made (warm-up over)
         self.stage2 = False
         self.last_stats = {}
+        self.sampler = None  # fit's batches (`batch_sampler`): their layout splits a batch
 
     # --- per epoch -------------------------------------------------------------------------
 
     def batch_sampler(self, default):
         """Until the first selection fit's own batches (`default`); then the clean and unlabeled pools'."""
         ctx = self.ctx
-        return PoolBatches(self.pools, self.batch_size, ctx.rank, ctx.world_size, self.seed, fallback=default)
+        self.sampler = PoolBatches(self.pools, self.batch_size, ctx.rank, ctx.world_size, self.seed, default)
+        return self.sampler
 
     def pools(self):
         """The clean set and the rest (every rank the same), or None before the first selection."""
@@ -126,11 +129,13 @@ class NoisyLabelHooks:
             self.stage2 = at_t_sup
         else:  # the code's latch
             self.stage2 = self.stage2 or corrected.sum() > unselected.sum() or at_t_sup
-        device = self.ctx.device
-        self.clean = torch.as_tensor(clean, device=device)
-        self.corrected = torch.as_tensor(corrected, device=device)
-        self.pseudo = torch.as_tensor(pseudo, dtype=torch.long, device=device)
-        self.weight = torch.as_tensor(weight, dtype=torch.float32, device=device)
+        ctx = self.ctx
+
+        def to_device(array, dtype):  # from page-locked memory: the copy does not wait for the device
+            return ctx.pin(torch.as_tensor(array, dtype=dtype)).to(ctx.device, non_blocking=True)
+
+        self.clean, self.corrected = to_device(clean, torch.bool), to_device(corrected, torch.bool)
+        self.pseudo, self.weight = to_device(pseudo, torch.long), to_device(weight, torch.float32)
         self.selecting = True
         y_clean = data.train.y_clean.numpy() if data.meta.get("clean_train_labels", True) else None
         stats = selection_stats(clean, corrected, pseudo, y, y_clean)
@@ -172,9 +177,10 @@ class NoisyLabelHooks:
     def loss(self, net, x, y_soft, idx, epoch):
         if not self.selecting:  # warm-up (or plain CE): CE on the noisy labels of fit's batch, weak view
             return self._warmup_loss(net, self.views.weak(x), y_soft)
-        # fit's batch is this rank's shard of a clean batch then of an unlabeled one (`pools`)
-        is_clean = self.clean[idx]
-        labeled, unlabeled = ((x[part], idx[part]) if part.any() else None for part in (is_clean, ~is_clean))
+        # fit's batch: this rank's shard of a clean batch, then of an unlabeled one (`PoolBatches.layout`)
+        n_clean = self.sampler.layout[0]
+        labeled = (x[:n_clean], idx[:n_clean]) if n_clean else None
+        unlabeled = (x[n_clean:], idx[n_clean:]) if n_clean < len(idx) else None
         if self.cfg.loss == "simple":
             return self._simple_loss(net, labeled, unlabeled)
         return self._paper_loss(net, labeled, unlabeled)
