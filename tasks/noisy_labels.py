@@ -31,7 +31,7 @@ Selections (`method.selection`):
 Training after the warm-up, as the paper and DivideMix: two loaders, a clean (labeled) batch and an
 unlabeled batch of `train.batch_size` each per step, both shuffled; the epoch runs for the longer loader
 (drop_last) and the shorter one restarts (`runner.data.samplers.PoolBatches`). The hooks, losses and
-GMM baseline are in `runner.methods.csot_training`, the network in `runner.models.noisy_labels`.
+GMM baseline are in `runner.hooks.csot`, the network in `runner.models.noisy_labels`.
 
 Losses (`method.loss`):
 
@@ -65,7 +65,7 @@ from runner.data import load_data
 from runner.data.builtin import CIFAR_STATS
 from runner.data.files import IMAGENET_STATS, FileSplit
 from runner.data.views import Views
-from runner.methods.csot_training import NoisyLabelHooks
+from runner.hooks.csot import NoisyLabelHooks
 from runner.models import build_model
 from runner.models.noisy_labels import NoisyLabelNet
 from runner.schema import ConfigError

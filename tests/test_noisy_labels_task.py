@@ -17,13 +17,13 @@ from runner.data.views import Views
 from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.faults import Interrupted
 from runner.hardware import RunContext
-from runner.methods.csot import allocate
-from runner.methods.csot_training import (
+from runner.hooks.csot import (
     NoisyLabelHooks,
     gmm_clean_probability,
     probabilities_and_features,
     selection_stats,
 )
+from runner.methods.csot import allocate
 from runner.models import MLP
 from runner.models.noisy_labels import NoisyLabelNet
 from runner.schema import ConfigError, TrainConfig

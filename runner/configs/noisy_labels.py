@@ -50,7 +50,6 @@ class NoisyLabelConfig(MethodConfig):
     asym_penalty: bool = True  # warm-up: add mean sum p log p under asymmetric noise (DivideMix)
     gmm_threshold: float = 0.5  # small_loss selection
     strong_aug: Literal[POLICIES] = "autoaugment_cifar10"  # the strong view
-    strong_groups: int = 8  # AutoAugment / RandAugment: one draw per group of samples in a batch
     standardize: bool = False  # inputs to zero mean, unit variance per element (train statistics)
 
     def __post_init__(self):
@@ -59,7 +58,7 @@ class NoisyLabelConfig(MethodConfig):
         check_range("method.eps", self.eps, 0.0, lo_open=True)
         check_range("method.kappa_p", self.kappa_p, 0.0)
         check_range("method.kappa_l", self.kappa_l, 0.0)
-        for key in ("outer_iters", "inner_iters", "solve_batch", "simsiam_hidden", "strong_groups"):
+        for key in ("outer_iters", "inner_iters", "solve_batch", "simsiam_hidden"):
             check_range(f"method.{key}", getattr(self, key), 1)
         check_range("method.m0", self.m0, 0.0, 1.0, lo_open=True)
         check_range("method.curriculum_end", self.curriculum_end, max(self.warmup, 1) + 1)
