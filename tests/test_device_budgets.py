@@ -27,9 +27,9 @@ PRESETS = {
     # fake labels are the sample index mod 100: every test class needs 100 test samples
     "dbot": ["+experiment=dbot_cifar100_lt", "train.warmup_epochs=0", "dataset.imbalance=2",
              "dataset.train_size=600", "dataset.test_size=100"],
-    "hashing": ["+experiment=hier_hash_cifar100_triplet", "method.iters=16", "method.base_iters=16",
+    "hashing": ["+experiment=hier_hash_cifar100_triplet", "method.iters=8", "method.base_iters=8",
                 "method.ks=[1]", "method.margin=[0.5]", "method.npairs_l2=[0.03]",
-                "method.baselines=[th,lsh,level1]", "method.input_norm=dataset"],
+                "method.baselines=[th]", "method.input_norm=dataset"],
 }
 SYNCS_PER_STEP = 2  # the deferred non-finite check (every 16 steps) and a method's one inherent read
 EPOCH_START_SYNCS = 100  # CSOT's allocation: the chunks solved as one batched problem
