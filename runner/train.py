@@ -384,7 +384,8 @@ def _first_line(error: BaseException) -> str:
 @dataclass
 class Step:
     """What one training step uses (`train_step`): the network to train through (compiled, or wrapped
-    in DDP) and the model the hooks see, the optimizer, its scheduler (stepped per batch if `per_step`)
+    in DDP) and the model the hooks see (`hook_net`: the same, compiled if asked, for the batch
+    transform's own passes), the optimizer, its scheduler (stepped per batch if `per_step`)
     and loss scaler, the training labels on the device, the method's `transform` and `loss` hooks, the
     micro-batches per step (`accumulate`), the gradient-norm bound (`clip`, 0: none) and the EMA of the
     weights (`ema`, an `AveragedModel`, or None). Kept on the device for the epoch's row: the steps the
@@ -407,6 +408,7 @@ class Step:
     transform_time: Stopwatch | None = None
     skipped: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None  # [sum, count]
+    hook_net: torch.nn.Module | None = None  # what the transform runs its own passes (saliency) through
 
 
 def train_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
@@ -441,7 +443,7 @@ def _loss(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tens
     y_soft = F.one_hot(s.y_train[idx], s.num_classes).float()
     if s.transform is not None:
         with s.transform_time.span():
-            x, y_soft = s.transform(x, y_soft, idx, s.model)
+            x, y_soft = s.transform(x, y_soft, idx, s.hook_net)
     with s.ctx.autocast():
         return s.loss(s.net, x, y_soft, idx, epoch) if s.loss else soft_cross_entropy(s.net(x), y_soft)
 
@@ -712,6 +714,9 @@ class _Loop:
             getattr(hooks, "transform", None), getattr(hooks, "loss", None), cfg.accumulate,
             cfg.clip_grad_norm, ema, ctx.stopwatch(), torch.zeros((), device=ctx.device),
             torch.zeros(2, device=ctx.device),
+            # the transform's passes through the compiled network, but not through DDP (whose gradient
+            # hooks expect one backward per forward): under DDP a compiled twin of the model
+            net if not ctx.distributed else torch.compile(model) if ctx.compile else model,
         )  # fmt: skip
         # The linear warm-up, per step: lr x (t + 1) / (W + 1) for steps t < W, times the epoch schedule
         # (both schedulers are multiplicative, so they compose); its state travels in the checkpoint.

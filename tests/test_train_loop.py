@@ -161,3 +161,25 @@ def test_mixup_methods_say_whether_they_accumulate(cli, method, ok):
     assert (proc.returncode == 0) == ok, proc.stderr[-500:]
     if not ok:
         assert "train.accumulate=2: this method needs each whole batch" in proc.stderr
+
+
+class SeesTheNetwork:
+    """Records what the transform is given; the loss runs the eager module (no compile time here)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def transform(self, x, y_soft, idx, model):
+        self.seen.append(type(model).__name__)
+        return x, y_soft
+
+    def loss(self, net, x, y_soft, idx, epoch):
+        return (net._orig_mod(x).log_softmax(1) * -y_soft).sum(1).mean()
+
+
+def test_the_transform_runs_through_the_compiled_network(tmp_path):
+    hooks = SeesTheNetwork()
+    model_cfg, train_cfg, ctx = setup(tmp_path, "train.epochs=1", "train.batch_size=50")
+    ctx.compile = True
+    fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx, hooks)
+    assert hooks.seen == ["OptimizedModule"] * 2  # a saliency pass gets the compiled speed-up too
