@@ -23,8 +23,9 @@ from omegaconf import OmegaConf
 
 from runner.schema import ConfigError
 
-# The tasks whose model is the config's network on the dataset's classes (their checkpoints load into it).
-TASKS = ("tasks.classify", "tasks.longtail")
+# The tasks whose checkpoint is a classifier of the dataset's classes: the config's network, or the one
+# the task's `network(cfg, data)` builds (and prepares the data for).
+TASKS = ("tasks.classify", "tasks.longtail", "tasks.noisy_labels")
 WEIGHTS = ("checkpoints/best.pt", "checkpoints/last.pt", "checkpoints/fit.pt")
 
 
@@ -52,7 +53,8 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
         raise ConfigError(f"{run_dir} has no checkpoint ({', '.join(WEIGHTS)})")
     device, _, _ = setup(cfg.hardware)
     data = load_data(cfg.dataset, cfg.seed)
-    model = build_model(cfg.model, data.input_shape, data.num_classes)
+    build = getattr(module, "network", lambda c, d: build_model(c.model, d.input_shape, d.num_classes))
+    model = build(cfg, data)
     try:
         model.load_state_dict(load_checkpoint(path, device)["model"])
     except RuntimeError as e:

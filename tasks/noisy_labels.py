@@ -80,9 +80,10 @@ def smoke(cfg) -> None:
     cfg.method.warmup = 0
 
 
-def run(cfg, ctx) -> dict:
+def network(cfg, data):
+    """The run's network for `data`, which `method.standardize` standardises in place first (by the
+    training split's statistics): what `run` trains and `runner-eval` loads a checkpoint into."""
     method = cfg.method
-    data = load_data(cfg.dataset, cfg.seed)
     if method.standardize:
         if not hasattr(data.train, "x"):
             raise ConfigError(
@@ -92,11 +93,17 @@ def run(cfg, ctx) -> dict:
         for split in (data.train, data.val, data.test):
             split.x = (split.x - mean) / std
     selecting = method.selection != "none"
-    model = NoisyLabelNet(
+    return NoisyLabelNet(
         build_model(cfg.model, data.input_shape, data.num_classes),
         head=method.feature_head and selecting,
         predictor_hidden=method.simsiam_hidden if selecting and method.loss == "paper" else None,
     )
+
+
+def run(cfg, ctx) -> dict:
+    method = cfg.method
+    data = load_data(cfg.dataset, cfg.seed)
+    model = network(cfg, data)
     file_backed = isinstance(data.train, FileSplit)  # normalised with the ImageNet statistics
     mean, std = CIFAR_STATS.get(cfg.dataset.name, IMAGENET_STATS if file_backed else (None, None))
     pad = data.meta.get("crop_pad", 4)

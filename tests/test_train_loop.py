@@ -183,3 +183,12 @@ def test_the_transform_runs_through_the_compiled_network(tmp_path):
     ctx.compile = True
     fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx, hooks)
     assert hooks.seen == ["OptimizedModule"] * 2  # a saliency pass gets the compiled speed-up too
+
+
+def test_runner_eval_rebuilds_a_noisy_label_run_s_network(cli, tmp_path):
+    cli("logger=none", "+experiment=csot_digits", "train.epochs=2", "method.warmup=1", "train.checkpoint=true",
+        "hydra.run.dir=run")  # fmt: skip
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    evaluate(tmp_path / "run", check=True)
+    again = json.loads((tmp_path / "run" / "eval-test.json").read_text())
+    assert again["test/acc"] == pytest.approx(summary["test/acc"], abs=1e-12)  # standardised as the run
