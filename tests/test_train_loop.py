@@ -186,8 +186,8 @@ def test_the_transform_runs_through_the_compiled_network(tmp_path):
 
 
 def test_runner_eval_rebuilds_a_noisy_label_run_s_network(cli, tmp_path):
-    cli("logger=none", "+experiment=csot_digits", "train.epochs=2", "method.warmup=1", "train.checkpoint=true",
-        "hydra.run.dir=run")  # fmt: skip
+    cli("logger=none", "+experiment=csot_digits", "train.epochs=2", "method.warmup=1",
+        "train.checkpoint=true", "hydra.run.dir=run")  # fmt: skip
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     evaluate(tmp_path / "run", check=True)
     again = json.loads((tmp_path / "run" / "eval-test.json").read_text())
