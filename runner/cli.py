@@ -280,7 +280,8 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
         cfg.seed,
         run_dir,
     )
-    summary = {"name": cfg.name, "tags": list(cfg.logger.tags), **ctx.info, **module.run(cfg, ctx)}
+    metrics = module.run(cfg, ctx)  # fills ctx.info (the model's parameter count) as it goes
+    summary = {"name": cfg.name, "tags": list(cfg.logger.tags), **ctx.info, **metrics}
     summary["time/total_s"] = time.perf_counter() - t0
     metric = module.METRIC[0]
     # A non-finite main metric or search objective fails the run (for the report, and for Optuna).

@@ -192,3 +192,27 @@ def test_runner_eval_rebuilds_a_noisy_label_run_s_network(cli, tmp_path):
     evaluate(tmp_path / "run", check=True)
     again = json.loads((tmp_path / "run" / "eval-test.json").read_text())
     assert again["test/acc"] == pytest.approx(summary["test/acc"], abs=1e-12)  # standardised as the run
+
+
+def test_a_run_states_its_config_and_parameter_count_and_carries_its_name_and_tags(cli, tmp_path):
+    cli("logger=none", "+debug=smoke", "name=baseline", "logger.tags=[a,b]", "hydra.run.dir=run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["name"] == "baseline" and summary["tags"] == ["a", "b"]
+    assert summary["model/params"] == summary["model/trainable_params"] > 0
+    log = (tmp_path / "run" / "cli.log").read_text()
+    assert log.count("config (validated):") == 1 and "name: baseline" in log
+    assert f"{summary['model/params'] / 1e6:.2f}M parameters" in log
+
+
+def test_the_solvers_import_nothing_of_the_runner_but_their_common_helpers():
+    import ast
+    from pathlib import Path
+
+    import runner.methods
+
+    for path in Path(runner.methods.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        mine = [name for name in names if name.split(".")[0] in ("runner", "tasks")]
+        assert all(name.startswith("runner.methods.") for name in mine), (path.name, mine)
