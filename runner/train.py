@@ -603,8 +603,9 @@ def fit(
         calibration = loop.best["calibration"]
         log.info("%skept the weights of the best %s, %.4f", f"{tag}: " if tag else "", select[0],
                  loop.best["value"])  # fmt: skip
-    elif not metrics:  # resumed a finished run: report the model as it is
-        metrics, calibration = evaluate_all(model, data, ctx, cfg, hooks)
+    elif not metrics:  # resumed a finished run: its last epoch's row, the model evaluated as it is
+        evaluated, calibration = evaluate_all(model, data, ctx, cfg, hooks)
+        metrics = {**extra.get("metrics", {}), **evaluated}
     metrics.update(history_summary(loop.history))
     metrics.update(loop.monitor.summary())
     metrics["time/train_total_s"] = loop.train_s  # the training steps of this process (not the resumed part)
@@ -773,7 +774,8 @@ class _Loop:
                          _brief(metrics))  # fmt: skip
         watched = self.monitor.after(epoch, evaluated)
         if ctx.is_main and cfg.checkpoint:
-            self.state.save(epoch, None, {"history": self.history, "best": self.best, "monitor": watched})
+            extra = {"history": self.history, "best": self.best, "monitor": watched, "metrics": metrics}
+            self.state.save(epoch, None, extra)
             self.monitor.keep_files()
         self.last_save = time.monotonic()
         stop = self.signals.signum is not None

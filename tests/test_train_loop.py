@@ -216,3 +216,12 @@ def test_the_solvers_import_nothing_of_the_runner_but_their_common_helpers():
         names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         mine = [name for name in names if name.split(".")[0] in ("runner", "tasks")]
         assert all(name.startswith("runner.methods.") for name in mine), (path.name, mine)
+
+
+def test_resuming_a_finished_run_reports_its_last_epoch(tmp_path):
+    # A run killed after its last checkpoint, before its summary: the restart trains nothing and must
+    # still report the last epoch's row (epoch, lr, train/loss) beside the evaluation.
+    _, straight = run(tmp_path, "train.epochs=2")
+    _, again = run(tmp_path, "train.epochs=2")
+    timeless = [{k: v for k, v in m.items() if not k.startswith("time/")} for m in (straight, again)]
+    assert timeless[1] == timeless[0] and again["epoch"] == 2
