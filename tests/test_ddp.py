@@ -90,6 +90,7 @@ def _rank(rank, world_size, port, tmp_path):
     try:
         metrics, batches = train(tmp_path, rank, world_size)
         (tmp_path / f"rank{rank}.json").write_text(json.dumps({"metrics": metrics, "batches": batches}))
+        dist.barrier()  # both ranks done before either tears down (else gloo can abort the other: SIGABRT)
     finally:
         dist.destroy_process_group()
 
@@ -155,6 +156,7 @@ def _task_rank(rank, world_size, port, tmp_path, overrides):
     try:
         summary = _run_task(tmp_path / f"rank{rank}", overrides, rank, world_size)
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(summary))
+        dist.barrier()  # both ranks done before either tears down (else gloo can abort the other: SIGABRT)
     finally:
         dist.destroy_process_group()
 
@@ -243,6 +245,7 @@ def _csot_rank(rank, world_size, port, tmp_path, method, loss):
         out = {"params": params.tolist(), "clean": hooks.clean.tolist(), "pseudo": hooks.pseudo.tolist(),
                "stage2": bool(hooks.stage2), "n_clean": hooks.last_stats["select/n_clean"]}  # fmt: skip
         (tmp_path / f"csot{rank}.json").write_text(json.dumps(out))
+        dist.barrier()  # both ranks done before either tears down (else gloo can abort the other: SIGABRT)
     finally:
         dist.destroy_process_group()
 
@@ -287,6 +290,7 @@ def _passes_rank(rank, world_size, port, tmp_path):
         out = {"logits": logits.tolist(), "feats": feats.tolist(), "decided": decided,
                "grad": z.grad.tolist(), "gathered": gathered.tolist()}  # fmt: skip
         (tmp_path / f"pass{rank}.json").write_text(json.dumps(out))
+        dist.barrier()  # both ranks done before either tears down (else gloo can abort the other: SIGABRT)
     finally:
         dist.destroy_process_group()
 
@@ -334,6 +338,7 @@ def _mixup_rank(rank, world_size, port, tmp_path, method):
                                                           progress=False)), ctx, hooks)  # fmt: skip
         params = torch.cat([p.detach().flatten() for p in model.parameters()])
         (tmp_path / f"mixup{rank}.json").write_text(json.dumps(params.tolist()))
+        dist.barrier()  # both ranks done before either tears down (else gloo can abort the other: SIGABRT)
     finally:
         dist.destroy_process_group()
 
