@@ -204,6 +204,19 @@ STREAMED_EVAL_BATCH = 256
 HOST_COPY_BYTES = 256 * 2**20
 
 
+def _eval_batches(model, source, ctx: RunContext, batch_size: int):
+    """`(x, idx)` of `source` in index order without augmentation (file-backed splits in batches of at most
+    STREAMED_EVAL_BATCH), with `model` in eval mode meanwhile."""
+    if not isinstance(source, Split):
+        batch_size = min(batch_size, STREAMED_EVAL_BATCH)
+    was_training = model.training
+    model.eval()
+    try:
+        yield from batches(source, ctx, in_order(len(source), batch_size))
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def predict(model, source, ctx: RunContext, batch_size: int = 1024, features: bool = False) -> torch.Tensor:
     """Logits (with features=True: `forward_features`) for every sample of `source` (a split, or a
@@ -212,13 +225,9 @@ def predict(model, source, ctx: RunContext, batch_size: int = 1024, features: bo
         source = Split(
             source, torch.zeros(len(source), dtype=torch.long), torch.zeros(len(source), dtype=torch.long)
         )
-    was_training = model.training
-    model.eval()
     forward = model.forward_features if features else model
-    if not isinstance(source, Split):
-        batch_size = min(batch_size, STREAMED_EVAL_BATCH)
     host, pending = [], []
-    for x, _ in batches(source, ctx, in_order(len(source), batch_size)):
+    for x, _ in _eval_batches(model, source, ctx, batch_size):
         with ctx.autocast():
             pending.append(forward(x).float())
         if sum(p.nbytes for p in pending) >= HOST_COPY_BYTES:
@@ -226,7 +235,6 @@ def predict(model, source, ctx: RunContext, batch_size: int = 1024, features: bo
             pending = []
     if pending:
         host.append(torch.cat(pending).cpu())
-    model.train(was_training)
     return torch.cat(host) if host else torch.empty(0)
 
 
@@ -238,13 +246,9 @@ def evaluate(
     each rank takes an interleaved shard, the sums are kept on the device, reduced over ranks and read
     once. `calibration` holds the bins (for `reliability_plot`)."""
     shard = split.subset(torch.arange(ctx.rank, len(split), ctx.world_size)) if ctx.distributed else split
-    if not isinstance(shard, Split):
-        batch_size = min(batch_size, STREAMED_EVAL_BATCH)
     y_clean = ctx.pin(shard.y_clean).to(ctx.device, non_blocking=True)
     sums = torch.zeros(4 + 3 * bins, dtype=torch.float64, device=ctx.device)
-    was_training = model.training
-    model.eval()
-    for x, idx in batches(shard, ctx, in_order(len(shard), batch_size)):
+    for x, idx in _eval_batches(model, shard, ctx, batch_size):
         with ctx.autocast():
             logits = model(x).float()
         y = y_clean[idx]
@@ -254,7 +258,6 @@ def evaluate(
         sums[2] += F.cross_entropy(logits, y, reduction="sum")
         sums[3] += len(y)
         sums[4:] += calibration_bins(logits.softmax(1), y, bins).flatten()
-    model.train(was_training)
     reduced = all_reduce_sum(sums).cpu()
     correct, correct5, loss, n = reduced[:4].tolist()
     binned = reduced[4:].view(3, -1)
