@@ -9,8 +9,8 @@ peak and reserved GPU memory, the method's share of the epoch's training time (i
 batch transform, e.g. CSOT's selection and Co-Mixup's mixing; hashing: the min-cost flow), host-device
 syncs per training step (CUDA: `torch.cuda.set_sync_debug_mode("warn")` warnings; CPU: the
 `runner.device_tracking` harness), and the step time over the baseline's. On CUDA also: the targets
-(`TARGETS`), fp32 against bf16 and torch.compile for `VARIANT_PRESETS`, and DDP scaling when several GPUs
-are visible (torchrun).
+(`TARGETS`), fp32 against bf16 and torch.compile for `--variants` (default `VARIANT_PRESETS`), and DDP
+scaling when several GPUs are visible (torchrun).
 
 The runs share this process (`runner.cli.main`, no import per run), each in its own run dir. On CUDA the
 table and a JSON record go to benchmarks/results/<gpu>-<torch>-<commit>.{md,json}; without CUDA (and
@@ -18,7 +18,8 @@ without --smoke) it prints one line and measures nothing.
 
     make bench-gpu                          # CUDA: every row, the targets, the variants, DDP
     make bench-gpu ARGS=--smoke             # every row for 2 steps (tests/test_bench_gpu.py runs it)
-    python -m benchmarks.bench_gpu [--smoke] [--steps N] [--only SUBSTRING ...] [--out DIR]
+    python -m benchmarks.bench_gpu [--smoke] [--steps N] [--only SUBSTRING ...] [--variants PRESET ...]
+                                   [--out DIR]
 
 `--smoke` runs every row for one step per epoch at a batch of 10 on 32-px images of 10 classes (the
 network's smallest side where larger) on whatever device is present, writes its record to `--out` or a
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from pathlib import Path
 from unittest import mock
@@ -75,6 +77,7 @@ VARIANT_PRESETS = ("comixup_cifar100_preactresnet18", "comixup_imagenet")
 VARIANTS = {"bf16": ["hardware.precision=bf16"], "compile": ["hardware.compile=true"]}
 DDP_PRESET = "comixup_imagenet"  # its batch of 448 splits over 2, 4 or 8 GPUs
 # In-process runs: no Hydra files or logging set-up of their own (a run's output goes to its log).
+LOG_TAIL = 40  # lines of a failed run's log kept in the record
 QUIET = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
 COLUMNS = ("preset", "method", "batch", "ms/step", "images/s", "peak GB", "reserved GB", "method share",
            "syncs/step", "vs base")  # fmt: skip
@@ -218,6 +221,8 @@ def _run_cli(args: list[str], run_dir: Path) -> tuple[list[dict], dict]:
             lines = [line.strip() for line in log.read_text().splitlines() if line.strip()]
             raise RowError(lines[-1] if lines else f"exit status {stop.code}") from None
     except Exception as e:
+        with log.open("a") as out:  # where it failed, for the record's log tail
+            traceback.print_exc(file=out)
         raise RowError(_one_line(e)) from None
     finally:
         sys.argv = saved
@@ -306,9 +311,12 @@ def run_rows(rows: list[Row], tmp: Path, extra: tuple[str, ...] = ()) -> None:
         run_dir = tmp / f"run{len(list(tmp.glob('run*.log')))}"
         try:
             metrics, summary, syncs, harness_error = _tracked_run([*args, *extra], run_dir)
-        except RowError as e:
+        except RowError as e:  # the run's last lines go into the record: the tmp dir is removed
+            logs = [d.with_suffix(".log") for d in (run_dir, run_dir.with_name(run_dir.name + "-untracked"))]
+            log = [path for path in logs if path.exists()][-1]  # the retry's without the harness
+            tail = log.read_text().splitlines()[-LOG_TAIL:]
             for row in group:
-                row.result = {"error": str(e)}
+                row.result = {"error": str(e), "log_tail": tail}
             continue
         for row in group:
             try:
@@ -367,13 +375,13 @@ def targets(rows: list[Row], by_key: dict[str, Row]) -> list[tuple[str, bool]]:
 
 
 def variants(rows: list[Row], tmp: Path) -> tuple[list[str], list[dict]]:
-    """fp32 against `VARIANTS` (bf16, torch.compile) for the rows of `VARIANT_PRESETS`: table lines and
-    records (ms/step, speed-up over fp32 eager)."""
+    """fp32 against `VARIANTS` (bf16, torch.compile) for `rows`: table lines and records (ms/step,
+    speed-up over fp32 eager)."""
     head = ["preset", "method", "fp32 ms/step", *(f"{v} ms/step (speed-up)" for v in VARIANTS)]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     print("\n".join(lines), flush=True)
     records = []
-    for row in (r for r in rows if r.preset in VARIANT_PRESETS):
+    for row in rows:
         cells = [row.preset, row.method, _fmt(row.result.get("step_ms"), ".1f")]
         for variant, extra in VARIANTS.items():
             twin = dataclasses.replace(row, result={})
@@ -427,13 +435,35 @@ def _record_name() -> str:
     return re.sub(r"[^A-Za-z0-9.+_-]+", "-", f"{device}-{torch.__version__}-{git or 'nogit'}")
 
 
+def write_record(out: Path, name: str, full: bool, steps: int, lines: list[str], rows: list[Row],
+                 checks: list[tuple[str, bool]], extra: list[str], variant_records: list[dict],
+                 summary: str) -> None:
+    """`<out>/<name>.md` (the tables, targets, variants, DDP line) and `.json` (every row): rewritten after
+    each preset, so that a run stopped part-way keeps the rows it measured."""
+    notes = [f"syncs n/a for {row.key}: runner.device_tracking failed: {row.result['syncs_error']}"
+             for row in rows if "syncs_error" in row.result]  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    text = [f"# bench_gpu {name}", "", *lines, "", *(t for t, _ in checks), *notes, *extra, "", summary, ""]
+    (out / f"{name}.md").write_text("\n".join(text))
+    record = {"name": name, "smoke": not full, "steps": steps, "summary": summary,
+              "rows": [{"key": row.key, **dataclasses.asdict(row)} for row in rows],
+              "targets": [{"line": t, "ok": met} for t, met in checks], "variants": variant_records,
+              "ddp": extra[-1] if extra else None}  # fmt: skip
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> bool | None:
     parser = argparse.ArgumentParser("python -m benchmarks.bench_gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="every row for 2 steps, at CPU size")
     parser.add_argument("--steps", type=int, default=STEPS, help="steps per epoch (default %(default)s)")
     parser.add_argument("--only", nargs="+", default=[], help="the presets whose name contains one of these")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANT_PRESETS), metavar="PRESET",
+                        help="presets also run in bf16 and compiled (none: skip; default %(default)s)")
     parser.add_argument("--out", type=Path, help="where the record goes (default: results/, or a tmp dir)")
     opts = parser.parse_args([] if argv is None else argv)
+    unknown = sorted(set(opts.variants) - set(PRESETS))
+    if unknown:
+        parser.error(f"--variants {' '.join(unknown)}: not a preset; choose from {', '.join(PRESETS)}")
     cuda = torch.cuda.is_available()
     if not cuda and not opts.smoke:
         print("bench_gpu: no CUDA device here; nothing measured (run it on a GPU machine, or with --smoke)")
@@ -454,6 +484,10 @@ def main(argv: list[str] | None = None) -> bool | None:
     rows: list[Row] = []
     by_key: dict[str, Row] = {}
     checks, extra, variant_records = [], [], []
+
+    def record(summary: str) -> None:
+        write_record(out, name, full, steps, lines, rows, checks, extra, variant_records, summary)
+
     try:
         with tempfile.TemporaryDirectory(prefix="bench_gpu-runs-") as tmp:
             for preset in presets:
@@ -468,12 +502,14 @@ def main(argv: list[str] | None = None) -> bool | None:
                     by_key[row.key] = row
                     lines.append(table_line(row, by_key))
                     print(lines[-1], flush=True)
+                record(f"stopped after {len(rows)} rows ({time.perf_counter() - started:.0f} s)")
             checks = targets(rows, by_key) if full else []
             for text, _ in checks:
                 print(text, flush=True)
             if full:
                 print()
-                variant_lines, variant_records = variants(rows, Path(tmp))
+                chosen = [row for row in rows if row.preset in opts.variants]
+                variant_lines, variant_records = variants(chosen, Path(tmp))
                 try:
                     ddp = ddp_scaling(rows, Path(tmp))
                 except Exception as e:  # the rows' record is written whatever happens here
@@ -482,21 +518,13 @@ def main(argv: list[str] | None = None) -> bool | None:
                 print(ddp)
     finally:
         torch.set_num_threads(threads)
-    notes = [f"syncs n/a for {row.key}: runner.device_tracking failed: {row.result['syncs_error']}"
-             for row in rows if "syncs_error" in row.result]  # fmt: skip
-    for note in notes:
-        print(note)
+    for row in rows:
+        if "syncs_error" in row.result:
+            print(f"syncs n/a for {row.key}: runner.device_tracking failed: {row.result['syncs_error']}")
     failed = [row for row in rows if "error" in row.result]
     ok = not failed and all(met for _, met in checks)
     summary = f"{len(rows) - len(failed)}/{len(rows)} rows ran in {time.perf_counter() - started:.0f} s"
-    out.mkdir(parents=True, exist_ok=True)
-    text = [f"# bench_gpu {name}", "", *lines, "", *(t for t, _ in checks), *notes, *extra, "", summary, ""]
-    (out / f"{name}.md").write_text("\n".join(text))
-    record = {"name": name, "smoke": not full, "steps": steps, "summary": summary,
-              "rows": [{"key": row.key, **dataclasses.asdict(row)} for row in rows],
-              "targets": [{"line": t, "ok": met} for t, met in checks], "variants": variant_records,
-              "ddp": extra[-1] if extra else None}  # fmt: skip
-    (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    record(summary)
     print(f"{summary}: {'all ok' if ok else 'FAILED'} -> {out / name}.md, .json")
     return ok
 

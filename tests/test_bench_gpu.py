@@ -55,6 +55,31 @@ def test_a_failed_row_is_one_line_the_others_run_and_the_status_says_so(bench, t
     assert "error: runner: error: experiment='nope' is not an option" in line
     rows = {row["method"]: row["result"] for row in _record(tmp_path)["rows"]}
     assert rows["pwc random"]["step_ms"] > 0 and "error" not in rows["pwc random"]
+    assert any("experiment='nope' is not an option" in line for line in rows["nope"]["log_tail"])
+
+
+def test_the_record_holds_the_rows_measured_before_a_crash(bench, tmp_path, monkeypatch):
+    """A run stopped part-way (a device machine's time limit, a crash) keeps what it measured."""
+    good = bench.plan("pwc_cifar10", smoke=True, steps=1)
+
+    def plan(preset, smoke, steps):
+        if preset == "pwc_cifar10":
+            return good
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "PRESETS", ("pwc_cifar10", "csot_cifar100"))
+    monkeypatch.setattr(bench, "plan", plan)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--smoke", "--variants", "--out", str(tmp_path)])
+    record = _record(tmp_path)
+    assert [row["method"] for row in record["rows"]] == ["pwc random", "pwc ctrans"]
+    assert record["summary"].startswith("stopped after 2 rows")
+
+
+def test_variants_name_presets(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--smoke", "--variants", "comixup_imagenet", "nope"])
+    assert "--variants nope: not a preset" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's tracking harness")
