@@ -21,6 +21,7 @@ def variant(cls_name: str, base: type, doc: str, module: str, **defaults) -> typ
     typed as in `base` (so `Literal` choices keep their checks): one line per baseline or ablation."""
     types = {f.name: f.type for f in dataclasses.fields(base)}
     fields = [(key, types[key], dataclasses.field(default=value)) for key, value in defaults.items()]
-    return dataclasses.make_dataclass(
-        cls_name, fields, bases=(base,), namespace={"__doc__": doc, "__module__": module}
-    )
+    cls = dataclasses.make_dataclass(cls_name, fields, bases=(base,), namespace={"__doc__": doc})
+    # its string annotations resolve in `module` (Python 3.12's make_dataclass sets the caller's, this one)
+    cls.__module__ = module
+    return cls
