@@ -1,0 +1,1 @@
+import runner  # noqa: F401  (first: its environment for POT, set before any benchmark imports POT)

@@ -432,7 +432,7 @@ def _record_name() -> str:
                              cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
     except OSError:  # no git
         git = ""
-    return re.sub(r"[^A-Za-z0-9.+_-]+", "-", f"{device}-{torch.__version__}-{git or 'nogit'}")
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{device}-{torch.__version__}-{git or 'nogit'}")
 
 
 def write_record(out: Path, name: str, full: bool, steps: int, lines: list[str], rows: list[Row],

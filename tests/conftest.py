@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import runner  # noqa: F401  (first: its environment for POT, set before a test module imports POT)
+
 
 def run_cli(args, cwd, check=True, timeout=300):
     """Run `python -m runner.cli ARGS` in `cwd`; return the CompletedProcess (stdout+stderr text)."""

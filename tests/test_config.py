@@ -114,3 +114,15 @@ def test_a_malformed_paper_block_is_one_line(paper, expected):
     with pytest.raises(ConfigError) as err:
         validate(_with_paper(paper))
     assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_method_schema_lives_in_its_task_module_and_resolves_its_annotations():
+    """`variant` schemas resolve their string annotations in the module that declares them (Python 3.12's
+    make_dataclass would otherwise give them `runner.configs._base`, where `Literal` is unknown)."""
+    import typing
+
+    from runner.configs import METHODS
+
+    for name, schema in METHODS.items():
+        assert schema.__module__ not in ("runner.configs._base", "types"), name
+        assert "name" in typing.get_type_hints(schema), name

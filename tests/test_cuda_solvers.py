@@ -4,6 +4,10 @@ Every check runs on torch CPU tensors (so the torch code path is exercised on an
 CUDA is present, on CUDA tensors; the results must come back on the input's device.
 """
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -135,3 +139,15 @@ def test_longtail_loss_hook_runs_on_the_device(device, loss):
     assert hook.prior.device.type == device and hook.margins.device.type == device
     out = hook.loss(model.to(device), x.to(device), y_soft.to(device), None, epoch=2)
     assert out.device.type == device and abs(float(out) - float(ref)) < 1e-5  # float32
+
+
+def test_pot_is_imported_without_the_libraries_that_reserve_gpu_memory():
+    """JAX reserves 75% of a GPU when POT loads it; runner turns POT's other array libraries off before
+    POT is imported, and leaves a user's own setting alone."""
+    code = "import runner, ot.backend as b, os; print(os.environ['POT_BACKEND_DISABLE_JAX'], b.jax is False)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("POT_BACKEND_DISABLE")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "True"]
+    env["POT_BACKEND_DISABLE_JAX"] = "yes"  # the user's
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["yes", "True"]
