@@ -174,10 +174,16 @@ def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
         args += [f"method.n_app={n}", f"method.n_dev={n}", f"method.k={min(m.k, n // 2)}",
                  "method.plot=false"]  # fmt: skip
         test_size = 4 * n
+    if cfg.train.get("phases"):  # the measured step is the preset's main phase: its batch and image side
+        args += ["train.phases=[]"]
+    if cfg.model.pretrained == "required":  # no weights file here: random weights measure the same step
+        args += ["model.pretrained=none"]
     if task == "longtail":  # the loss needs every class's training count
         args += ["dataset.min_per_class=1"]
     if task == "noisy_labels":  # select from the first epoch on (the preset's warm-up epochs are plain CE)
         args += ["method.warmup=0"]
+    if cfg.dataset.get("epoch_samples"):  # a fresh sample each epoch (Clothing1M): of the measured size
+        args += [f"dataset.epoch_samples={steps * batch}"]
     args += [f"dataset.train_size={_train_size(steps * batch, classes, cfg.dataset.imbalance)}",
              f"dataset.max_train={steps * batch}", f"dataset.test_size={test_size}"]  # fmt: skip
     if smoke:

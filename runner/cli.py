@@ -7,6 +7,10 @@ Order-free composition: conf/config.yaml holds an empty `method` slot (`method: 
 fills (`override /method: csot`) and the command line replaces; `+method=NAME` (the documented spelling)
 is read as `method=NAME` (`canonical`), so `+method`, `+experiment` and `+debug` compose to the same
 config in any order, in single runs and in every job a launcher or sweeper composes.
+
+Method-aware defaults: `+method=NAME` without an `+experiment=` gets its family's preset for the dataset
+(`method_preset`), added to the command line Hydra records, so a resume or `runner-eval` composes the
+same; the job's first log line names it and the device `hardware=auto` chose.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -24,13 +29,16 @@ import time
 from pathlib import Path
 
 import hydra
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 import runner.data  # noqa: F401  (registers the datasets and their schemas)
+import runner.hardware  # noqa: F401  (registers the resolvers of hardware=auto)
 from runner import configs, rundir
+from runner.data.files import UnreadableImage
 from runner.faults import CheckpointError, Diverged, Interrupted
-from runner.schema import ConfigError, apply_debug, task_module, to_node, validate
+from runner.schema import ConfigError, apply_debug, main_metric, task_module, to_node, validate
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 configs.register()  # the method schemas: the base of each conf/method/*.yaml
@@ -54,6 +62,7 @@ _FLAGS_WITH_VALUE = {
 _MISSING_OPTION = (
     r"Could not (?:find|load) '([^']+)/([^']+)'.*?Available options in '[^']+':(.*?)(?:Config search path|$)"
 )
+_UNKNOWN_KEY = r"Could not override '([^']+)'"  # Hydra's error for a key the config lacks
 _INFO_VALUES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 
 
@@ -93,6 +102,101 @@ def _job_overrides(argv: list[str]) -> list[str] | None:
     """The overrides that shape the jobs of `argv` (its `--config-dir` too), or None for help/info."""
     overrides = _override_args(argv)
     return None if overrides is None else _config_dirs(argv) + canonical(overrides)
+
+
+# `+method=NAME` alone applies its family's preset (conf/experiment/*.yaml) for the dataset (README,
+# "Usage"): a family is a task's methods, so CSOT's presets are its baselines' too. Where several presets
+# fit one dataset, the paper's main one; on the default dataset (none named), the family's CPU study where
+# that is not a preset of the default dataset.
+_MAIN_PRESETS = {
+    ("classify", "cifar100"): "comixup_cifar100_preactresnet18",  # Co-Mixup Table 1's first network
+    ("hashing", "cifar100"): "hier_hash_cifar100_npairs",  # the setting of hier_hash.yaml's defaults
+    ("hashing", "imagenet32"): "hier_hash_imagenet32_npairs",
+    ("classify", None): "comixup_digits_canvas",
+    ("hashing", None): "hier_hash_synthetic",
+}
+_OPT_OUT = "+experiment=none: without it"
+_preset_note: str | None = None  # main's line on the preset it applied, the first line of the job's log
+
+
+@functools.cache
+def _presets() -> dict[str, tuple[str, str | None]]:
+    """Each preset of conf/experiment that names a method: its method's task and its dataset (None: it
+    keeps the default)."""
+    presets = {}
+    for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
+        chosen = {}
+        for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults", []):
+            if isinstance(entry, dict):
+                chosen.update({key.removeprefix("override /"): value for key, value in entry.items()})
+        if "method" in chosen:
+            presets[path.stem] = (configs.METHODS[chosen["method"]]().task, chosen.get("dataset"))
+    return presets
+
+
+@functools.cache
+def _default_dataset() -> str:
+    defaults = yaml.safe_load((CONF_DIR / "config.yaml").read_text())["defaults"]
+    return next(entry["dataset"] for entry in defaults if isinstance(entry, dict) and "dataset" in entry)
+
+
+@functools.cache
+def method_preset(method: str, dataset: str | None) -> tuple[str, str] | None:
+    """The preset `+method=METHOD` applies on `dataset` (None: none named, the default) and why that one;
+    None where its family has none there, or the preset's settings are not the method's (k-means has no
+    DB-OT mass bounds)."""
+    if method not in configs.METHODS:  # a method of the user's own config dir
+        return None
+    task = configs.METHODS[method]().task
+    on = dataset or _default_dataset()
+    fitting = sorted(name for name, family_on in _presets().items() if family_on == (task, on))
+    if dataset is None and (task, None) in _MAIN_PRESETS:
+        preset, why = _MAIN_PRESETS[task, None], "its CPU study"
+    elif len(fitting) > 1:
+        preset, why = _MAIN_PRESETS[task, dataset], f"the paper's main one of {', '.join(fitting)}"
+    elif fitting:
+        preset, why = fitting[0], ""
+    else:
+        return None
+    settings = _compose([f"method={method}", f"+experiment={preset}"]).method  # the method's, the preset's
+    try:
+        configs.METHODS[method](**OmegaConf.to_container(settings, resolve=True))
+    except (ConfigError, TypeError):  # a key or value the method does not take
+        return None
+    return preset, why
+
+
+def _given(parsed, key: str) -> list[str] | None:
+    """The values `key` takes in the parsed overrides (several where swept); None where it is not given."""
+    for o in reversed(parsed):
+        if o.key_or_group == key:
+            return list(o.sweep_string_iterator()) if o.is_sweep_override() else [str(o.value())]
+    return None
+
+
+def method_preset_override(overrides: list[str]) -> tuple[str | None, str | None]:
+    """The `+experiment=PRESET` that (canonical) `overrides` get where every job they make has that
+    `method_preset`, and the line that says so (or why a sweep gets none); (None, None) where they name
+    an experiment or no method."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as e:
+        raise ConfigError(" ".join(str(e).split())) from None
+    methods, datasets = _given(parsed, "method"), _given(parsed, "dataset") or [None]
+    if methods is None or _given(parsed, "experiment") is not None:
+        return None, None
+    chosen = {method_preset(m, d) for m in methods for d in datasets}
+    names = sorted({c[0] if c else "none" for c in chosen})
+    if len(names) > 1:
+        return None, f"no preset: the swept jobs have different ones ({', '.join(names)}); name one"
+    if chosen == {None}:
+        return None, None
+    ((preset, why),) = chosen
+    on = "the default dataset" if datasets == [None] else f"dataset={','.join(datasets)}"
+    note = f"preset: +experiment={preset} for +method={','.join(methods)} on {on}{', ' + why if why else ''}"
+    return f"+experiment={preset}", f"{note} ({_OPT_OUT})"
 
 
 def _variants(overrides: list[str]) -> list[list[str]]:
@@ -146,18 +250,34 @@ def _compose(overrides: list[str]) -> DictConfig:
                 group, value, options = missing.groups()
                 choices = ", ".join(options.split())
                 raise ConfigError(f"{group}={value!r} is not an option; choices: {choices}") from None
-            unknown = re.match(r"Could not override '([^']+)'", message)
+            unknown = re.match(_UNKNOWN_KEY, message)
             if not unknown:
                 raise ConfigError(message) from None
-            # Name the keys that do exist where the unknown one was asked for.
-            key = unknown.group(1)
-            parent, _, leaf = key.rpartition(".")
-            base = compose("config", overrides=[o for o in overrides if not o.startswith(key + "=")])
-            node = OmegaConf.select(base, parent) if parent else base
-            valid = ", ".join(node.keys()) if isinstance(node, DictConfig) else "none"
-            raise ConfigError(
-                f"unknown key {key}; valid keys{' under ' + parent if parent else ''}: {valid}"
-            ) from None
+            raise _unknown_keys(compose, overrides, unknown.group(1), message) from None
+
+
+def _unknown_keys(compose, overrides: list[str], key: str, message: str) -> ConfigError:
+    """One error naming every unknown key of `overrides` (Hydra stops at the first, `key`), each with
+    the keys that do exist where it was asked for; composed without them, the config tells those."""
+    unknown: dict[str, list[str]] = {}  # parent -> its unknown keys, in command-line order
+    while key is not None:
+        unknown.setdefault(key.rpartition(".")[0], []).append(key)
+        names = {k for keys in unknown.values() for k in keys}
+        try:
+            base = compose("config", overrides=[o for o in overrides if o.partition("=")[0] not in names])
+            key = None
+        except Exception as e:
+            again = re.match(_UNKNOWN_KEY, " ".join(str(e).split()))
+            if not again or again.group(1) in names:  # another kind of error, or no progress
+                return ConfigError(message)
+            key = again.group(1)
+    clauses = []
+    for parent, keys in unknown.items():
+        node = OmegaConf.select(base, parent) if parent else base
+        valid = ", ".join(node.keys()) if isinstance(node, DictConfig) else "none"
+        plural, under = "s" if len(keys) > 1 else "", f" under {parent}" if parent else ""
+        clauses.append(f"unknown key{plural} {', '.join(keys)}; valid keys{under}: {valid}")
+    return ConfigError("; ".join(clauses))
 
 
 def _compose_hydra(overrides: list[str]) -> DictConfig:
@@ -187,6 +307,8 @@ def preflight(argv: list[str]) -> None:
     overrides = _job_overrides(argv)
     if overrides is None:
         return
+    preset, _ = method_preset_override(overrides)  # as `main` adds it (a no-op on main's own argv)
+    overrides += [preset] if preset else []
     if {"-m", "--multirun"} & set(argv):
         overrides = _sweep_params(overrides) + overrides
     searchpath = [o for o in overrides if o.lstrip("+").startswith("hydra.searchpath=")]  # users' groups
@@ -214,7 +336,7 @@ def _job(cfg: DictConfig) -> float | None:
             stop = signal.Signals(getattr(e, "signum", signal.SIGINT))
             print(f"runner: stopped by {stop.name}; resume with: {_resume_hint(hydra_cfg)}", file=sys.stderr)
             sys.exit(128 + stop)
-        except (ConfigError, Diverged, CheckpointError) as e:  # bad input, or a run gone wrong: one line
+        except (ConfigError, Diverged, CheckpointError, UnreadableImage) as e:  # bad input, a run gone wrong
             if multirun:
                 raise  # the sweep goes on; SweepSummary lists the job as failed
             print(f"runner: error: {e}", file=sys.stderr)
@@ -231,7 +353,7 @@ def _resume_hint(hydra_cfg) -> str:
 
 def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     """One job: validate, lock the run dir, set up device and tracker, run the task, write the summary."""
-    from runner.hardware import RunContext, seed_everything, setup, teardown
+    from runner.hardware import RunContext, describe, seed_everything, setup, teardown
     from runner.track import Tracker
 
     t0 = time.perf_counter()
@@ -243,6 +365,8 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     cleanup.callback(teardown)
     device, rank, world_size = setup(cfg.hardware)
+    if rank == 0:  # the first line: what the runner chose for the command line (a preset, the device)
+        log.info("; ".join(filter(None, [_preset_note, describe(cfg.hardware, device)])))
     if world_size > 1:  # torchrun's ranks: rank 0's run dir (another rank's clock may name another)
         run_dir = rundir.shared(run_dir, rank)
     if rank == 0:
@@ -283,7 +407,7 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     metrics = module.run(cfg, ctx)  # fills ctx.info (the model's parameter count) as it goes
     summary = {"name": cfg.name, "tags": list(cfg.logger.tags), **ctx.info, **metrics}
     summary["time/total_s"] = time.perf_counter() - t0
-    metric = module.METRIC[0]
+    metric = main_metric(cfg, module.METRIC)[0]  # the task's, or the preset's headline (`metric:`)
     # A non-finite main metric or search objective fails the run (for the report, and for Optuna).
     bad = [f"{k}={summary[k]}" for k in {metric, _objective_key(metric)} if _non_finite(summary.get(k))]
     if bad:
@@ -314,13 +438,14 @@ def _objective_key(metric: str) -> str:
 def objective(module, cfg) -> str:
     """The summary key an Optuna search optimises for `cfg`: `_objective_key` of the task's METRIC.
     A ConfigError (one line, before any trial) when that needs a validation split `cfg` lacks."""
-    key = _objective_key(module.METRIC[0])
+    metric = main_metric(cfg, module.METRIC)[0]
+    key = _objective_key(metric)
     dataset = validate(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))["dataset"]
     share = "val_per_class" if hasattr(dataset, "val_per_class") else "val_fraction"  # per-class sized sets
     if key.startswith("val/") and not getattr(dataset, share) > 0:
         example = "10" if share == "val_per_class" else "0.1"
         raise ConfigError(
-            f"a search selects on {key}, never on {module.METRIC[0]}, and dataset={dataset.name} has no "
+            f"a search selects on {key}, never on {metric}, and dataset={dataset.name} has no "
             f"validation split (dataset.{share}={getattr(dataset, share)}); give it one, e.g. "
             f"dataset.{share}={example}"
         )
@@ -341,7 +466,7 @@ def _launch_overrides(argv: list[str]) -> list[str]:
         cfg = _compose_hydra(overrides)
         if "optuna" in cfg.hydra.sweeper._target_:
             objective(task_module(cfg), cfg)  # selects on validation data, or stops here
-            direction = {"max": "maximize", "min": "minimize"}[task_module(cfg).METRIC[1]]
+            direction = {"max": "maximize", "min": "minimize"}[main_metric(cfg, task_module(cfg).METRIC)[1]]
             # A failed or diverged trial is told to Optuna as failed; the search goes on.
             defaults = {"direction": direction, "max_failure_rate": 1.0}
             extra += [
@@ -387,6 +512,11 @@ def main() -> None:
     if any(a.startswith("+sweep=") or a.startswith("hydra/sweeper=optuna") for a in sys.argv[1:]):
         _quiet_optuna()
     try:
+        global _preset_note
+        preset, _preset_note = method_preset_override(_job_overrides(sys.argv[1:]) or [])
+        if preset:  # after the method, in the run of overrides that Hydra records (a resume repeats it)
+            at = max(i for i, arg in enumerate(sys.argv) if arg.partition("=")[0] == "method")
+            sys.argv.insert(at + 1, preset)
         preflight(sys.argv[1:])
         _claim_run_dir(sys.argv[1:])
         extra, given = _launch_overrides(sys.argv[1:]), _override_args(sys.argv[1:])

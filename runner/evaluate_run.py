@@ -9,6 +9,11 @@ and writes them to `RUN_DIR/eval-<name>.json` (`--name`, default: the overrides,
 
     runner-eval outputs/2026-11-25/10-00-00
     runner-eval outputs/2026-11-25/10-00-00 dataset=imagefolder dataset.root=data/cifar10c --name cifar10c
+
+With object boxes (digits_canvas; ImageNet val with `dataset.imagenet_boxes=PATH`) it also reports the
+Co-Mixup localisation and background-corruption metrics (`runner.canvas_metrics`):
+
+    runner-eval outputs/2026-11-25/10-00-00 dataset.imagenet_boxes=data/imagenet/val_boxes --name boxes
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ WEIGHTS = ("checkpoints/best.pt", "checkpoints/last.pt", "checkpoints/fit.pt")
 def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -> dict:
     """The metrics of `run_dir`'s best (else last) weights on the evaluation splits of its config with
     `overrides`; written to `run_dir/eval-<name>.json`."""
+    from runner.canvas_metrics import canvas_metrics
     from runner.cli import _compose, _typed, task_module
     from runner.data import load_data
+    from runner.data.imagenet_boxes import add_val_boxes
     from runner.hardware import RunContext, setup
     from runner.models import build_model
     from runner.schema import validate
@@ -53,6 +60,7 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
         raise ConfigError(f"{run_dir} has no checkpoint ({', '.join(WEIGHTS)})")
     device, _, _ = setup(cfg.hardware)
     data = load_data(cfg.dataset, cfg.seed)
+    add_val_boxes(data, cfg.dataset.imagenet_boxes)
     build = getattr(module, "network", lambda c, d: build_model(c.model, d.input_shape, d.num_classes))
     model = build(cfg, data)
     try:
@@ -66,7 +74,9 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
     ctx = RunContext(device, run_dir, None, precision=hw.precision, channels_last=hw.channels_last,
                      num_workers=hw.num_workers)  # fmt: skip
     model.to(device)
-    metrics, _ = _evaluate_splits(model, data, ctx, cfg.train.eval_batch_size)
+    metrics, _ = _evaluate_splits(model, data, ctx, cfg.train.eval_batch_size, cfg.train.ece_bins)
+    if "boxes" in data.meta:  # digits_canvas, ImageNet val with dataset.imagenet_boxes
+        metrics.update(canvas_metrics(model, data, ctx, batch_size=cfg.train.eval_batch_size))
     name = name or (re.sub(r"[^\w.=-]+", "_", "_".join(overrides)) if overrides else "test")
     out = {"checkpoint": str(path), "overrides": overrides, **metrics}
     (run_dir / f"eval-{name}.json").write_text(json.dumps(out, indent=2) + "\n")

@@ -14,10 +14,37 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from runner.schema import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def auto_device() -> str:
+    """hardware=auto's device: cuda when a CUDA device is visible, else cpu."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def auto_precision(device: str) -> str:
+    """hardware=auto's precision on `device`: bf16 autocast where the GPU computes in it (Ampere and
+    later; not an emulation), else fp32."""
+    return "bf16" if device == "cuda" and torch.cuda.get_device_capability()[0] >= 8 else "fp32"
+
+
+def auto_workers(device: str) -> int:
+    """hardware=auto's DataLoader workers on `device`: on CUDA one per core this process may use but its
+    own, at most 8 (gpu.yaml's; past that decoding outpaces the GPU); none on the CPU, whose cores train."""
+    if device != "cuda":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores - 1))
+
+
+# conf/hardware/auto.yaml reads these when a job's config is resolved: on the machine that runs the job.
+OmegaConf.register_new_resolver("auto.device", auto_device)
+OmegaConf.register_new_resolver("auto.precision", auto_precision)
+OmegaConf.register_new_resolver("auto.workers", auto_workers)
 
 
 def is_accelerator(device: torch.device) -> bool:
@@ -171,7 +198,9 @@ def setup(hw) -> tuple[torch.device, int, int]:
     if hw.threads:
         torch.set_num_threads(hw.threads)
     if hw.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("hardware.device=cuda but no CUDA device is visible; use hardware=cpu")
+        raise ConfigError(
+            f"hardware={hw.name} needs CUDA but no CUDA device is visible; use hardware=auto or hardware=cpu"
+        )
     rank, world_size, local_rank = 0, 1, 0
     if hw.distributed:
         if "WORLD_SIZE" not in os.environ:
@@ -191,6 +220,19 @@ def setup(hw) -> tuple[torch.device, int, int]:
         else:
             dist.init_process_group("gloo")
     return device, rank, world_size
+
+
+def describe(hw, device: torch.device) -> str:
+    """The device line a run's log starts with: the device, how it was chosen, its precision and workers."""
+    if hw.name != "auto":
+        chosen = "forced"
+    elif torch.cuda.is_available():
+        chosen = "CUDA visible" if device.type == "cuda" else "CUDA visible, hardware.device=cpu given"
+    else:
+        chosen = "no CUDA device visible"
+    if device.type == "cuda":
+        chosen += f", {torch.cuda.get_device_name(device)}"
+    return f"device: {device} (hardware={hw.name}: {chosen}; {hw.precision}, {hw.num_workers} loader workers)"
 
 
 def teardown() -> None:

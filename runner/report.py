@@ -9,9 +9,9 @@ ones; runs that differ only in `seed` are replicates of one setting. Written int
     report_<param>.png           the main metric against each swept parameter
     report_curves.png            learning curves (mean ± std over seeds) from metrics.jsonl
 
-The main metric and its direction are the task's `METRIC`. Failed runs (`summary.json` holding an
-`error`), trials an Optuna pruner stopped (`pruned`) and incomplete ones (no `summary.json`: killed,
-still running) are listed, never averaged.
+The main metric and its direction are the task's `METRIC`, or the preset's top-level `metric`. Failed
+runs (`summary.json` holding an `error`), trials an Optuna pruner stopped (`pruned`) and incomplete ones
+(no `summary.json`: killed, still running) are listed, never averaged.
 `SweepSummary` is the Hydra callback that prints the same table at the end of every multirun.
 
 Beside the runs, the papers: a row that ran a paper preset's setting (`paper_setting`) gets the preset's
@@ -41,7 +41,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from runner.schema import ConfigError
+from runner.schema import ConfigError, main_metric
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def task_metric(config: dict) -> tuple[str, str]:
     """The task's main metric `(key, "max" | "min")` for a run config."""
     task = (config.get("method") or {}).get("task", "classify")
     try:
-        return importlib.import_module(f"tasks.{task}").METRIC
+        return main_metric(config, importlib.import_module(f"tasks.{task}").METRIC)
     except (ImportError, AttributeError):
         hint = "pass --metric KEY[:max|min]"
         raise ValueError(f"task {task!r} has no tasks/{task}.py with a METRIC; {hint}") from None
@@ -418,6 +418,8 @@ def check_claims(report: Report, claims: dict) -> list[tuple[str, str]]:
 
 def _side(side: dict, when: dict, rows: list[Group]) -> tuple[float | None, str]:
     """A claim's side: (value, how it was computed), or (None, why it could not be)."""
+    if "gap" in side:
+        return _gap_side(side, {**when, **(side.get("when") or {})}, rows)
     times, plus = float(side.get("times", 1)), float(side.get("plus", 0))
     if "metric" not in side:
         return plus, _show(plus)
@@ -437,6 +439,17 @@ def _side(side: dict, when: dict, rows: list[Group]) -> tuple[float | None, str]
     if times != 1 or plus:
         text += f" = {value * times + plus:.4g}"
     return value * times + plus, text
+
+
+def _gap_side(side: dict, when: dict, rows: list[Group]) -> tuple[float | None, str]:
+    """The point the fraction `gap` of the way from the side `from` to the side `to` (e.g. from CE on
+    noisy labels to CE on clean ones): from + gap x (to - from)."""
+    (low, low_text), (high, high_text) = (_side(side[end], when, rows) for end in ("from", "to"))
+    if low is None or high is None:
+        return None, low_text if low is None else high_text
+    gap = float(side["gap"])
+    value = low + gap * (high - low)
+    return value, f"{low_text} + {_show(gap)} x ({high_text} - {low:.4g}) = {value:.4g}"
 
 
 def _mean_std(mean: float, std: float) -> str:

@@ -44,6 +44,7 @@ RESUME_MAY_CHANGE = (
     "hardware.num_workers",
     "dataset.root",
     "dataset.download",
+    "dataset.bad_images",  # a run stopped at an unreadable image restarts with `skip`
 )
 
 _held: dict[Path, int] = {}  # lock path -> open descriptor holding its OS lock, in this process

@@ -70,6 +70,11 @@ class DatasetConfig:
     max_train: int = 0  # at most this many training samples, a random subset (0: all); +debug=smoke sets it
     max_eval: int = 0  # likewise for each evaluation split
     min_per_class: int = 0  # > 0: the max_train subset keeps this many of every class, max_eval ones one
+    imagenet_boxes: str = ""  # dataset=imagenet: val box XMLs -> CAM localisation, corruption metrics
+    # > 0: each epoch a fresh class-balanced sample of this many training samples (noisy_labels task;
+    # DivideMix's Clothing1M protocol); 0: all of them
+    epoch_samples: int = 0
+    bad_images: str = "error"  # error | skip: an unreadable image file stops the run, or is replaced
 
     def __post_init__(self):
         check_range("dataset.val_fraction", self.val_fraction, 0.0, 1.0, hi_open=True)
@@ -80,7 +85,9 @@ class DatasetConfig:
         check_range("dataset.max_train", self.max_train, 0)
         check_range("dataset.max_eval", self.max_eval, 0)
         check_range("dataset.min_per_class", self.min_per_class, 0)
+        check_range("dataset.epoch_samples", self.epoch_samples, 0)
         check_range("dataset.imbalance", self.imbalance, 1.0)
+        check_choice("dataset.bad_images", self.bad_images, ("error", "skip"))
 
 
 @dataclass
@@ -104,8 +111,19 @@ class ModelConfig:
     # false: random initialisation; or the path of a local weights file to start from (a state_dict,
     # or a checkpoint with one under 'state_dict' or 'model'); nothing is downloaded
     pretrained: Any = False
+    # The last batch norm of each residual block's branch starts at zero, so every block starts as the
+    # identity (Goyal et al. 2017; Co-Mixup's ImageNet code): post-activation ResNets only
+    zero_init_residual: bool = False
 
     def __post_init__(self):
+        if self.pretrained == "none":  # random initialisation, chosen knowingly over a preset's "required"
+            self.pretrained = False
+        if self.pretrained == "required":  # a preset that starts from pretrained weights (csot_clothing1m)
+            raise ConfigError(
+                "model.pretrained=required: this preset starts from pretrained (ImageNet) weights; give "
+                "their file, model.pretrained=/path/to/weights.pth, or train from random weights knowingly "
+                "with model.pretrained=none"
+            )
         if self.pretrained is False or self.pretrained is None:
             return
         if not isinstance(self.pretrained, str) or not self.pretrained:
@@ -195,6 +213,17 @@ RESUME_MODES = ("auto", "must", "never", "force")
 
 
 @dataclass
+class PhaseConfig:
+    """One entry of `train.phases`: `epochs` epochs of training images at side `image_size` (0: the data's
+    own) in global batches of `batch_size`, the lr linear from `lr[0]` to `lr[1]` over the phase."""
+
+    epochs: int = 1
+    image_size: int = 0
+    batch_size: int = 64
+    lr: list[float] = field(default_factory=lambda: [0.1, 0.1])
+
+
+@dataclass
 class TrainConfig:
     epochs: int = 30
     batch_size: int = 64
@@ -222,6 +251,11 @@ class TrainConfig:
     eval_every: int = 1  # evaluate every this many epochs (and at the last)
     save_top_k: int = 0  # keep the k best epoch-end checkpoints by the validation metric (best.pt)
     early_stop: int = 0  # stop after this many evaluations without improvement of it (0: never)
+    # Progressive training, run in order; they cover train.epochs (at least) and set the training batch
+    # size, image side and lr (per step, linear within a phase) in place of train.batch_size / lr / schedule.
+    phases: list[PhaseConfig] = field(default_factory=list)
+    bn_weight_decay: bool = True  # false: no weight decay on normalisation layers' and bias parameters
+    ece_bins: int = 15  # equal-width confidence bins of the reported ECE (the Co-Mixup paper: 10)
 
     def __post_init__(self):
         check_range("train.epochs", self.epochs, 1)
@@ -242,6 +276,28 @@ class TrainConfig:
         check_range("train.eval_every", self.eval_every, 1)
         check_range("train.save_top_k", self.save_top_k, 0)
         check_range("train.early_stop", self.early_stop, 0)
+        check_range("train.ece_bins", self.ece_bins, 1)
+        if self.phases:
+            self._check_phases()
+
+    def _check_phases(self) -> None:
+        for i, phase in enumerate(self.phases):
+            check_range(f"train.phases.{i}.epochs", phase.epochs, 1)
+            check_range(f"train.phases.{i}.image_size", phase.image_size, 0)
+            check_range(f"train.phases.{i}.batch_size", phase.batch_size, 1)
+            if len(phase.lr) != 2 or min(phase.lr) < 0:
+                raise ConfigError(f"train.phases.{i}.lr={list(phase.lr)}: must be [start, end], both >= 0")
+        covered = sum(phase.epochs for phase in self.phases)
+        if covered < self.epochs:  # fewer epochs stop inside the phases (a smoke run, a benchmark)
+            raise ConfigError(
+                f"train.phases cover {covered} epochs but train.epochs={self.epochs}: make them agree"
+            )
+        for key, off in (("schedule", "none"), ("warmup_epochs", 0)):
+            if getattr(self, key) != off:
+                raise ConfigError(
+                    f"train.{key}={getattr(self, key)!r} does not combine with train.phases (their lr ramps "
+                    f"are the schedule); set train.{key}={off}"
+                )
 
 
 @dataclass
@@ -298,9 +354,9 @@ TOP_LEVEL = {
     "train": TrainConfig,
 }
 # Optional top-level keys and their checks: a method (`+method=NAME`), `+debug=smoke`, a preset's numbers.
-OPTIONAL = ("method", "debug", "paper")
+OPTIONAL = ("method", "debug", "paper", "per_method")
 # Top-level scalars: their type and, for numbers, their range (numpy takes seeds in [0, 2**32 - 1]).
-SCALARS = {"seed": (int, 0, 2**32 - 1), "name": (str,)}
+SCALARS = {"seed": (int, 0, 2**32 - 1), "name": (str,), "metric": (str,)}
 # `field(metadata=ALLOW_INF)` marks a float key for which an infinity is meaningful; NaN never is.
 ALLOW_INF = {"allow_inf": True}
 
@@ -371,6 +427,38 @@ def task_module(cfg: DictConfig):
         raise ConfigError(f"method.task={name!r} has no module tasks/{name}.py") from None
 
 
+def main_metric(config, task_metric: tuple[str, str]) -> tuple[str, str]:
+    """A run's main metric `(key, "max" | "min")`: the config's top-level `metric` ("KEY" or
+    "KEY:max|min", a preset's headline number, e.g. Co-Mixup's test/acc_median10), else `task_metric`
+    (its task's METRIC, whose direction also stands where `metric` gives none)."""
+    given = config.get("metric")
+    if not given:
+        return task_metric
+    key, _, direction = str(given).partition(":")
+    direction = direction or task_metric[1]
+    if direction not in ("max", "min"):
+        raise ConfigError(f"metric={given}: the direction after ':' must be max or min")
+    return key, direction
+
+
+def _with_preset_settings(method: DictConfig, per_method, schemas: dict) -> DictConfig:
+    """`method` with a family preset's settings for it: `per_method: {NAME: {key: value}}` (e.g. Co-Mixup's
+    ImageNet partition, which the ERM row of the same preset has no key for) sets each key the run leaves
+    at its schema default; a value given on the command line (another than the default) wins."""
+    if per_method is None:
+        return method
+    if not isinstance(per_method, DictConfig) or any(name not in schemas for name in per_method):
+        raise ConfigError(
+            f"per_method={per_method!r} must map method names ({', '.join(schemas)}) to their settings"
+        )
+    settings = per_method.get(method.name)
+    if settings is None:
+        return method
+    default = schemas[method.name]()
+    kept = {key: value for key, value in settings.items() if method.get(key) == getattr(default, key, None)}
+    return OmegaConf.merge(method, kept)
+
+
 def validate(cfg: DictConfig) -> dict[str, Any]:
     """Check every group of a composed config; return the schema objects by group name."""
     checked: dict[str, Any] = {}
@@ -383,6 +471,9 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
             raise ConfigError(f"{key}={cfg[key]!r} must be of type {kind.__name__}")
         if key in cfg and bounds:
             check_range(key, cfg[key], *bounds)
+    if cfg.get("metric"):
+        main_metric(cfg, ("", "max"))  # a bad direction
+        checked["metric"] = cfg.metric
     for group, base in TOP_LEVEL.items():
         node = cfg[group]
         if group == "dataset":
@@ -402,7 +493,14 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
             raise ConfigError(
                 f"method.name={name!r} is not a method of task {task!r}; choices: {', '.join(schemas)}"
             )
+        method = _with_preset_settings(method, cfg.get("per_method"), schemas)
         checked["method"] = _to_schema(method, schemas[name], "method")
+    epoch_samples = checked["dataset"].epoch_samples
+    if epoch_samples and getattr(checked.get("method"), "task", None) != "noisy_labels":
+        raise ConfigError(
+            f"dataset.epoch_samples={epoch_samples}: only the noisy_labels task draws a sample per epoch; "
+            "set it to 0 (dataset.max_train: one fixed random subset)"
+        )
     if cfg.get("debug") is not None:
         checked["debug"] = _to_schema(cfg.debug, DebugConfig, "debug")
     if "paper" in cfg:

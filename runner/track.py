@@ -2,7 +2,9 @@
 
 W&B runs offline unless `logger.mode=online`; if it cannot start (no network, no package) the run
 goes on with local files only. Only the main rank writes anything. The W&B run id is kept in the run
-dir (`wandb_run_id`), so a resumed run (a restart, a Slurm requeue) goes on logging into the same W&B run.
+dir (`wandb_run_id`), so a resumed run (a restart, a Slurm requeue) goes on logging into the same W&B run:
+online, the same run resumes; offline, each start writes its own folder under that id, and `runner-sync
+RUN_DIR` (`runner.sync`) rebuilds them from metrics.jsonl as the one run to upload.
 """
 
 from __future__ import annotations
@@ -34,6 +36,28 @@ def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def wandb_init_args(run_dir: Path, cfg, config: dict | None, run_id: str, mode: str, dir=None) -> dict:
+    """`wandb.init` arguments of the run dir's W&B run (logger config `cfg`, run config `config`),
+    written under `dir` (default: the run dir): what a run and its `runner-sync` rebuild share."""
+    import wandb
+
+    return dict(
+        id=run_id,
+        resume="allow",
+        project=cfg.project,
+        entity=cfg.entity,
+        group=cfg.group,
+        tags=list(cfg.tags),
+        mode=mode,
+        dir=str(dir or run_dir),
+        config=config,
+        # `name` (the config's label) before the run dir's leaf: a sweep's runs share a prefix
+        name=f"{config['name']}-{run_dir.name}" if config and "name" in config else run_dir.name,
+        reinit="finish_previous",
+        settings=wandb.Settings(silent=True, init_timeout=60),
+    )
 
 
 class Tracker:
@@ -70,21 +94,14 @@ class Tracker:
             if run_id is None:
                 run_id = uuid.uuid4().hex[:12]
                 write_atomic(id_path, run_id + "\n")
-            return wandb.init(
-                id=run_id,
-                resume="allow",
-                project=cfg.project,
-                entity=cfg.entity,
-                group=cfg.group,
-                tags=list(cfg.tags),
-                mode=cfg.mode,
-                dir=str(self.dir),
-                config=config,
-                # `name` (the config's label) before the run dir's leaf: a sweep's runs share a prefix
-                name=f"{config['name']}-{self.dir.name}" if config and "name" in config else self.dir.name,
-                reinit="finish_previous",
-                settings=wandb.Settings(silent=True, init_timeout=60),
-            )
+            elif cfg.mode == "offline":  # each start writes its own offline folder: the upload needs one
+                log.info(
+                    "W&B offline: this restart logs into a new offline folder of run %s; when the run has "
+                    "ended, upload it as one run with `runner-sync %s` (docs/faults.md)",
+                    run_id,
+                    self.dir,
+                )
+            return wandb.init(**wandb_init_args(self.dir, cfg, config, run_id, cfg.mode))
         except Exception as e:  # never fail a run for want of a network or a login
             log.warning("W&B could not start (%s); logging to %s only", e, self.metrics_path)
             return None

@@ -24,6 +24,9 @@ object with any of:
 
 Training by iterations: a hook's sampler cuts them into epochs (the unit of logging, evaluation and
 epoch-end checkpoints) and its per-step scheduler follows the iteration count.
+
+Progressive training (`train.phases`, `Phases`): each phase's epochs run at its batch size and image side
+(the batches are made anew where those change) with its lr ramp, set before every step.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from runner.data import Data, Split
+from runner.data.files import UNREADABLE
 from runner.data.views import augment_crop_flip
 from runner.faults import CheckpointError, Diverged, StopSignals
 from runner.hardware import RunContext, Stopwatch, all_reduce_sum
@@ -54,6 +58,9 @@ from runner.untrusted import RefusedPickle, torch_load
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoints/last.pt"
+# Evaluated metrics whose per-epoch values a fit keeps: their best, last and median of the last 10
+# (the Co-Mixup tables' headline; val/acc's is what a search on test/acc_median10 selects on).
+HISTORY_KEYS = ("val/acc", "test/acc")
 
 
 def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -61,8 +68,22 @@ def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tens
     return -(target * F.log_softmax(logits, dim=1)).sum(dim=1).mean()
 
 
+# Parameters kept free of weight decay under train.bn_weight_decay=false: those of normalisation layers.
+NORM_LAYERS = (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm, torch.nn.LayerNorm)
+
+
+def decay_groups(model) -> list[dict]:
+    """`model`'s parameters as two optimizer groups: normalisation layers' and biases without weight decay
+    (Goyal et al. 2017; Co-Mixup's ImageNet code), every other parameter with it."""
+    decay, no_decay = [], []
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            (no_decay if isinstance(module, NORM_LAYERS) or name == "bias" else decay).append(param)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 def make_optimizer(model, cfg):
-    params = model.parameters()
+    params = model.parameters() if cfg.bn_weight_decay else decay_groups(model)
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return torch.optim.SGD(
@@ -100,6 +121,32 @@ class EpochBatches:
         return iter(shards[self.start :])
 
 
+class Phases:
+    """`train.phases` as the loop reads them: the phase of an epoch, and the lr of a step, linear within
+    its phase in the fractional epoch `epoch + (step + 1) / steps` (the Co-Mixup ImageNet code's
+    `np.interp` of the lr at the end of each step). Stateless, so a resume anywhere continues exactly."""
+
+    def __init__(self, phases):
+        self.phases = list(phases)
+        self.starts = np.cumsum([0] + [phase.epochs for phase in self.phases])
+
+    def index(self, epoch: int) -> int:
+        return int(np.searchsorted(self.starts, epoch, side="right")) - 1
+
+    def at(self, epoch: int):
+        return self.phases[self.index(epoch)]
+
+    def lr(self, epoch: int, step: int, steps: int) -> float:
+        i = self.index(epoch)
+        (start, end), done = self.phases[i].lr, epoch - self.starts[i] + (step + 1) / steps
+        return start + (end - start) * done / self.phases[i].epochs
+
+    def set_lr(self, optimizer, epoch: int, step: int, steps: int) -> None:
+        lr = self.lr(epoch, step, steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+
 def _on_device(split: Split, device: torch.device) -> torch.Tensor:
     """`split.x` on `device`, copied once per split (and again only if `split.x` is replaced)."""
     cached = split.__dict__.get("_device_copy")
@@ -109,9 +156,12 @@ def _on_device(split: Split, device: torch.device) -> torch.Tensor:
     return cached[1]
 
 
-def batches(split, ctx: RunContext, index_batches, augment: str = "none", crop_pad: int = 4):
+def batches(
+    split, ctx: RunContext, index_batches, augment: str = "none", crop_pad: int = 4, image_size: int = 0
+):
     """An iterable of `(x, idx)` over `index_batches` (an iterable of index tensors, e.g. EpochBatches),
-    `x` float network input and `idx` the batch's int64 sample indices, both on `ctx.device`.
+    `x` float network input and `idx` the batch's int64 sample indices, both on `ctx.device`; with
+    `image_size` > 0, images resized on the device to that side (a training phase's, `train.phases`).
 
     In-memory splits are sliced on the device (augment="crop_flip": random crop + flip there), the
     epoch's indices copied there at once; a FileSplit is read by a DataLoader whose workers decode and
@@ -130,12 +180,20 @@ def batches(split, ctx: RunContext, index_batches, augment: str = "none", crop_p
             persistent_workers=ctx.num_workers > 0,
             generator=seeds,
         )
-        return _ToDevice(loader, ctx, split)
+        return _ToDevice(loader, ctx, split, image_size)
     if augment not in ("none", "crop_flip"):
         raise ConfigError(
             f"dataset.augment={augment!r} needs a file-backed dataset; in-memory data take none or crop_flip"
         )
-    return _SliceBatches(split, ctx, index_batches, augment, crop_pad)
+    return _SliceBatches(split, ctx, index_batches, augment, crop_pad, image_size)
+
+
+def resized(x: torch.Tensor, side: int) -> torch.Tensor:
+    """A batch of images at `side` x `side` (antialiased bilinear, as PIL's resize); as it is when `side`
+    is 0 or already its size."""
+    if not side or x.shape[-2:] == (side, side):
+        return x
+    return F.interpolate(x, size=(side, side), mode="bilinear", antialias=True, align_corners=False)
 
 
 class _AsLists:
@@ -155,22 +213,26 @@ class _AsLists:
 class _ToDevice:
     """The workers' (pinned) batches moved to the device without waiting, decoded there by `split.decode`."""
 
-    def __init__(self, loader, ctx: RunContext, split):
-        self.loader, self.ctx, self.split = loader, ctx, split
+    def __init__(self, loader, ctx: RunContext, split, image_size: int = 0):
+        self.loader, self.ctx, self.split, self.image_size = loader, ctx, split, image_size
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self):
-        for x, idx in self.loader:
-            x = self.split.decode(x.to(self.ctx.device, non_blocking=True))
+        for x, idx, *skipped in self.loader:  # ImageFiles' batches name the unreadable files they skipped
+            if skipped:
+                UNREADABLE.record(skipped[0])
+            x = resized(self.split.decode(x.to(self.ctx.device, non_blocking=True)), self.image_size)
             yield self.ctx.to_input(x), idx.to(self.ctx.device, non_blocking=True)
 
 
 class _SliceBatches:
-    def __init__(self, split: Split, ctx: RunContext, index_batches, augment: str, crop_pad: int):
+    def __init__(
+        self, split: Split, ctx: RunContext, index_batches, augment: str, crop_pad: int, image_size: int
+    ):
         self.split, self.ctx, self.index_batches = split, ctx, index_batches
-        self.augment, self.crop_pad = augment, crop_pad
+        self.augment, self.crop_pad, self.image_size = augment, crop_pad, image_size
 
     def __len__(self) -> int:
         return len(self.index_batches)
@@ -186,7 +248,7 @@ class _SliceBatches:
             x = self.split.decode(x_all[idx])
             if self.augment == "crop_flip":
                 x = augment_crop_flip(x, self.crop_pad)
-            yield self.ctx.to_input(x), idx
+            yield self.ctx.to_input(resized(x, self.image_size)), idx
 
 
 def in_order(n: int, batch_size: int) -> list[torch.Tensor]:
@@ -268,11 +330,13 @@ def evaluate(
     return out
 
 
-def _evaluate_splits(model, data: Data, ctx: RunContext, batch_size: int) -> tuple[dict, dict]:
-    """(`<split>/<metric>` for every evaluation split, the calibration bins by split)."""
+def _evaluate_splits(
+    model, data: Data, ctx: RunContext, batch_size: int, bins: int = 15
+) -> tuple[dict, dict]:
+    """(`<split>/<metric>` for every evaluation split, the calibration bins by split); ECE over `bins`."""
     metrics, calibration = {}, {}
     for name, split in data.eval_splits().items():
-        result = evaluate(model, split, ctx, batch_size, top5=data.meta.get("top5", False))
+        result = evaluate(model, split, ctx, batch_size, top5=data.meta.get("top5", False), bins=bins)
         calibration[name] = result.pop("calibration")
         metrics.update({f"{name}/{key}": value for key, value in result.items()})
     return metrics, calibration
@@ -500,7 +564,7 @@ def evaluate_all(model, data: Data, ctx: RunContext, cfg, hooks) -> tuple[dict, 
     """The epoch's evaluation: the method's own (`hooks.evaluate`), or every evaluation split's metrics."""
     if getattr(hooks, "evaluate", None) is not None:
         return hooks.evaluate(model), {}
-    return _evaluate_splits(model, data, ctx, cfg.eval_batch_size)
+    return _evaluate_splits(model, data, ctx, cfg.eval_batch_size, cfg.ece_bins)
 
 
 def train_one_epoch(s: Step, loop: _Loop, epoch: int, first: int) -> tuple[torch.Tensor, DeferredChecks]:
@@ -520,6 +584,8 @@ def train_one_epoch(s: Step, loop: _Loop, epoch: int, first: int) -> tuple[torch
         disable=None if cfg.progress and ctx.is_main else True,
     )
     for step, (x, idx) in enumerate(bar, start=first):
+        if loop.phases is not None:
+            loop.phases.set_lr(s.optimizer, epoch, step, steps)
         loss = train_step(s, x, idx, epoch)
         if loop.warmup_lr is not None:
             loop.warmup_lr.step()
@@ -561,11 +627,17 @@ def fit(
     restored at the end, and the returned metrics are those of the restored model."""
     # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
     # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
-    if cfg.batch_size % (ctx.world_size * cfg.accumulate):
-        raise ConfigError(
-            f"train.batch_size={cfg.batch_size}: must split evenly over {ctx.world_size} ranks x "
-            f"train.accumulate={cfg.accumulate} micro-batches"
-        )
+    for key, size in [("train.batch_size", cfg.batch_size)] + [
+        (f"train.phases.{i}.batch_size", phase.batch_size) for i, phase in enumerate(cfg.phases)
+    ]:
+        if size % (ctx.world_size * cfg.accumulate):
+            raise ConfigError(
+                f"{key}={size}: must split evenly over {ctx.world_size} ranks x "
+                f"train.accumulate={cfg.accumulate} micro-batches"
+            )
+    if cfg.phases and getattr(hooks, "optimizer", None) is not None:
+        raise ConfigError("train.phases set the lr of the config's optimizer; this method brings its own: "
+                          "leave train.phases empty")  # fmt: skip
     if cfg.accumulate > 1 and hooks is not None and not getattr(hooks, "accumulate_ok", False):
         raise ConfigError(
             f"train.accumulate={cfg.accumulate}: this method needs each whole batch in one pass (its "
@@ -582,7 +654,9 @@ def fit(
     _truncate(ctx, tag, start if resumed is not None else -1)
     if resumed is not None and loop.warmup:
         _follow_config(s.optimizer, s.scheduler, cfg)
-    loop.history, loop.carried_loss = extra.get("history", []), extra.get("loss_sum", 0.0)
+    loop.history, loop.carried_loss = extra.get("history", {}), extra.get("loss_sum", 0.0)
+    if isinstance(loop.history, list):  # a checkpoint from before val/acc had a history: test/acc's
+        loop.history = {"test/acc": loop.history}
     loop.monitor.load_state_dict(extra.get("monitor", {}))
     # The best epoch by `select`: its value, weights (on the CPU), metrics and calibration bins.
     loop.best = extra.get("best")
@@ -592,11 +666,12 @@ def fit(
         evaluated, calibration = evaluate_all(model, data, ctx, cfg, hooks)
         loop.best = _snapshot(model, evaluated, calibration, select)
         _log(ctx, tag, {"epoch": 0, **evaluated}, -1)
-    loop.start_batches(augment)  # after the resume: the data order is seeded by the restored RNG state
     metrics: dict = {}
     calibration: dict = {}
     with StopSignals() as loop.signals:
         for epoch in range(start, cfg.epochs):
+            # after the resume: the data order is seeded by the restored RNG state
+            loop.start_batches(augment, epoch)
             metrics, calibration = loop.epoch(epoch, first if epoch == start else 0)
             if loop.monitor.stopped:
                 break
@@ -609,7 +684,8 @@ def fit(
     elif not metrics:  # resumed a finished run: its last epoch's row, the model evaluated as it is
         evaluated, calibration = evaluate_all(model, data, ctx, cfg, hooks)
         metrics = {**extra.get("metrics", {}), **evaluated}
-    metrics.update(history_summary(loop.history))
+    for key, values in loop.history.items():
+        metrics.update(history_summary(values, key))
     metrics.update(loop.monitor.summary())
     metrics["time/train_total_s"] = loop.train_s  # the training steps of this process (not the resumed part)
     if ctx.is_main and "test" in calibration:
@@ -735,15 +811,23 @@ class _Loop:
         has_pass = getattr(hooks, "on_epoch_start", None) is not None
         self.mid_epoch = cfg.checkpoint and (not has_pass or getattr(hooks, "mid_epoch_resume", False))
         self.last_save = time.monotonic()
-        self.train_s, self.carried_loss, self.history, self.best, self.signals = 0.0, 0.0, [], None, None
+        self.train_s, self.carried_loss, self.history, self.best, self.signals = 0.0, 0.0, {}, None, None
+        self.phases = Phases(cfg.phases) if cfg.phases else None
+        self.batch_shape = None  # (batch size, image side) of the current training batches
 
-    def start_batches(self, augment: str) -> None:
-        ctx, n = self.ctx, len(self.data.train.y)
-        self.sampler = EpochBatches(n, self.cfg.batch_size, ctx.rank, ctx.world_size, torch.initial_seed())
+    def start_batches(self, augment: str, epoch: int) -> None:
+        """The training batches for `epoch`: at its phase's batch size and image side (`train.phases`),
+        made anew only where those change."""
+        ctx, n, phase = self.ctx, len(self.data.train.y), self.phases and self.phases.at(epoch)
+        shape = (phase.batch_size, phase.image_size) if phase else (self.cfg.batch_size, 0)
+        if shape == self.batch_shape:
+            return
+        self.batch_shape = shape
+        self.sampler = EpochBatches(n, shape[0], ctx.rank, ctx.world_size, torch.initial_seed())
         if hasattr(self.hooks, "batch_sampler"):
             self.sampler = self.hooks.batch_sampler(self.sampler)
         self.train_batches = batches(self.data.train, self.ctx, self.sampler, augment,
-                                     self.data.meta.get("crop_pad", 4))  # fmt: skip
+                                     self.data.meta.get("crop_pad", 4), shape[1])  # fmt: skip
 
     def epoch(self, epoch: int, first: int) -> tuple[dict, dict]:
         """Epoch `epoch` from step `first` (> 0: resumed inside it): the method's pass, the steps, the
@@ -767,6 +851,9 @@ class _Loop:
         metrics.update(self._step_stats(scale))
         evaluated, calibration = self._evaluate(epoch)
         metrics.update(evaluated)
+        if getattr(self.data.train, "bad_images", None) == "skip":  # files replaced in the epoch's passes
+            skipped = torch.tensor([UNREADABLE.take()], device=ctx.device)
+            metrics["data/bad_images"] = int(all_reduce_sum(skipped).item())
         metrics.update(getattr(self.hooks, "epoch_metrics", dict)())
         metrics.update(timings)
         metrics["time/epoch_s"] = time.perf_counter() - t0
@@ -808,8 +895,9 @@ class _Loop:
         if self.step.ema is not None:
             averaged, _ = evaluate_all(self.step.ema.module, self.data, self.ctx, cfg, self.hooks)
             evaluated |= {f"{key}_ema": value for key, value in averaged.items()}
-        if "test/acc" in evaluated:
-            self.history.append(evaluated["test/acc"])
+        for key in HISTORY_KEYS:
+            if key in evaluated:
+                self.history.setdefault(key, []).append(evaluated[key])
         select = getattr(self.hooks, "select", None)
         if select is not None and _better(evaluated[select[0]], self.best, select[1]):
             self.best = _snapshot(self.model, evaluated, calibration, select)
@@ -885,13 +973,15 @@ def _follow_config(optimizer, scheduler, cfg) -> None:
         stand_in.step()
         reference.step()
     keys = ("base_lrs", "T_max", "eta_min", "milestones", "gamma")
-    wanted = {**stand_in.defaults, "initial_lr": cfg.lr}
-    wanted.pop("lr")
-    same = all(g.get(k) == v for g in optimizer.param_groups for k, v in wanted.items())
+    # group by group: under train.bn_weight_decay=false the second group has no weight decay
+    wanted = [{k: g[k] for k in stand_in.defaults if k != "lr"} | {"initial_lr": cfg.lr}
+              for g in stand_in.param_groups]  # fmt: skip
+    pairs = list(zip(optimizer.param_groups, wanted))
+    same = all(g.get(k) == v for g, w in pairs for k, v in w.items())
     if same and all(scheduler.state_dict().get(k) == reference.state_dict().get(k) for k in keys):
         return
-    for group in optimizer.param_groups:
-        group.update(wanted, lr=reference.get_last_lr()[0])
+    for group, w in pairs:
+        group.update(w, lr=reference.get_last_lr()[0])
     scheduler.load_state_dict(reference.state_dict())
     log.info("resumed with the config's optimizer settings and schedule: lr %g at epoch %d",
              reference.get_last_lr()[0], epoch + 1)  # fmt: skip

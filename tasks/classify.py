@@ -13,6 +13,8 @@ import torch
 from runner.canvas_metrics import canvas_metrics
 from runner.configs.classify import METHODS, MIXUP, CoMixupConfig, PuzzleMixConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
+from runner.data.imagenet_boxes import add_val_boxes
+from runner.hooks import check_batch
 from runner.hooks.mixup import MixupHooks, TargetLoss
 from runner.models import build_model
 from runner.schema import ConfigError
@@ -35,13 +37,18 @@ HOOKS: dict[str, Callable] = {
 
 def run(cfg, ctx) -> dict:
     data = load_data(cfg.dataset, cfg.seed)
+    add_val_boxes(data, cfg.dataset.imagenet_boxes)  # read before training: a bad file fails at once
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     method = cfg.get("method")
     if method is not None and method.name == "manifold_mixup" and cfg.hardware.compile:
         # its forward hooks, added after the first compiled call, would be skipped by the compiled graph
         raise ConfigError("method=manifold_mixup does not run with hardware.compile=true; set it to false")
+    if method is not None and any(method.name == c.name for c in MIXUP):
+        why = f"method={method.name} (it mixes inputs of a batch)"
+        train = cfg.train
+        check_batch("train.batch_size", train.batch_size, ctx, len(data.train), 2, why, train.accumulate)
     hooks = HOOKS[method.name](method, data, ctx) if method is not None and method.name in HOOKS else None
     summary = fit(model, data, cfg.train, ctx, hooks, augment=cfg.dataset.augment)
-    if "boxes" in data.meta:  # digits_canvas: error, ECE, CAM localisation, background corruptions
+    if "boxes" in data.meta:  # digits_canvas, ImageNet val: error, ECE, CAM localisation, corruptions
         summary.update(canvas_metrics(model, data, ctx))
     return summary

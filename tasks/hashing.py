@@ -19,7 +19,8 @@
 3. Retrieval for each ks and K: a hash table of `tables` (test: test items, query excluded;
    train: train items), queried with the test set, candidates reranked by Euclidean distance in
    the base embedding. Rows: exhaustive search (Metric), and each of `baselines`: Th (top-ks dims
-   of the base embedding), VQ-m (ks nearest of m k-means centroids, m in `vq_centroids`), [11] =
+   of the base embedding), VQ-m (ks nearest of m k-means centroids, m in `vq_centroids`, fit on the
+   train split; VQ-test-m: on the test split, with `vq_fit: [train, test]`), [11] =
    k=1 codes trained on class labels as Jeong & Song 2018 (d in `level1_d`, their `level1_*`
    settings), LSH-n (n-bit random-hyperplane codes of the base embedding, ks=1 as the paper).
 
@@ -73,9 +74,12 @@ def smoke(cfg) -> None:
     method.iters, method.base_iters = min(method.iters, most), min(method.base_iters, most)
     method.classes_per_batch = min(method.classes_per_batch, 4)
     method.decay_at = [i for i in method.decay_at if i <= method.iters]
-    # k-means of the VQ baselines runs on the (smoke-sized) training set: no more centroids than samples
+    # k-means of the VQ baselines runs on the (smoke-sized) training or test set: no more centroids
+    # than samples
     centroids = method.vq_centroids or [method.d, method.d**method.k]
-    method.vq_centroids = [max(min(n, cfg.dataset.max_train), max(method.ks)) for n in centroids]
+    sizes = [cfg.dataset.max_train] + ([cfg.dataset.max_eval] if "test" in method.vq_fit else [])
+    most = min(sizes)
+    method.vq_centroids = [max(min(n, most), max(method.ks)) for n in centroids]
 
 
 def per_ks(values, i):
@@ -166,6 +170,24 @@ def train_hash_nets(cfg, ctx, data, embed, backbone, input_norm, splits):
     return codes, timing
 
 
+def check_vq_centroids(method, data) -> None:
+    """Before any training: the VQ baseline's k-means fits at most as many centroids as the points of
+    each split it is fit on (`method.vq_fit`); ConfigError with centroid counts that fit."""
+    if "vq" not in method.baselines:
+        return
+    centroids = list(method.vq_centroids) or [method.d, method.d**method.k]
+    default = "" if method.vq_centroids else " (the default [d, d^k])"
+    for split in method.vq_fit:
+        n = len(getattr(data, split))
+        if max(centroids) > n:
+            fitted = sorted({min(c, n) for c in centroids})
+            fix = f"set method.vq_centroids={fitted}" if max(method.ks) <= n else "use a larger split"
+            raise ConfigError(
+                f"method.vq_centroids={centroids}{default}: the VQ baseline's k-means has only the {n} "
+                f"{split} points to place them; {fix}, or leave vq out of method.baselines"
+            )
+
+
 def run(cfg, ctx) -> dict:
     method = cfg.method
     per_batch = method.classes_per_batch * method.per_class
@@ -177,6 +199,7 @@ def run(cfg, ctx) -> dict:
     data = load_data(cfg.dataset, cfg.seed)
     if len(data.test) < 2:
         raise ConfigError("method=hier_hash needs a test split of at least 2 items")
+    check_vq_centroids(method, data)
     embed, backbone, input_norm = base_embedding(cfg, ctx, data)
     splits = {name: getattr(data, name) for name in ("test", *method.tables)}
     emb = {name: embed(split) for name, split in splits.items()}

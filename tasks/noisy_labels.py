@@ -9,8 +9,9 @@ The training labels are the noisy ones the foundation's `load_data` injects (`da
 Linear(D, D) `head`, and the classifier on the head's output, so the features of the structure terms
 and of SimSiam are the ones the classifier is trained on (`feature_head=false`: no head).
 
-After `warmup` epochs of cross-entropy on the noisy labels (weakly augmented, as the authors' warm-up
-loader), every epoch starts with a selection pass: the network (eval mode, no augmentation) gives
+After `warmup` epochs of cross-entropy on the noisy labels (weakly augmented, in batches of
+`warmup_batch_size`, as the authors' warm-up loader: 2 x 128 on CIFAR), every epoch starts with a
+selection pass: the network (eval mode, no augmentation) gives
 softmax outputs and features for the whole training set, and a method splits it into
 
     clean       selected and the given label agrees: keep the label, with confidence w
@@ -51,6 +52,10 @@ Table 4 ablations: (a) `+method=ot`, (b) `+method=sot`, (c) `+method=cot`, (d)/(
 `method.kappa_l=0`, (f) `+method=small_loss`, (g) `method.loss=simple`, (h) `method.stage_switch=never`,
 (i) `method.correction=threshold`, (j) `method.simsiam=false`.
 
+With `dataset.epoch_samples` (the Clothing1M preset: 64,000) each epoch draws a fresh class-balanced
+sample of the noisy training set (`runner.data.samplers.EpochSample`, a function of the seed and the
+epoch), as DivideMix: the warm-up trains on it, the selection pass and the pools are its samples.
+
 Logged per epoch: `select/precision`, `select/recall` (clean set against the true clean labels),
 `select/corrected_acc`, `select/m`, set sizes, `select/solver_s`; plus train/val/test accuracy.
 Under DDP (`hardware=ddp`) the losses forward through the DDP-wrapped network, the selection pass is
@@ -65,6 +70,7 @@ from runner.data import load_data
 from runner.data.builtin import CIFAR_STATS
 from runner.data.files import IMAGENET_STATS, FileSplit
 from runner.data.views import Views
+from runner.hooks import check_batch
 from runner.hooks.csot import NoisyLabelHooks
 from runner.models import build_model
 from runner.models.noisy_labels import NoisyLabelNet
@@ -76,8 +82,9 @@ METRIC = ("test/acc", "max")
 
 def smoke(cfg) -> None:
     """`+debug=smoke`: select from the first epoch on, so a smoke run exercises the selection and the
-    two-loader losses."""
+    two-loader losses; an epoch sample at most the smoke run's training subset."""
     cfg.method.warmup = 0
+    cfg.dataset.epoch_samples = min(cfg.dataset.epoch_samples, cfg.dataset.max_train)
 
 
 def network(cfg, data):
@@ -104,12 +111,21 @@ def run(cfg, ctx) -> dict:
     method = cfg.method
     data = load_data(cfg.dataset, cfg.seed)
     model = network(cfg, data)
+    if model.predictor is not None:  # a BatchNorm over each step's batch, in the warm-up too
+        why = f"method={method.name}'s SimSiam predictor (a BatchNorm over the batch)"
+        sizes = {"train.batch_size": cfg.train.batch_size}
+        sizes["method.warmup_batch_size"] = method.warmup_batch_size
+        for key, size in sizes.items():
+            if size:  # warmup_batch_size 0: train.batch_size
+                check_batch(key, size, ctx, len(data.train), 2, why, cfg.train.accumulate)
     file_backed = isinstance(data.train, FileSplit)  # normalised with the ImageNet statistics
     mean, std = CIFAR_STATS.get(cfg.dataset.name, IMAGENET_STATS if file_backed else (None, None))
     pad = data.meta.get("crop_pad", 4)
     views = Views(data.input_shape, mean, std, pad, method.strong_aug)
     asymmetric = cfg.dataset.label_noise.kind == "asymmetric"
-    hooks = NoisyLabelHooks(method, model, data, ctx, views, asymmetric, cfg.seed, cfg.train.batch_size)
+    hooks = NoisyLabelHooks(
+        method, model, data, ctx, views, asymmetric, cfg.seed, cfg.train.batch_size, cfg.dataset.epoch_samples
+    )
     summary = fit(model, data, cfg.train, ctx, hooks, augment="none")  # the hooks make the views
     if data.meta.get("clean_train_labels", True):
         summary["train/label_noise"] = float((data.train.y != data.train.y_clean).float().mean())

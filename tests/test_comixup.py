@@ -586,6 +586,14 @@ def test_digits_canvas_places_each_digit_inside_its_box():
     ).any()
 
 
+def test_a_subset_of_the_canvas_keeps_each_digit_with_its_box():
+    data = canvas_data(max_train=100, max_eval=50)
+    for split in ("train", "test"):
+        x, boxes = getattr(data, split).x[:, 0].numpy(), data.meta["boxes"][split]
+        assert len(boxes) == len(x) == {"train": 100, "test": 50}[split]
+        assert (np.where(box_masks(boxes, 24)[:, 0].numpy().astype(bool), x, 0).max((1, 2)) > 0.5).all()
+
+
 def test_calibration_and_localisation_metrics_against_hand_computation():
     from runner.metrics import calibration_bins, expected_calibration_error
 

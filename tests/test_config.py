@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from runner.cli import CONF_DIR, _compose, preflight
 from runner.schema import ConfigError, check_range, validate
@@ -19,7 +19,8 @@ def options(group):
 def test_every_group_option_composes_and_validates(group, option):
     cfg = _compose([f"{group}={option}"])
     checked = validate(cfg)
-    assert checked[group].name == option
+    declared = OmegaConf.load(CONF_DIR / group / f"{option}.yaml").name  # a variant names its base
+    assert checked[group].name == declared and option.startswith(declared)  # preactresnet18_64px
 
 
 @pytest.mark.parametrize("method", options("method"))
@@ -28,9 +29,13 @@ def test_every_method_composes_and_validates(method):
     assert validate(cfg)["method"].name == cfg.method.name
 
 
-@pytest.mark.parametrize("experiment", options("experiment"))
+@pytest.mark.parametrize("experiment", [e for e in options("experiment") if e != "none"])  # none: no preset
 def test_every_experiment_preset_composes_with_its_method(experiment):
     cfg = _compose([f"+experiment={experiment}"])
+    if cfg.model.pretrained == "required":  # csot_clothing1m: the weights a user gives (here: none)
+        with pytest.raises(ConfigError, match="model.pretrained=required"):
+            validate(cfg)
+        cfg = _compose([f"+experiment={experiment}", "model.pretrained=none"])
     assert experiment.startswith(validate(cfg)["method"].name + "_")  # csot_cifar100: csot
 
 

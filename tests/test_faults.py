@@ -119,7 +119,7 @@ BAD = [
     (["+method=csot", "method.m0=nan"], "method.m0=nan: must be a finite number"),
     (["+method=dbot", "method.delta=nan"], "method.delta=nan: must be a finite number"),
     (["train.epochs=0"], "train.epochs=0 is out of range; must be in [1, inf]"),
-    (["+method=pwc", "method.k=0"], "method.k=0 is out of range; must be in [1, 300]"),
+    (["+method=pwc", "method.k=0"], "method.k=0 is out of range; must be in [1, inf]"),
     (["+method=dbot_cluster", "method.tau=2"], "method.tau=2.0 is out of range; must be in [0.0, 1.0)"),
     (["+method=dbot", "method.delta=1.5"], "method.delta=1.5 is out of range; must be in [0.0, 1.0)"),
     (["dataset.label_noise.rate=1.5"], "dataset.label_noise.rate=1.5 is out of range; must be in [0.0, 1.0]"),

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_cli
 from omegaconf import OmegaConf
 
 from runner.augment import OPS, PolicyAugment, apply_ops, cutout, policy_table, shift
 from runner.data import Data, Split
-from runner.data.samplers import PoolBatches, pool_batches
+from runner.data.samplers import EpochSample, PoolBatches, SampleBatches, balanced_quotas, pool_batches
 from runner.data.views import Views
 from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.faults import Interrupted
@@ -62,10 +63,11 @@ def _ctx(tmp_path, rank=0, world_size=1):
     return RunContext(torch.device("cpu"), tmp_path, _Tracker(), rank=rank, world_size=world_size)
 
 
-def _hooks(name, data, tmp_path, batch_size=32, **overrides):
+def _hooks(name, data, tmp_path, batch_size=32, epoch_samples=0, **overrides):
     cfg = METHODS[name](**{"warmup": 1, "curriculum_end": 5, "solve_batch": 50, **overrides})
     model, ctx = _net(data, cfg.loss == "paper"), _ctx(tmp_path)
-    hooks = NoisyLabelHooks(cfg, model, data, ctx, Views(data.input_shape), False, 0, batch_size)
+    views = Views(data.input_shape)
+    hooks = NoisyLabelHooks(cfg, model, data, ctx, views, False, 0, batch_size, epoch_samples)
     return hooks, model, ctx
 
 
@@ -224,6 +226,71 @@ def test_pool_batches_take_the_rank_shard_of_each_pool_for_the_longer_pool(rank)
     assert [len(b) for b in PoolBatches(lambda: None, 4, fallback=EpochBatches(12, 4))] == [4, 4, 4]
 
 
+def test_balanced_quotas_share_equally_and_small_classes_give_all_they_have():
+    assert balanced_quotas([100, 100, 100], 10).tolist() == [3, 3, 4]
+    assert balanced_quotas([50, 30, 200, 5], 60).tolist() == [18, 18, 19, 5]
+    assert balanced_quotas([4, 4], 8).tolist() == [4, 4]
+
+
+def test_epoch_sample_is_class_balanced_fresh_each_epoch_and_a_function_of_seed_and_epoch():
+    labels = np.repeat([0, 1, 2, 3], [50, 30, 200, 5])
+    sample = EpochSample(labels, 60, seed=7)
+    drawn = [sample(epoch) for epoch in range(3)]
+    for idx in drawn:
+        assert len(idx) == len(set(idx.tolist())) == 60 and idx.tolist() == sorted(idx.tolist())
+        assert np.bincount(labels[idx.numpy()]).tolist() == [18, 18, 19, 5]  # the rare class: all of it
+    assert len({tuple(idx.tolist()) for idx in drawn}) == 3  # fresh every epoch
+    assert EpochSample(labels, 60, seed=7)(1).tolist() == drawn[1].tolist()  # a restarted run's
+    assert EpochSample(labels, 60, seed=8)(1).tolist() != drawn[1].tolist()
+    with pytest.raises(ConfigError, match=r"dataset.epoch_samples=300: more than the 285 training samples"):
+        EpochSample(labels, 300, seed=0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sample_batches_shard_each_epochs_sample_disjointly_over_the_ranks(rank):
+    sample = EpochSample(np.arange(100) % 4, 48, seed=0)
+    size = lambda epoch: 16 if epoch == 0 else 8  # noqa: E731  (a warm-up batch of its own)
+    ranks = ((0, 1), (rank, 2), (1 - rank, 2))  # one process; this rank and the other of two
+    whole, mine, other = (SampleBatches(sample, size, r, w, seed=3) for r, w in ranks)
+    for epoch, steps in ((0, 3), (1, 6)):
+        for sampler in (whole, mine, other):
+            sampler.set_epoch(epoch)
+        assert len(whole) == len(mine) == steps
+        for batch, a, b in zip(whole, mine, other):
+            assert not set(a.tolist()) & set(b.tolist())
+            assert sorted(a.tolist() + b.tolist()) == sorted(batch.tolist())
+        flat = torch.cat(list(whole)).tolist()
+        assert len(flat) == len(set(flat)) == 48 and set(flat) == set(sample(epoch).tolist())
+    mine.set_epoch(1, start=4)  # mid-epoch resume: the same batches from step 4 on
+    whole.set_epoch(1)
+    assert [b.tolist() for b in mine] == [b[rank::2].tolist() for b in list(whole)[4:]]
+
+
+def test_warmup_batch_and_epoch_sample_in_the_hooks(tmp_path):
+    """The warm-up epochs take batches of warmup_batch_size from the epoch's sample; the selection pass
+    and the two pools cover that epoch's sample and nothing else; `ce` trains at train.batch_size after
+    the warm-up epochs."""
+    data = _toy(n=200)
+    hooks, model, _ = _hooks("csot", data, tmp_path, batch_size=16, epoch_samples=96, warmup_batch_size=32)
+    sampler = hooks.batch_sampler(EpochBatches(200, 16))
+    sampler.set_epoch(0)
+    warmup = list(sampler)
+    assert [len(b) for b in warmup] == [32] * 3
+    assert set(torch.cat(warmup).tolist()) == set(hooks.epoch_sample(0).tolist())
+    hooks.on_epoch_start(1, model, data)
+    sampler.set_epoch(1)
+    clean, rest = hooks.pools()
+    assert sorted(clean.tolist() + rest.tolist()) == hooks.epoch_sample(1).tolist()
+    stats = hooks.last_stats
+    assert stats["select/n_clean"] + stats["select/n_corrected"] + stats["select/n_unselected"] == 96
+    assert set(torch.cat(list(sampler)).tolist()) <= set(hooks.epoch_sample(1).tolist())
+    ce, _, _ = _hooks("ce", data, tmp_path / "ce", batch_size=16, warmup_batch_size=32)
+    sampler = ce.batch_sampler(EpochBatches(200, 16))
+    for epoch, size in ((0, 32), (1, 16), (2, 16)):
+        sampler.set_epoch(epoch)
+        assert {len(b) for b in sampler} == {size} and len(sampler) == 200 // size
+
+
 def test_warmup_batch_is_weakly_augmented(tmp_path):
     data = _toy()
     hooks, model, _ = _hooks("csot", data, tmp_path)
@@ -286,9 +353,11 @@ def test_fit_epochs_run_for_the_longer_loader(tmp_path):
     assert {n for e, n in steps if e > 0} == {32} and per_epoch[1] != 120 // 16
 
 
-def test_stop_mid_epoch_then_resume_matches_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("epoch_samples, warmup_batch", [(0, 0), (96, 32)])
+def test_stop_mid_epoch_then_resume_matches_the_uninterrupted_run(tmp_path, epoch_samples, warmup_batch):
     """A stop signal inside a selection epoch: fit checkpoints the step (the selection in the hooks'
-    state, every RNG), and a restart ends with the weights of a run never stopped."""
+    state, every RNG), and a restart ends with the weights of a run never stopped; with an epoch sample
+    and a warm-up batch of its own too (the epochs after the resume draw their samples again)."""
     import os
     import signal
 
@@ -297,7 +366,7 @@ def test_stop_mid_epoch_then_resume_matches_the_uninterrupted_run(tmp_path):
 
     def run(run_dir, stop_at=None):
         torch.manual_seed(0), np.random.seed(0)
-        hooks, model, ctx = _hooks("csot", data, run_dir, batch_size=16)
+        hooks, model, ctx = _hooks("csot", data, run_dir, 16, epoch_samples, warmup_batch_size=warmup_batch)
         calls = []
         loss = hooks.loss
 
@@ -312,8 +381,9 @@ def test_stop_mid_epoch_then_resume_matches_the_uninterrupted_run(tmp_path):
         return torch.cat([p.detach().flatten() for p in model.parameters()]), calls
 
     straight, _ = run(tmp_path / "a")
+    warmup_steps = (epoch_samples or 120) // (warmup_batch or 16)
     with pytest.raises(Interrupted):
-        run(tmp_path / "b", stop_at=120 // 16 + 3)  # the 3rd step of epoch 1, the first selection epoch
+        run(tmp_path / "b", stop_at=warmup_steps + 3)  # the 3rd step of epoch 1, the first selection epoch
     resumed, calls = run(tmp_path / "b")
     assert calls[0] == 1 and len(calls) < 3 * 120 // 16  # it went on inside epoch 1
     torch.testing.assert_close(resumed, straight, rtol=0, atol=0)
@@ -363,22 +433,25 @@ def test_selection_pass_is_fp32_under_bf16(tmp_path):
         assert model.forward_features(data.train.x).dtype == torch.bfloat16  # what the pass would have been
 
 
-def test_hooks_on_an_accelerator_select_as_on_the_cpu_without_waiting_per_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("epoch_samples", [0, 120])
+def test_hooks_on_an_accelerator_select_as_on_the_cpu_without_waiting_per_step(
+    tmp_path, monkeypatch, epoch_samples
+):
     """On the tracker's stand-in device (an accelerator to `RunContext.accelerator`) the selection runs on
-    tensors (the batched solver) and picks the CPU run's sets; the losses then split fit's batch by position
-    and read nothing back from the device."""
+    tensors (the batched solver) and picks the CPU run's sets, on the whole training set or the epoch's
+    sample; the losses then split fit's batch by position and read nothing back from the device."""
     import runner.hardware
 
     with DeviceTracker() as tracker:  # data and model made under the tracker: on the host, as in a run
         data = _toy(n=200)
-        cpu_hooks, model, _ = _hooks("csot", data, tmp_path / "cpu", batch_size=16)
+        cpu_hooks, model, _ = _hooks("csot", data, tmp_path / "cpu", 16, epoch_samples)
         cpu_hooks.on_epoch_start(1, model, data)
         monkeypatch.setattr(runner.hardware, "is_accelerator", lambda device: device == STAND_IN)
         ctx = RunContext(STAND_IN, tmp_path / "device", _Tracker())
         assert ctx.accelerator
         model.to(STAND_IN)
         cfg = METHODS["csot"](warmup=1, curriculum_end=5, solve_batch=50)
-        hooks = NoisyLabelHooks(cfg, model, data, ctx, Views(data.input_shape), False, 0, 16)
+        hooks = NoisyLabelHooks(cfg, model, data, ctx, Views(data.input_shape), False, 0, 16, epoch_samples)
         with tracker.in_phase("epoch_start"):
             hooks.on_epoch_start(1, model, data)
         sampler = hooks.batch_sampler(EpochBatches(len(data.train), 16))
@@ -497,11 +570,26 @@ def _cli_selection_runs(cli, tmp_path, methods):
 
 
 def test_paper_presets_compose():
-    from runner.cli import preflight
+    from runner.cli import _compose, preflight
 
-    for preset in ("csot_cifar10", "csot_cifar100", "csot_webvision", "csot_clothing1m"):
+    for preset in ("csot_cifar10", "csot_cifar100", "csot_webvision"):
         preflight(["+method=csot", f"+experiment={preset}"])
+    preflight(["+method=csot", "+experiment=csot_clothing1m", "model.pretrained=none"])
     preflight(["+method=ot,sot,cot,small_loss,ce", "+experiment=csot_cifar10", "method.simsiam=false"])
+    for preset in ("csot_cifar10", "csot_cifar100"):  # Table 1 came from the authors' code: its ramp, batch
+        method = _compose([f"+experiment={preset}"]).method
+        assert (method.budget, method.warmup_batch_size) == ("code", 256)
+    clothing = _compose(["+experiment=csot_clothing1m"])
+    assert (clothing.dataset.epoch_samples, clothing.dataset.max_train) == (64_000, 0)
+    with pytest.raises(ConfigError, match="dataset.epoch_samples=100: only the noisy_labels task"):
+        preflight(["dataset=digits", "dataset.epoch_samples=100"])  # classify: no sample per epoch
+
+
+def test_clothing1m_refuses_to_start_without_imagenet_weights(tmp_path):
+    proc = run_cli(["+experiment=csot_clothing1m", f"hydra.run.dir={tmp_path}"], tmp_path, check=False)
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.pretrained" in lines[0] and "model.pretrained=none" in lines[0], lines
 
 
 @pytest.mark.slow

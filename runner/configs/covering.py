@@ -38,7 +38,12 @@ class CoverConfig(MethodConfig):
         super().__post_init__()
         check_range("method.n_app", self.n_app, 1)
         check_range("method.n_dev", self.n_dev, 1)
-        check_range("method.k", self.k, 1, self.n_app)
+        check_range("method.k", self.k, 1)
+        if self.k > self.n_app:
+            raise ConfigError(
+                f"method.k={self.k} is out of range; must be in [1, {self.n_app}]: k picks are drawn from "
+                f"the method.n_app={self.n_app} application candidates (or set method.n_app>={self.k})"
+            )
         check_range("method.missing_class", self.missing_class, 0)
         check_range("method.dev_share", self.dev_share, 0.0, 1.0, hi_open=True)
         check_range("method.app_share", self.app_share, 0.0, 1.0, hi_open=True)

@@ -60,6 +60,9 @@ class HierHashConfig(MethodConfig):
     tables: list[Literal[TABLES]] = field(default_factory=lambda: ["test", "train"])
     baselines: list[Literal[BASELINES]] = field(default_factory=lambda: ["th", "vq"])  # level1: [11]
     vq_centroids: list[int] = field(default_factory=list)  # empty: [d, d^k]
+    # the splits whose base embedding VQ's k-means runs on: train -> rows VQ-<n> (ImageNetSplit's
+    # VQ-train), test -> rows VQ-test-<n> (its VQ-test: centroids of the unseen classes)
+    vq_fit: list[Literal[TABLES]] = field(default_factory=lambda: ["train"])
     level1_d: list[int] = field(default_factory=list)  # [11]: empty: [d*k], equal output count
     level1_beta: list[float] = field(default_factory=lambda: [0.3])  # [11]'s own (ICML18 Cifar N-pairs)
     level1_margin: list[float] = field(default_factory=lambda: [1.0])
@@ -104,6 +107,8 @@ class HierHashConfig(MethodConfig):
             bad("eval_k", self.eval_k, "a non-empty list of ints >= 1")
         if not self.tables:
             bad("tables", self.tables, f"a non-empty subset of {list(TABLES)}")
+        if "vq" in self.baselines and not self.vq_fit:
+            bad("vq_fit", self.vq_fit, f"a non-empty subset of {list(TABLES)}")
         if self.vq_centroids and min(self.vq_centroids) < max(self.ks):
             bad("vq_centroids", self.vq_centroids, f"ints >= max(ks)={max(self.ks)}")
         if self.level1_d and min(self.level1_d) < max(self.ks):

@@ -20,6 +20,7 @@ class NoisyLabelConfig(MethodConfig):
     selection: Literal[SELECTIONS] = "csot"
     loss: Literal["paper", "simple"] = "paper"  # simple: CE on the selected and corrected samples
     warmup: int = 10  # epochs of CE on the noisy labels before the first selection
+    warmup_batch_size: int = 0  # the warm-up epochs' batch (0: train.batch_size); the authors': 2 x 128
     # CSOT solver (runner.methods.csot.csot_plan)
     eps: float = 0.1
     kappa_p: float = 1.0
@@ -55,6 +56,7 @@ class NoisyLabelConfig(MethodConfig):
     def __post_init__(self):
         super().__post_init__()
         check_range("method.warmup", self.warmup, 0)
+        check_range("method.warmup_batch_size", self.warmup_batch_size, 0)
         check_range("method.eps", self.eps, 0.0, lo_open=True)
         check_range("method.kappa_p", self.kappa_p, 0.0)
         check_range("method.kappa_l", self.kappa_l, 0.0)

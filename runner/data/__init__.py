@@ -2,11 +2,12 @@
 
 `load_data(cfg, seed)` builds the dataset named `cfg.name` (clean labels), makes its training split
 long-tailed when `cfg.imbalance > 1`, then injects label noise when `cfg.label_noise.kind != "none"`.
-Everything is deterministic given the seed.
+Everything is deterministic given the seed. What it built is announced in one log line (`describe`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,6 +15,8 @@ import numpy as np
 import torch
 
 from runner.schema import DATASET_SCHEMAS, ConfigError, DatasetConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -183,7 +186,22 @@ def load_data(cfg, seed: int) -> Data:
         )
         data.train.y = torch.as_tensor(noisy, dtype=torch.long)
     data.meta.setdefault("crop_pad", cfg.crop_pad)
-    return limit_splits(data, cfg.max_train, cfg.max_eval, rng, cfg.min_per_class)
+    data = limit_splits(data, cfg.max_train, cfg.max_eval, rng, cfg.min_per_class)
+    log.info("%s", describe(data, cfg.name))
+    return data
+
+
+def describe(data: Data, name: str) -> str:
+    """The one line that announces a dataset's splits, the same for every dataset, e.g.
+    `data: imagefolder, 3 classes, 136 train / 37 val / 37 test images (4 non-image files ignored)`
+    (extra splits after test; "samples" for data that are not images; the parenthesis only when a
+    file-backed layout ignored files)."""
+    splits = {"train": data.train, "val": data.val, "test": data.test, **data.extra}
+    sizes = " / ".join(f"{len(split)} {split_name}" for split_name, split in splits.items())
+    noun = "images" if len(data.input_shape) == 3 else "samples"
+    ignored = data.meta.get("ignored_files", 0)
+    note = f" ({ignored} non-image file{'s' * (ignored != 1)} ignored)" if ignored else ""
+    return f"data: {name}, {data.num_classes} classes, {sizes} {noun}{note}"
 
 
 def limit_splits(
@@ -195,7 +213,7 @@ def limit_splits(
     class) and each evaluation subset one, beyond their bounds if need be: a task that needs every
     class, or pairs of a class, sets it for a smoke run."""
 
-    def cut(split, most, per_class):
+    def cut(name, split, most, per_class):
         if not most or len(split) <= most:
             return split
         # random samples of every class first (one of each of the lowest classes as far as `most`
@@ -207,12 +225,16 @@ def limit_splits(
         firsts = order[by_class[rank < max(per_class, 1)]]
         firsts = firsts if per_class else firsts[:most]
         rest = np.setdiff1d(order, firsts, assume_unique=True)
-        return split.subset(np.sort(np.r_[firsts, rng.permutation(rest)[: max(most - len(firsts), 0)]]))
+        keep = np.sort(np.r_[firsts, rng.permutation(rest)[: max(most - len(firsts), 0)]])
+        boxes = data.meta.get("boxes", {})
+        if name in boxes:  # per-sample object boxes (digits_canvas) follow their images
+            boxes[name] = boxes[name][keep]
+        return split.subset(keep)
 
     per_eval = min(min_per_class, 1)
-    data.train = cut(data.train, max_train, min_per_class)
-    data.val, data.test = cut(data.val, max_eval, per_eval), cut(data.test, max_eval, per_eval)
-    data.extra = {name: cut(split, max_eval, per_eval) for name, split in data.extra.items()}
+    data.train = cut("train", data.train, max_train, min_per_class)
+    data.val, data.test = cut("val", data.val, max_eval, per_eval), cut("test", data.test, max_eval, per_eval)
+    data.extra = {name: cut(name, split, max_eval, per_eval) for name, split in data.extra.items()}
     return data
 
 
@@ -220,6 +242,7 @@ import runner.data.blobs  # noqa: E402,F401  (registers `blobs`, DB-OT clusterin
 import runner.data.canvas  # noqa: E402,F401  (registers `digits_canvas`, Co-Mixup)
 import runner.data.fake  # noqa: E402,F401  (registers `fake`: generated images of a real shape)
 import runner.data.imagenet32  # noqa: E402,F401  (registers `imagenet32`, hierarchical hashing)
+import runner.data.imagenet_split  # noqa: E402,F401  (registers `imagenetsplit`, hierarchical hashing)
 import runner.data.layouts  # noqa: E402,F401  (registers the file-backed datasets)
 import runner.data.synthetic_hier  # noqa: E402,F401  (registers `synthetic_hier`, hierarchical hashing)
 from runner.data import builtin  # noqa: E402,F401  (registers the datasets)

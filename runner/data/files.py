@@ -7,16 +7,24 @@ torchvision's `transforms.v2`; the main process moves each uint8 batch to the de
 to normalised float32, so the workers do a quarter of the copying and none of the float arithmetic. It has
 the same interface as the in-memory `Split` (`len`, `y`, `y_clean`, `subset`, `decode`), so tasks and
 methods never ask which one they hold.
+
+A file no decoder can read (truncated, empty, not an image) stops the run with `UnreadableImage` under
+`dataset.bad_images=error`; under `skip` the next readable sample stands in for it, and the batch carries
+the files passed over to the main process (`UNREADABLE`), which names each once and counts them.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import logging
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 AUGMENTS = ("none", "crop_flip", "rrc_flip")
@@ -84,6 +92,51 @@ def read_rgb(path) -> torch.Tensor:
     return image
 
 
+def try_read_rgb(path) -> tuple[torch.Tensor | None, str]:
+    """(`read_rgb(path)`, "") or, for a file no decoder reads, (None, the reason on one line)."""
+    try:
+        return read_rgb(path), ""
+    except Exception as e:  # what the decoders raise varies: OSError, RuntimeError, SyntaxError (PIL), ...
+        return None, f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+class UnreadableImage(RuntimeError):
+    """An image file no decoder reads, under `dataset.bad_images=error`. Raised in a DataLoader worker, it
+    reaches the main process re-made from its text with the worker's traceback in it (torch's
+    `ExceptionWrapper`): `str()` is the original one line either way."""
+
+    def __str__(self) -> str:
+        return super().__str__().rstrip().rpartition(f"{type(self).__name__}: ")[2]
+
+
+class UnreadableFiles:
+    """The main process's record of the files `ImageFiles` passed over (`dataset.bad_images=skip`), which
+    reach it with the batches of whichever worker met them: each is named once in the log, and counted
+    until `take()` (an epoch's `data/bad_images`)."""
+
+    def __init__(self):
+        self.named: set[str] = set()
+        self.count = 0
+
+    def record(self, batch: list[str]) -> None:
+        """`batch`: per sample, the files passed over for it ("path (reason)" lines; "" for none)."""
+        for entry in batch:
+            for file in filter(None, entry.split("\n")):
+                self.count += 1
+                if file not in self.named:
+                    self.named.add(file)
+                    log.warning("unreadable image %s replaced by the next readable sample "
+                                "(dataset.bad_images=skip)", file)  # fmt: skip
+
+    def take(self) -> int:
+        """The files passed over since the last call."""
+        count, self.count = self.count, 0
+        return count
+
+
+UNREADABLE = UnreadableFiles()
+
+
 @functools.cache
 def _scale_and_shift(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(1 / (255 std), mean / std) per channel on `device`, made once per device: made per batch, each
@@ -104,23 +157,42 @@ def normalized(x: torch.Tensor, mean, std) -> torch.Tensor:
 
 
 class ImageFiles(torch.utils.data.Dataset):
-    """`dataset[i] -> (transform(uint8 image i), i)`: the index travels with the sample."""
+    """`dataset[i] -> (transform(uint8 image i), i)`: the index travels with the sample. A file that
+    cannot be read raises `UnreadableImage` with `bad_images="error"`; with "skip" the next readable one
+    (circularly) stands in for it, so the epoch's index order, which resumes and DDP shards rely on, is
+    kept: `dataset[i] -> (image j, j, unreadable)`, `unreadable` naming the files passed over ("path
+    (reason)" lines, "" for none)."""
 
-    def __init__(self, root: Path, paths: np.ndarray, transform):
-        self.root, self.paths, self.transform = root, paths, transform
+    def __init__(self, root: Path, paths: np.ndarray, transform, bad_images: str = "error"):
+        self.root, self.paths, self.transform, self.bad_images = root, paths, transform, bad_images
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, i: int):
-        return self.transform(read_rgb(self.root / self.paths[i].decode())), i
+        unreadable = []
+        for j in itertools.chain(range(i, len(self.paths)), range(i)):
+            path = self.root / self.paths[j].decode()
+            image, reason = try_read_rgb(path)
+            if image is None and self.bad_images == "error":
+                raise UnreadableImage(
+                    f"unreadable image {path} ({reason}); dataset.bad_images=skip replaces such samples"
+                )
+            if image is None:
+                unreadable.append(f"{path} ({reason})")
+            elif self.bad_images == "skip":
+                return self.transform(image), j, "\n".join(unreadable)
+            else:
+                return self.transform(image), j
+        raise UnreadableImage(f"none of the {len(self.paths)} images under {self.root} can be read")
 
 
 class FileSplit:
     """Images named by `paths` (relative to `root`) with labels `y` (noisy where label noise is on) and
-    `y_clean` (the true labels; `y` where unknown)."""
+    `y_clean` (the true labels; `y` where unknown); `bad_images` ("error" | "skip") says what an
+    unreadable file does (`ImageFiles`)."""
 
-    def __init__(self, root, paths, y, y_clean=None, *, transforms: ImageTransforms):
+    def __init__(self, root, paths, y, y_clean=None, *, transforms: ImageTransforms, bad_images="error"):
         self.root = Path(root)
         # A numpy bytes array, not a list of str: forked workers share it without copy-on-read, at one
         # byte per character (ImageNet's 1.28M paths: ~50 MB per process).
@@ -130,7 +202,7 @@ class FileSplit:
         self.y_clean = (
             self.y.clone() if y_clean is None else torch.as_tensor(np.asarray(y_clean), dtype=torch.long)
         )
-        self.transforms = transforms
+        self.transforms, self.bad_images = transforms, bad_images
 
     def __len__(self) -> int:
         return len(self.y)
@@ -145,11 +217,9 @@ class FileSplit:
 
     def subset(self, idx) -> FileSplit:
         idx = np.asarray(torch.as_tensor(idx, dtype=torch.long))
-        return FileSplit(
-            self.root, self.encoded_paths[idx], self.y[idx], self.y_clean[idx], transforms=self.transforms
-        )
+        paths, y, y_clean = self.encoded_paths[idx], self.y[idx], self.y_clean[idx]
+        return FileSplit(self.root, paths, y, y_clean, transforms=self.transforms, bad_images=self.bad_images)
 
     def dataset(self, train: bool) -> ImageFiles:
-        return ImageFiles(
-            self.root, self.encoded_paths, self.transforms.train if train else self.transforms.eval
-        )
+        transform = self.transforms.train if train else self.transforms.eval
+        return ImageFiles(self.root, self.encoded_paths, transform, self.bad_images)

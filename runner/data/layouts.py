@@ -14,7 +14,9 @@ training files (0 by default: empty) and the layout's validation set is the `tes
     clothing1m     annotations/{noisy,clean}_label_kv.txt and the noisy_train/clean_val/clean_test key lists
 
 Class labels of folder layouts are the indices of the sorted class folder names (wnids), as torchvision's
-`ImageFolder` numbers them.
+`ImageFolder` numbers them. A hidden folder (`.ipynb_checkpoints`) is never a class; in the folders scanned,
+files without an image extension (any case) and hidden files (`.DS_Store`, macOS's `._x.jpg`) are ignored
+and counted (`meta["ignored_files"]`, shown by the `data:` line). Symlinked files and folders are followed.
 """
 
 from __future__ import annotations
@@ -101,14 +103,30 @@ def read_keys(path: Path, name: str) -> list[str]:
 
 
 def subfolders(folder: Path) -> list[str]:
-    return sorted(e.name for e in os.scandir(folder) if e.is_dir())
+    """The sorted names of the folders in `folder`, hidden ones left out."""
+    return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
+
+
+def image_files(folder: Path) -> tuple[list[str], int]:
+    """(the sorted names of the image files in `folder`, how many other files it holds); folders in it
+    are neither."""
+    images, others = [], 0
+    for entry in os.scandir(folder):
+        if entry.is_dir():
+            continue
+        if entry.name.lower().endswith(IMAGE_EXTENSIONS) and not entry.name.startswith("."):
+            images.append(entry.name)
+        else:
+            others += 1
+    return sorted(images), others
 
 
 def scan_classes(root: Path, sub: str, classes, name: str, inner="", required=False, others_ok=False):
     """Images `root/sub/<class>/<inner>/*` of each of `classes`, labelled by class index: (paths relative
-    to root, labels). A class folder may be absent unless `required`; a folder of no class is an error
-    unless `others_ok`."""
+    to root, labels, the count of other files in those folders and in `root/sub`). A class folder may be
+    absent unless `required`; a folder of no class is an error unless `others_ok`."""
     folder = need(root / sub, name)
+    ignored = image_files(folder)[1]
     if not others_ok:
         unknown = sorted(set(subfolders(folder)) - set(classes))
         if unknown:
@@ -120,16 +138,18 @@ def scan_classes(root: Path, sub: str, classes, name: str, inner="", required=Fa
             if required:
                 need(images, name)
             continue
-        files = sorted(e.name for e in os.scandir(images) if e.name.lower().endswith(IMAGE_EXTENSIONS))
+        files, others = image_files(images)
+        ignored += others
         paths += [str(Path(sub, cls, inner, f)) for f in files]
         labels += [label] * len(files)
     if not paths:
         raise ConfigError(f"dataset.name={name}: no images under {folder}; expected layout: {LAYOUTS[name]}")
-    return paths, np.array(labels, dtype=np.int64)
+    return paths, np.array(labels, dtype=np.int64), ignored
 
 
 class Builder:
-    """What every layout shares: its root, transforms at `dataset.image_size` and the val carve-out."""
+    """What every layout shares: its root, transforms at `dataset.image_size`, the val carve-out and the
+    count of ignored files."""
 
     def __init__(self, cfg, rng, name: str):
         self.cfg, self.rng, self.name = cfg, rng, name
@@ -137,9 +157,18 @@ class Builder:
         need(self.root, name)
         self.size = cfg.image_size or DEFAULT_SIZE[name]
         self.transforms = image_transforms(cfg.augment, self.size, *IMAGENET_STATS, cfg.crop_pad)
+        self.ignored = 0
 
     def split(self, paths, y, root: Path | None = None) -> FileSplit:
-        return FileSplit(root or self.root, paths, y, transforms=self.transforms)
+        return FileSplit(
+            root or self.root, paths, y, transforms=self.transforms, bad_images=self.cfg.bad_images
+        )
+
+    def scan(self, sub: str, classes, root: Path | None = None, **options) -> FileSplit:
+        """The split `scan_classes` finds (`options`: its own), its ignored files counted."""
+        paths, y, ignored = scan_classes(root or self.root, sub, classes, self.name, **options)
+        self.ignored += ignored
+        return self.split(paths, y, root)
 
     def carve(self, train: FileSplit) -> tuple[FileSplit, FileSplit]:
         """(train, val): a random `dataset.val_fraction` of the training files held out as val."""
@@ -147,6 +176,7 @@ class Builder:
 
     def data(self, train, val, test, num_classes: int, extra=None, **meta) -> Data:
         meta.setdefault("normalize", IMAGENET_STATS)  # (mean, std) per channel of the network input
+        meta.setdefault("ignored_files", self.ignored)
         return Data(train, val, test, num_classes, (3, self.size, self.size), meta=meta, extra=extra or {})
 
 
@@ -157,8 +187,8 @@ def imagefolder(cfg, rng) -> Data:
     classes = subfolders(need(b.root / "train", b.name))
     if not classes:
         raise ConfigError(f"dataset.name=imagefolder: {b.root / 'train'} has no class folders")
-    train, val = (b.split(*scan_classes(b.root, sub, classes, b.name)) for sub in ("train", "val"))
-    test = b.split(*scan_classes(b.root, "test", classes, b.name)) if (b.root / "test").is_dir() else val
+    train, val = b.scan("train", classes), b.scan("val", classes)
+    test = b.scan("test", classes) if (b.root / "test").is_dir() else val
     return b.data(train, val, test, len(classes), classes=classes)
 
 
@@ -167,7 +197,7 @@ def tiny_imagenet(cfg, rng) -> Data:
     """Tiny-ImageNet (200 classes, 64 px): its val/ folder is the test split."""
     b = Builder(cfg, rng, "tiny_imagenet")
     wnids = sorted(read_keys(b.root / "wnids.txt", b.name))
-    train = b.split(*scan_classes(b.root, "train", wnids, b.name, inner="images", required=True))
+    train = b.scan("train", wnids, inner="images", required=True)
     index = {w: i for i, w in enumerate(wnids)}
     need(b.root / "val" / "images", b.name)
     rows = [line.split("\t") for line in read_keys(b.root / "val" / "val_annotations.txt", b.name)]
@@ -183,8 +213,7 @@ def imagenet(cfg, rng) -> Data:
     """ILSVRC2012 (1000 classes): its val/ folder is the test split."""
     b = Builder(cfg, rng, "imagenet")
     wnids = subfolders(need(b.root / "train", b.name))
-    train = b.split(*scan_classes(b.root, "train", wnids, b.name))
-    test = b.split(*scan_classes(b.root, "val", wnids, b.name))
+    train, test = b.scan("train", wnids), b.scan("val", wnids)
     return b.data(*b.carve(train), test, len(wnids), classes=wnids, top5=True)
 
 
@@ -230,9 +259,7 @@ def webvision(cfg, rng) -> Data:
     if cfg.imagenet_val:
         wnids = [line.split()[0] for line in read_keys(b.root / "info" / "synsets.txt", b.name)][:k]
         folder = need(b.root / cfg.imagenet_val, b.name)
-        extra["imagenet_val"] = b.split(
-            *scan_classes(folder, ".", wnids, b.name, others_ok=True), root=folder
-        )
+        extra["imagenet_val"] = b.scan(".", wnids, root=folder, others_ok=True)
     return b.data(*b.carve(train), test, k, extra, top5=True, clean_train_labels=False)
 
 

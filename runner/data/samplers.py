@@ -5,6 +5,9 @@
   hash), batch i a pure function of (seed, i), cut into epochs of a fixed number of iterations.
 - `pool_batches` / `PoolBatches`: one batch from each of several index pools per step (CSOT's clean and
   unlabeled loaders), the epoch as long as the longer pool, the shorter one cycling.
+- `EpochSample`: a fresh class-balanced sample of the training set each epoch (DivideMix's Clothing1M
+  protocol, `dataset.epoch_samples`), a function of (seed, epoch); `SampleBatches`: an epoch's shuffled
+  batches over such a sample, of a batch size that may change with the epoch (CSOT's warm-up batch).
 """
 
 from __future__ import annotations
@@ -75,6 +78,64 @@ def pool_batches(pool: torch.Tensor, steps: int, batch_size: int, generator: tor
     cycles = -(-need // len(pool))
     order = torch.cat([pool[torch.randperm(len(pool), generator=generator)] for _ in range(cycles)])
     return order[:need].view(steps, batch_size)
+
+
+def balanced_quotas(counts, size: int) -> np.ndarray:
+    """How many of each class a sample of `size` takes: equal shares, a class smaller than its share giving
+    all it has and the rest spread over the larger ones (the larger classes take the remainder)."""
+    counts = np.asarray(counts)
+    quotas, left = np.zeros(len(counts), dtype=np.int64), size
+    for rank, c in enumerate(np.argsort(counts, kind="stable")):
+        quotas[c] = min(counts[c], left // (len(counts) - rank))
+        left -= quotas[c]
+    return quotas
+
+
+class EpochSample:
+    """Each epoch a fresh sample of `size` training indices, balanced over the classes of `labels` (the
+    noisy ones: what DivideMix balances on Clothing1M) as `balanced_quotas`, each class's share drawn
+    without replacement. The sample is a function of (seed, epoch) alone, so every rank draws it and a
+    resumed run draws the one it would have; `__call__(epoch)` returns its indices in increasing order."""
+
+    def __init__(self, labels, size: int, seed: int):
+        labels = np.asarray(labels)
+        if size > len(labels):
+            raise ConfigError(
+                f"dataset.epoch_samples={size}: more than the {len(labels)} training samples; "
+                f"set it to at most {len(labels)} (or 0: every sample every epoch)"
+            )
+        self.by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
+        self.quotas = balanced_quotas([len(idx) for idx in self.by_class], size)
+        self.seed, self._cached = seed, (None, None)
+
+    def __call__(self, epoch: int) -> torch.Tensor:
+        if self._cached[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            picked = [rng.choice(idx, q, replace=False) for idx, q in zip(self.by_class, self.quotas)]
+            self._cached = (epoch, torch.as_tensor(np.sort(np.concatenate(picked))))
+        return self._cached[1]
+
+
+class SampleBatches:
+    """Each epoch, the shuffled global batches of `batch_size(epoch)` over the indices `sample(epoch)`
+    (the last partial one dropped, at least one), this rank taking its interleaved shard of each:
+    `EpochBatches` over a sample, a function of (seed, epoch) the same on every rank and after a resume."""
+
+    def __init__(self, sample, batch_size, rank: int = 0, world_size: int = 1, seed: int = 0):
+        self.sample, self.batch_size = sample, batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        return max(1, len(self.sample(self.epoch)) // self.batch_size(self.epoch))
+
+    def __iter__(self):
+        g = _epoch_generator(self.seed, self.epoch)
+        batches = pool_batches(self.sample(self.epoch), len(self), self.batch_size(self.epoch), g)
+        return iter(list(batches[:, self.rank :: self.world_size])[self.start :])
 
 
 class PoolBatches:

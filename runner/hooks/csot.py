@@ -12,9 +12,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runner.data.samplers import PoolBatches
+from runner.data.samplers import EpochSample, PoolBatches, SampleBatches
 from runner.distributed_passes import broadcast_from_main, predict_all
 from runner.methods.csot import allocate, curriculum_budget
+from runner.schema import ConfigError
 from runner.train import soft_cross_entropy
 
 
@@ -80,12 +81,22 @@ class NoisyLabelHooks:
 
     mid_epoch_resume = True  # state_dict holds the selection; the epoch's batches follow from it
 
-    def __init__(self, cfg, model, data, ctx, views, asymmetric, seed, batch_size):
+    def __init__(self, cfg, model, data, ctx, views, asymmetric, seed, batch_size, epoch_samples=0):
         self.cfg, self.model, self.ctx, self.views = cfg, model, ctx, views
         self.num_classes = data.num_classes
         self.penalty = cfg.asym_penalty and asymmetric
         self.seed, self.batch_size = seed, batch_size
+        self.warmup_batch_size = cfg.warmup_batch_size or batch_size
+        if self.warmup_batch_size % ctx.world_size:
+            raise ConfigError(
+                f"method.warmup_batch_size={self.warmup_batch_size}: must split evenly over "
+                f"{ctx.world_size} ranks"
+            )
         n, device = len(data.train), ctx.device
+        # dataset.epoch_samples: each epoch trains and selects on a fresh class-balanced sample (DivideMix's
+        # Clothing1M protocol); 0: on the whole training set
+        self.epoch_sample = EpochSample(data.train.y, epoch_samples, seed) if epoch_samples else None
+        self.sampled = torch.ones(n, dtype=torch.bool)  # the epoch's sample, as a mask (CPU)
         self.labels = ctx.pin(data.train.y).to(device, non_blocking=True)
         self.clean = torch.zeros(n, dtype=torch.bool, device=device)
         self.corrected = torch.zeros(n, dtype=torch.bool, device=device)
@@ -99,27 +110,46 @@ class NoisyLabelHooks:
     # --- per epoch -------------------------------------------------------------------------
 
     def batch_sampler(self, default):
-        """Until the first selection fit's own batches (`default`); then the clean and unlabeled pools'."""
-        ctx = self.ctx
-        self.sampler = PoolBatches(self.pools, self.batch_size, ctx.rank, ctx.world_size, self.seed, default)
+        """Until the first selection (throughout for `ce`) plain shuffled batches of the epoch's sample:
+        fit's own (`default`) where that is the whole training set at `train.batch_size` in every epoch,
+        else `SampleBatches` of `warmup_batch_size` in the warm-up epochs and `batch_size` after; from
+        the first selection on the clean and unlabeled pools'."""
+        ctx, warmup = self.ctx, self.cfg.warmup
+        plain = default
+        if self.epoch_sample is not None or self.warmup_batch_size != self.batch_size:
+            plain = SampleBatches(
+                self.sample, lambda epoch: self.warmup_batch_size if epoch < warmup else self.batch_size,
+                ctx.rank, ctx.world_size, self.seed,
+            )  # fmt: skip
+        self.sampler = PoolBatches(self.pools, self.batch_size, ctx.rank, ctx.world_size, self.seed, plain)
         return self.sampler
 
+    def sample(self, epoch) -> torch.Tensor:
+        """The training indices epoch `epoch` draws from: its `dataset.epoch_samples` sample, or all."""
+        if self.epoch_sample is None:
+            return torch.arange(len(self.sampled))
+        return self.epoch_sample(epoch)
+
     def pools(self):
-        """The clean set and the rest (every rank the same), or None before the first selection."""
+        """The clean set and the rest of the epoch's sample (every rank the same), or None before the
+        first selection."""
         if not self.selecting:
             return None
         clean = self.clean.cpu()
-        return [clean.nonzero()[:, 0], (~clean).nonzero()[:, 0]]
+        return [clean.nonzero()[:, 0], (self.sampled & ~clean).nonzero()[:, 0]]
 
     @torch.no_grad()
     def on_epoch_start(self, epoch, model, data):
         cfg = self.cfg
         if cfg.selection == "none" or epoch < cfg.warmup:
             return
-        probs, feats = probabilities_and_features(self.model, data.train, self.ctx)  # sharded, gathered
-        y = data.train.y.numpy()
+        sample = self.sample(epoch)
+        rows, whole = sample.numpy(), self.epoch_sample is None
+        split = data.train if whole else data.train.subset(sample)
+        probs, feats = probabilities_and_features(self.model, split, self.ctx)  # sharded, gathered
+        y = data.train.y.numpy()[rows]
         # Rank 0 selects, every rank trains on its selection.
-        selection = self._select(epoch, probs, feats, y) if self.ctx.is_main else None
+        selection = self._select(epoch, probs, feats, y, sample) if self.ctx.is_main else None
         clean, corrected, pseudo, weight, m, solver_s = broadcast_from_main(selection)
         unselected = ~(clean | corrected)
         at_t_sup = epoch + 1 >= cfg.curriculum_end  # the paper's t = epoch + 1 reaches T_sup
@@ -134,10 +164,23 @@ class NoisyLabelHooks:
         def to_device(array, dtype):  # from page-locked memory: the copy does not wait for the device
             return ctx.pin(torch.as_tensor(array, dtype=dtype)).to(ctx.device, non_blocking=True)
 
-        self.clean, self.corrected = to_device(clean, torch.bool), to_device(corrected, torch.bool)
-        self.pseudo, self.weight = to_device(pseudo, torch.long), to_device(weight, torch.float32)
+        # the sample's values at their rows of the training set; `fill` elsewhere (no batch draws those)
+        def on_all(values, fill):
+            if whole:
+                return values
+            out = np.full(len(self.sampled), fill, dtype=values.dtype)
+            out[rows] = values
+            return out
+
+        self.clean = to_device(on_all(clean, False), torch.bool)
+        self.corrected = to_device(on_all(corrected, False), torch.bool)
+        self.pseudo = to_device(on_all(pseudo, 0), torch.long)
+        self.weight = to_device(on_all(weight, 1.0), torch.float32)
+        self.sampled = torch.zeros(len(self.sampled), dtype=torch.bool)
+        self.sampled[sample] = True
         self.selecting = True
-        y_clean = data.train.y_clean.numpy() if data.meta.get("clean_train_labels", True) else None
+        known = data.meta.get("clean_train_labels", True)
+        y_clean = data.train.y_clean.numpy()[rows] if known else None
         stats = selection_stats(clean, corrected, pseudo, y, y_clean)
         stats |= {"select/m": m, "select/solver_s": solver_s, "select/stage2": float(self.stage2)}
         self.last_stats = stats
@@ -147,8 +190,9 @@ class NoisyLabelHooks:
         return self.last_stats
 
     @torch.no_grad()
-    def _select(self, epoch, probs, feats, y):
-        """(clean, corrected, pseudo-labels, confidences w, budget m, solver seconds), numpy arrays."""
+    def _select(self, epoch, probs, feats, y, sample):
+        """(clean, corrected, pseudo-labels, confidences w, budget m, solver seconds) of the training
+        samples `sample` (their outputs `probs`, `feats` and labels `y`), numpy arrays."""
         cfg = self.cfg
         start = time.perf_counter()
         if cfg.selection == "small_loss":
@@ -163,7 +207,7 @@ class NoisyLabelHooks:
                 if cfg.selection == "ot"
                 else curriculum_budget(epoch, cfg.warmup, cfg.curriculum_end, cfg.m0, cfg.budget)
             )
-            labels = y if isinstance(probs, np.ndarray) else self.labels
+            labels = y if isinstance(probs, np.ndarray) else self.labels[sample.to(self.labels.device)]
             pseudo, weight, selected = map(_numpy, allocate(
                 probs, feats, labels, m, solve_batch=cfg.solve_batch, seed=self.seed * 100_003 + epoch,
                 reg=cfg.eps, kappa_p=cfg.kappa_p, kappa_l=cfg.kappa_l, max_iter=cfg.outer_iters,
@@ -255,7 +299,7 @@ class NoisyLabelHooks:
         return loss
 
     def state_dict(self):
-        keys = ("clean", "corrected", "pseudo", "weight", "selecting", "stage2", "last_stats")
+        keys = ("clean", "corrected", "pseudo", "weight", "sampled", "selecting", "stage2", "last_stats")
         return {key: getattr(self, key) for key in keys}
 
     def load_state_dict(self, state):

@@ -122,7 +122,14 @@ def infer(rule: str, m, logits, feats, weight, train_prior, test_prior, device=N
     batch = m.batch_size if m.scope == "batch" else None
     if device is not None:
         logits = torch.as_tensor(logits, dtype=torch.float64, device=device)
-    pred = dbot_predict(logits, test_prior, delta, m.eps, batch, m.solver, m.max_iter, m.tol)
+    try:
+        pred = dbot_predict(logits, test_prior, delta, m.eps, batch, m.solver, m.max_iter, m.tol)
+    except FloatingPointError:  # the Gibbs kernel exp(logit / eps) underflows at this run's logit range
+        span = float(logits.max() - logits.min())
+        raise ConfigError(
+            f"method.eps={m.eps} is too small for method.solver={m.solver} at this run's logits (range "
+            f"{span:.3g}: the Gibbs kernel underflows); set method.solver=dual or a larger method.eps"
+        ) from None
     return pred.cpu().numpy() if isinstance(pred, torch.Tensor) else pred
 
 

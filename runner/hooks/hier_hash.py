@@ -216,8 +216,9 @@ def retrieval_tables(codes, emb, splits, tables, eval_k, ks_list) -> tuple[dict,
 def baseline_codes(method, seed, emb, embed_train):
     """Th, VQ and LSH codes from the base embedding, {(row, ks): (d, 1, {split name: activations})}.
 
-    VQ's k-means runs on the training set's base embedding, `embed_train()`. LSH is reported at ks=1
-    only, as the paper.
+    VQ's k-means runs on the base embedding of each split of `method.vq_fit`: the training set's,
+    `embed_train()` (rows VQ-<n>), the test set's (rows VQ-test-<n>). LSH is reported at ks=1 only, as
+    the paper.
     """
     from sklearn.cluster import KMeans
 
@@ -225,11 +226,13 @@ def baseline_codes(method, seed, emb, embed_train):
     if "th" in method.baselines:
         codes.update({("Th", ks): (emb["test"].shape[1], 1, emb) for ks in method.ks})
     if "vq" in method.baselines:
-        train_emb = embed_train()
-        for n in method.vq_centroids or [method.d, method.d**method.k]:
-            kmeans = KMeans(n, n_init=1, random_state=seed).fit(train_emb)
-            act = {name: -(kmeans.transform(e) ** 2) for name, e in emb.items()}
-            codes.update({(f"VQ-{n}", ks): (n, 1, act) for ks in method.ks})
+        fit_on = {"train": ("VQ", embed_train), "test": ("VQ-test", lambda: emb["test"])}
+        for prefix, embedding in (fit_on[split] for split in method.vq_fit):
+            fit_emb = embedding()
+            for n in method.vq_centroids or [method.d, method.d**method.k]:
+                kmeans = KMeans(n, n_init=1, random_state=seed).fit(fit_emb)
+                act = {name: -(kmeans.transform(e) ** 2) for name, e in emb.items()}
+                codes.update({(f"{prefix}-{n}", ks): (n, 1, act) for ks in method.ks})
     if "lsh" in method.baselines and 1 in method.ks:
         for n in method.lsh_bits or [max(1, round(math.log2(method.d * method.k)))]:
             act = {name: hh.lsh_activations(e, n, seed=seed) for name, e in emb.items()}

@@ -9,7 +9,7 @@ import math
 from torch import nn
 
 from runner.models.base import Classifier
-from runner.models.cifar import NIN, PreActResNet18, ResNet32, ResNeXt29, WideResNet
+from runner.models.cifar import NIN, BasicBlock, PreActResNet18, ResNet32, ResNeXt29, ResNeXtBlock, WideResNet
 from runner.models.imagenet import INCEPTION_MIN_SIDE, RESNETS, ImageNetResNet, InceptionResNetV2
 from runner.models.weights import load_weights
 from runner.schema import ConfigError, model_config
@@ -63,6 +63,35 @@ MIN_SIDE = {"inception_resnet_v2": INCEPTION_MIN_SIDE}
 MODELS = ("mlp", *IMAGE_MODELS)
 
 
+def residual_branch_norms(model: nn.Module) -> list[nn.BatchNorm2d]:
+    """The last batch norm of the residual branch of each post-activation block of `model` (torchvision's
+    Bottleneck / BasicBlock, the CIFAR ResNet's and ResNeXt's blocks), in module order."""
+    from torchvision.models import resnet
+
+    norms = []
+    for block in model.modules():
+        if isinstance(block, resnet.Bottleneck):
+            norms.append(block.bn3)
+        elif isinstance(block, resnet.BasicBlock):
+            norms.append(block.bn2)
+        elif isinstance(block, (BasicBlock, ResNeXtBlock)):
+            norms.append(block.body[-1])
+    return norms
+
+
+def zero_init_residual(model: nn.Module, name: str) -> None:
+    """`model.zero_init_residual`: zero the scale of each residual branch's last batch norm, so every
+    block starts as the identity (Goyal et al. 2017; Co-Mixup's ImageNet code zeroes bn3 / bn2)."""
+    norms = residual_branch_norms(model)
+    if not norms:
+        raise ConfigError(
+            f"model.zero_init_residual=true: model={name} has no post-activation residual blocks (no batch "
+            "norm ends a residual branch); use it with resnet10, resnet18, resnet50, resnet32 or resnext29"
+        )
+    for norm in norms:
+        nn.init.zeros_(norm.weight)
+
+
 def build_model(cfg, input_shape, num_classes: int) -> nn.Module:
     """The network named `cfg.name` for inputs of `input_shape` (per sample) and `num_classes` outputs,
     started from the weights file `cfg.pretrained` when one is named."""
@@ -83,6 +112,8 @@ def build_model(cfg, input_shape, num_classes: int) -> nn.Module:
                 f"{tuple(input_shape)} (set dataset.image_size)"
             )
         model = IMAGE_MODELS[cfg.name](input_shape[0], num_classes, spec)
+    if spec.zero_init_residual:
+        zero_init_residual(model, cfg.name)
     if spec.pretrained:
         load_weights(model, spec.pretrained)
     return model

@@ -1,0 +1,245 @@
+"""What the commands a user types first compose to (issue 25, items 1 and 2): `+method=NAME` applies its
+family's preset for the dataset, a dataset brings its natural network, `hardware=auto` picks the device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from runner import hardware
+from runner.cli import _MAIN_PRESETS, CONF_DIR, _compose, _presets, _typed, canonical, method_preset_override
+from runner.configs import METHODS
+from runner.schema import ConfigError, validate
+
+OPT_OUT = "+experiment=none: without it"
+
+
+def as_runner(*args: str):
+    """The job config `runner ARGS` composes: with the preset `+method=` applies (as `main` adds it)."""
+    overrides = canonical(list(args))
+    preset, _ = method_preset_override(overrides)
+    return _compose(overrides + ([preset] if preset else []))
+
+
+def resolved(cfg) -> dict:
+    """The validated config with every default filled in and `hardware=auto` decided (what a job saves)."""
+    return _typed(cfg, validate(cfg))
+
+
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """A visible CUDA device with bf16, on a machine whose process may use 16 cores."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # Hopper
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+
+
+# ------------------------------------------------------------------------------ method presets
+
+
+@pytest.mark.parametrize(
+    ("args", "preset"),
+    [
+        (["+method=csot", "dataset=cifar100"], "csot_cifar100"),
+        (["+method=comixup", "dataset=tiny_imagenet"], "comixup_tiny_imagenet"),
+        (["+method=dbot", "dataset=cifar10"], "dbot_cifar10_lt"),
+        (["+method=focal", "dataset=cifar10"], "dbot_cifar10_lt"),  # a baseline gets its family's preset
+        (["+method=csot"], "csot_digits"),  # the default dataset: the method's CPU study
+        (["+method=dbot"], "dbot_digits_lt"),
+        (["+method=pwc"], "pwc_digits"),
+        (["+method=hier_hash"], "hier_hash_synthetic"),
+        (["+method=comixup"], "comixup_digits_canvas"),
+        (["-m", "+method=erm,cutmix,comixup", "seed=0,1"], "comixup_digits_canvas"),  # one family: one preset
+    ],
+)
+def test_a_method_alone_applies_its_preset_for_the_dataset(args, preset):
+    added, note = method_preset_override(canonical([a for a in args if a != "-m"]))
+    assert added == f"+experiment={preset}"
+    assert note.startswith(f"preset: +experiment={preset} for +method=") and note.endswith(f"({OPT_OUT})")
+
+
+def test_of_several_presets_for_one_dataset_the_papers_main_one_is_applied_and_named():
+    added, note = method_preset_override(["method=comixup", "dataset=cifar100"])
+    assert added == "+experiment=comixup_cifar100_preactresnet18"
+    assert "the paper's main one of comixup_cifar100_preactresnet18, comixup_cifar100_resnext29, " in note
+    families: dict[tuple[str, str], list[str]] = {}
+    for name, on in _presets().items():
+        families.setdefault(on, []).append(name)
+    for (task, dataset), names in families.items():  # every ambiguity is resolved, to one of its presets
+        if len(names) > 1:
+            assert _MAIN_PRESETS[task, dataset] in names, (task, dataset, names)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["method=csot", "dataset=cifar100", "+experiment=none"],  # the opt-out
+        ["method=ot", "+experiment=csot_cifar10"],  # an experiment named: it is the user's
+        ["method=kmeans"],  # dbot_cluster_digits sets DB-OT's mass bounds, which k-means does not have
+        ["method=hier_hash", "dataset=digits"],  # a dataset named that no preset of the family is on
+        ["seed=1"],
+    ],
+)
+def test_no_preset_where_one_is_named_opted_out_of_or_none_fits(args):
+    assert method_preset_override(args) == (None, None)
+
+
+def test_a_sweep_over_methods_of_different_presets_gets_none_and_says_so():
+    added, note = method_preset_override(["method=csot,dbot"])
+    assert (
+        added is None
+        and note == "no preset: the swept jobs have different ones (csot_digits, dbot_digits_lt); name one"
+    )
+
+
+def test_opting_out_keeps_the_methods_and_the_datasets_own_defaults():
+    plain = as_runner("+method=csot", "dataset=cifar100", "+experiment=none")
+    assert plain.model.name == "preactresnet18" and plain.train.epochs == 30
+    assert plain.dataset.label_noise.kind == "none"
+
+
+def test_on_the_default_dataset_every_method_shows_its_point():
+    csot = as_runner("+method=csot")
+    assert csot.dataset.label_noise.kind == "symmetric" and csot.dataset.label_noise.rate > 0
+    assert as_runner("+method=dbot").dataset.imbalance > 1
+    hashing = as_runner("+method=hier_hash")
+    assert hashing.method.classes_per_batch <= hashing.dataset.n_super * hashing.dataset.n_sub
+
+
+# ------------------------------------------------------------------------------ natural networks
+
+
+@pytest.mark.parametrize(
+    ("dataset", "model", "stem_stride"),
+    [
+        ("digits", "mlp", None),
+        ("cifar10", "preactresnet18", 1),
+        ("cifar100", "preactresnet18", 1),
+        ("tiny_imagenet", "preactresnet18", 2),
+        ("imagenet", "resnet50", None),
+        ("imagefolder", "resnet50", None),
+        ("webvision", "resnet50", None),
+    ],
+)
+def test_a_dataset_brings_its_natural_network_and_model_still_wins(dataset, model, stem_stride):
+    cfg = _compose([f"dataset={dataset}"])
+    assert (cfg.model.name, cfg.model.get("stem_stride")) == (model, stem_stride)
+    assert _compose([f"dataset={dataset}", "model=cnn"]).model.name == "cnn"
+
+
+def test_every_preset_composes_the_network_it_names():
+    for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
+        defaults = yaml.safe_load(path.read_text())["defaults"]
+        named = next(
+            (d["override /model"] for d in defaults if isinstance(d, dict) and "override /model" in d), "mlp"
+        )
+        assert _compose([f"+experiment={path.stem}"]).model.name == named, path.name
+
+
+# ------------------------------------------------------------------------------ hardware=auto
+
+
+def test_auto_is_the_default_and_runs_on_the_cpu_without_cuda(no_cuda):
+    hw = resolved(_compose([])).hardware
+    assert (hw.name, hw.device, hw.precision, hw.num_workers) == ("auto", "cpu", "fp32", 0)
+    device, rank, world = hardware.setup(hw)
+    assert (device, rank, world) == (torch.device("cpu"), 0, 1)
+    assert hardware.describe(hw, device) == (
+        "device: cpu (hardware=auto: no CUDA device visible; fp32, 0 loader workers)"
+    )
+
+
+def test_auto_takes_cuda_with_bf16_and_workers_from_the_cores_where_visible(cuda, monkeypatch):
+    hw = resolved(_compose([])).hardware
+    assert (hw.device, hw.precision, hw.num_workers) == ("cuda", "bf16", 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # Volta: no bf16
+    hw = resolved(_compose([])).hardware
+    assert (hw.device, hw.precision, hw.num_workers) == ("cuda", "fp32", 3)  # one core for the main process
+    assert resolved(_compose(["hardware=cpu"])).hardware.device == "cpu"  # a named choice still forces
+
+
+def test_paper_presets_keep_their_precision_on_cuda_and_run_on_a_cpu_only_machine(cuda, monkeypatch):
+    hw = resolved(_compose(["+experiment=csot_cifar100"])).hardware
+    assert (hw.name, hw.device, hw.precision, hw.num_workers) == ("auto", "cuda", "fp32", 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    hw = resolved(_compose(["+experiment=csot_cifar100", "+debug=smoke", "dataset=fake"])).hardware
+    assert (hw.device, hw.num_workers) == ("cpu", 0)
+    assert hardware.setup(hw)[0] == torch.device("cpu")
+
+
+def test_forcing_the_gpu_without_cuda_is_one_line_naming_the_choices(no_cuda):
+    with pytest.raises(
+        ConfigError, match=r"^hardware=gpu needs CUDA but no CUDA device is visible; use hardware=auto"
+    ):
+        hardware.setup(resolved(_compose(["hardware=gpu"])).hardware)
+
+
+# ------------------------------------------------------------------------------ the CLI, in one process
+
+DRIVER = """
+import contextlib, io, json, sys
+from runner import cli
+out = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv, stdout, stderr, code = ["runner", *argv], io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            cli.main()
+        except SystemExit as e:
+            code = e.code
+    out.append([code, stdout.getvalue(), stderr.getvalue()])
+print(json.dumps(out))
+"""
+TINY = ["+debug=smoke", "logger=none", "train.progress=false", "train.eval_batch_size=64"]
+CFG_JOBS = [
+    ["--cfg", "job", "+method=csot", "dataset=cifar100"],
+    ["--cfg", "job", "+experiment=csot_cifar100"],
+]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """`runner --cfg job` of CFG_JOBS, then `runner +method=NAME` of every method on the default dataset,
+    for a tiny budget: [exit code, stdout, stderr] each, and the run dirs' root (one Python start)."""
+    root = tmp_path_factory.mktemp("methods")
+    jobs = CFG_JOBS + [[f"+method={m}", *TINY, f"hydra.run.dir={root / m}"] for m in sorted(METHODS)]
+    env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(jobs)], cwd=root, env=env, text=True,
+                          capture_output=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1]), root
+
+
+def test_a_method_and_dataset_compose_as_their_preset_on_the_command_line(runs):
+    (code, method_cfg, _), (code_preset, preset_cfg, _) = runs[0][:2]
+    assert code == code_preset == 0
+    method_cfg, preset_cfg = yaml.safe_load(method_cfg), yaml.safe_load(preset_cfg)
+    for group in ("model", "train", "method"):
+        assert method_cfg[group] == preset_cfg[group], group
+    assert method_cfg["model"]["name"] == "preactresnet18" and method_cfg["train"]["epochs"] == 450
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_runs_on_the_default_and_its_log_starts_with_the_preset_and_device(runs, method):
+    results, root = runs
+    code, _, stderr = results[len(CFG_JOBS) + sorted(METHODS).index(method)]
+    assert code == 0, stderr[-2000:]
+    assert (root / method / "summary.json").exists()
+    (log_file,) = (root / method).glob("*.log")
+    first = log_file.read_text().splitlines()[0]
+    preset, _ = method_preset_override([f"method={method}"])
+    if preset:
+        assert f"preset: {preset} for +method={method} on the default dataset" in first and OPT_OUT in first
+    assert first.endswith("device: cpu (hardware=auto: no CUDA device visible; fp32, 0 loader workers)")
