@@ -62,7 +62,9 @@ def test_killed_and_restarted_offline_run_syncs_as_one_run_with_each_epoch_once(
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == [0, 1, 2, 3]
 
-    sync.main([str(run_dir)])
+    # as a user runs it: its own process (wandb keeps process-wide state that earlier tests may have set)
+    resync = [sys.executable, "-m", "runner.sync", str(run_dir)]
+    subprocess.run(resync, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)
     (clean,) = (run_dir / sync.SYNC_DIR / "wandb").glob("offline-run-*")
     assert clean.name.endswith(f"-{run_id}")  # the same W&B run
     rows = history(clean)
@@ -71,7 +73,7 @@ def test_killed_and_restarted_offline_run_syncs_as_one_run_with_each_epoch_once(
     assert [row["test/acc"] for row in rows] == [r["test/acc"] for r in expected]
     assert summary(clean)["test/acc"] == json.loads((run_dir / "summary.json").read_text())["test/acc"]
 
-    sync.main([str(run_dir)])  # again: still one clean run
+    subprocess.run(resync, cwd=tmp_path, env=env, check=True, capture_output=True, timeout=120)  # again
     assert len(list((run_dir / sync.SYNC_DIR / "wandb").glob("offline-run-*"))) == 1
 
 

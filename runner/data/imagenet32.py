@@ -60,16 +60,22 @@ def uint8_split(x: torch.Tensor, y: np.ndarray) -> Split:
     return Split(x, y, y.clone(), mean=IMAGENET_STATS[0], std=IMAGENET_STATS[1])
 
 
-@register_dataset("imagenet32")
-def imagenet32(cfg, rng) -> Data:
+def pickle_files(cfg) -> tuple[list[Path], Path]:
+    """The released pickles under `cfg.root` (the 10 training batches, the validation file), checked."""
     if cfg.image_size not in (0, 32):
-        raise ConfigError(f"dataset.image_size={cfg.image_size}: imagenet32 images are 32x32; use 0 or 32")
+        raise ConfigError(f"dataset.image_size={cfg.image_size}: {cfg.name} images are 32x32; use 0 or 32")
     root = Path(cfg.root).expanduser()
     train_files = [root / "Imagenet32_train" / f"train_data_batch_{i}" for i in range(1, 11)]
     test_file = root / "Imagenet32_val" / "val_data"
     for f in (*train_files, test_file):
         if not f.is_file():
-            raise ConfigError(f"dataset.name=imagenet32: {f.resolve()} not found; expected layout: {LAYOUT}")
+            raise ConfigError(f"dataset.name={cfg.name}: {f.resolve()} not found; expected layout: {LAYOUT}")
+    return train_files, test_file
+
+
+@register_dataset("imagenet32")
+def imagenet32(cfg, rng) -> Data:
+    train_files, test_file = pickle_files(cfg)
     train, val = carve(uint8_split(*read_batches(train_files)), cfg.val_fraction, rng)
     test = uint8_split(*read_batches([test_file]))
     return Data(train, val, test, num_classes=1000, input_shape=(3, 32, 32))

@@ -26,7 +26,7 @@ import torch
 
 from runner.data import Data, register_dataset
 from runner.data.builtin import carve
-from runner.data.imagenet32 import LAYOUT, read_batches, uint8_split
+from runner.data.imagenet32 import pickle_files, read_batches, uint8_split
 from runner.schema import ConfigError, DatasetConfig
 
 # Table 5 of the supplementary, row by row: four C_train names, then their C_test siblings in order.
@@ -138,16 +138,8 @@ def _classes_of(files: list[Path], labels: np.ndarray):
 
 @register_dataset("imagenetsplit", schema=ImageNetSplitConfig)
 def imagenetsplit(cfg, rng) -> Data:
-    if cfg.image_size not in (0, 32):
-        raise ConfigError(f"dataset.image_size={cfg.image_size}: imagenetsplit images are 32x32; use 0 or 32")
+    train_files, test_file = pickle_files(cfg)
     root = Path(cfg.root).expanduser()
-    train_files = [root / "Imagenet32_train" / f"train_data_batch_{i}" for i in range(1, 11)]
-    test_file = root / "Imagenet32_val" / "val_data"
-    for f in (*train_files, test_file):
-        if not f.is_file():
-            raise ConfigError(
-                f"dataset.name=imagenetsplit: {f.resolve()} not found; expected layout: {LAYOUT}"
-            )
     index = {wnid: label for label, wnid in enumerate(label_order(root, cfg.class_map))}
     c_train, c_test = imagenetsplit_classes()
     splits = []
