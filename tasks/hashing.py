@@ -52,6 +52,7 @@ from runner.hooks.hier_hash import (
     retrieval_tables,
     train_config,
     val_precision,
+    vq_centroid_counts,
 )
 from runner.models import build_model
 from runner.models.hashing import EmbeddingNet
@@ -76,10 +77,9 @@ def smoke(cfg) -> None:
     method.decay_at = [i for i in method.decay_at if i <= method.iters]
     # k-means of the VQ baselines runs on the (smoke-sized) training or test set: no more centroids
     # than samples
-    centroids = method.vq_centroids or [method.d, method.d**method.k]
     sizes = [cfg.dataset.max_train] + ([cfg.dataset.max_eval] if "test" in method.vq_fit else [])
-    most = min(sizes)
-    method.vq_centroids = [max(min(n, most), max(method.ks)) for n in centroids]
+    points = min(sizes)
+    method.vq_centroids = [max(min(n, points), max(method.ks)) for n in vq_centroid_counts(method)]
 
 
 def per_ks(values, i):
@@ -175,7 +175,7 @@ def check_vq_centroids(method, data) -> None:
     each split it is fit on (`method.vq_fit`); ConfigError with centroid counts that fit."""
     if "vq" not in method.baselines:
         return
-    centroids = list(method.vq_centroids) or [method.d, method.d**method.k]
+    centroids = vq_centroid_counts(method)
     default = "" if method.vq_centroids else " (the default [d, d^k])"
     for split in method.vq_fit:
         n = len(getattr(data, split))

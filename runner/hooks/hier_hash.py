@@ -213,6 +213,12 @@ def retrieval_tables(codes, emb, splits, tables, eval_k, ks_list) -> tuple[dict,
     return summary, report
 
 
+def vq_centroid_counts(method) -> list[int]:
+    """The VQ baseline's centroid counts: `method.vq_centroids`, else [d, d^k] (as many as the hash
+    codes' outputs per level, and as their buckets)."""
+    return list(method.vq_centroids) or [method.d, method.d**method.k]
+
+
 def baseline_codes(method, seed, emb, embed_train):
     """Th, VQ and LSH codes from the base embedding, {(row, ks): (d, 1, {split name: activations})}.
 
@@ -229,7 +235,7 @@ def baseline_codes(method, seed, emb, embed_train):
         fit_on = {"train": ("VQ", embed_train), "test": ("VQ-test", lambda: emb["test"])}
         for prefix, embedding in (fit_on[split] for split in method.vq_fit):
             fit_emb = embedding()
-            for n in method.vq_centroids or [method.d, method.d**method.k]:
+            for n in vq_centroid_counts(method):
                 kmeans = KMeans(n, n_init=1, random_state=seed).fit(fit_emb)
                 act = {name: -(kmeans.transform(e) ** 2) for name, e in emb.items()}
                 codes.update({(f"{prefix}-{n}", ks): (n, 1, act) for ks in method.ks})
