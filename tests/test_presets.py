@@ -170,6 +170,7 @@ FAKE_LIKE = {
     "imagenet": "imagenet",
     "imagenet_lt": "imagenet",
     "imagenet32": "cifar100",
+    "imagenetsplit": "cifar100",  # its own pickles-layout smoke run: tests/test_imagenet_split.py
     "clothing1m": "imagenet",
     "webvision": "imagenet",
 }
