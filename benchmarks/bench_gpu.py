@@ -98,9 +98,8 @@ def _one_line(e: BaseException) -> str:
 @dataclasses.dataclass
 class Row:
     """One measured fit: its run's overrides, its batch and the pools a step draws one from (CSOT: 2), the
-    prefix of its keys in metrics.jsonl (a tagged fit's), the summary key of the method's time share
-    (else the epoch's pass and transform time), the key of the baseline row it is compared with, and its
-    `result`."""
+    prefix of its keys in metrics.jsonl (a tagged fit's), the key of the baseline row it is compared with,
+    and its `result`."""
 
     preset: str
     method: str
@@ -108,7 +107,6 @@ class Row:
     batch: int
     pools: int = 1
     prefix: str = ""
-    share_key: str | None = None
     baseline: str | None = None
     result: dict = dataclasses.field(default_factory=dict)
 
@@ -191,8 +189,7 @@ def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
 
     if task == "hashing":
         base = Row(preset, "base embedding", args, batch, prefix="base/")
-        ours = Row(preset, m.name, args, batch, prefix=f"ours_ks{m.ks[0]}/", share_key="time/mcf_share",
-                   baseline=base.key)  # fmt: skip
+        ours = Row(preset, m.name, args, batch, prefix=f"ours_ks{m.ks[0]}/", baseline=base.key)
         return [base, ours]
     rows: list[Row] = []
     plain = _compose([f"+experiment={preset}", *BASELINES[task]]).method
@@ -211,9 +208,9 @@ def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
     return rows
 
 
-def _run_cli(args: list[str], run_dir: Path) -> tuple[list[dict], dict]:
-    """`runner ARGS` in this process into `run_dir` (its output in `<run_dir>.log`): its metrics rows and
-    summary, or RowError."""
+def _run_cli(args: list[str], run_dir: Path) -> list[dict]:
+    """`runner ARGS` in this process into `run_dir` (its output in `<run_dir>.log`): its metrics rows, or
+    RowError."""
     from runner import cli
 
     saved, log = sys.argv, run_dir.with_suffix(".log")
@@ -232,8 +229,7 @@ def _run_cli(args: list[str], run_dir: Path) -> tuple[list[dict], dict]:
         raise RowError(_one_line(e)) from None
     finally:
         sys.argv = saved
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return metrics, json.loads((run_dir / "summary.json").read_text())
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @contextlib.contextmanager
@@ -273,35 +269,35 @@ def _syncs_per_step(tracker=None):
         train.train_one_epoch = inner
 
 
-def _tracked_run(args: list[str], run_dir: Path) -> tuple[list[dict], dict, dict | None, str | None]:
-    """`_run_cli` with the syncs counted: (metrics rows, summary, syncs per step by fit tag, and the CPU
+def _tracked_run(args: list[str], run_dir: Path) -> tuple[list[dict], dict | None, str | None]:
+    """`_run_cli` with the syncs counted: (metrics rows, syncs per step by fit tag, and the CPU
     tracking harness's error where the run failed under it but not without it)."""
     if torch.cuda.is_available():
         gc.collect()  # the last run's blocks out of the allocator's cache: this run's reserved memory
         torch.cuda.empty_cache()
         with _syncs_per_step() as syncs:
-            return *_run_cli(args, run_dir), syncs, None
+            return _run_cli(args, run_dir), syncs, None
     try:
         from runner.device_tracking import tracking
 
         with tracking() as tracker, _syncs_per_step(tracker) as syncs:
-            return *_run_cli(args, run_dir), syncs, None
+            return _run_cli(args, run_dir), syncs, None
     except Exception as e:  # the harness is new: a run that fails under it runs again without it
         harness_error = _one_line(e)
-    return *_run_cli(args, run_dir.with_name(run_dir.name + "-untracked")), None, harness_error
+    return _run_cli(args, run_dir.with_name(run_dir.name + "-untracked")), None, harness_error
 
 
-def measure(row: Row, metrics: list[dict], summary: dict, syncs: dict | None) -> dict:
+def measure(row: Row, metrics: list[dict], syncs: dict | None) -> dict:
     """The row's figures: the second epoch of its fit."""
     epoch = next((r for r in metrics if r.get(row.prefix + "epoch") == 2), None)
     if epoch is None:
         raise RowError(f"no second epoch of {row.prefix or 'the fit'} in metrics.jsonl")
     m = {key.removeprefix(row.prefix): value for key, value in epoch.items() if key.startswith(row.prefix)}
     train_s = m["time/pass_s"] + m["time/train_s"]
-    own_s = m["time/pass_s"] + m["time/transform_s"]
+    own_s = m["time/pass_s"] + m.get("time/code_s", m["time/transform_s"])  # hashing: its flow's seconds
     out = {"step_ms": m["time/step_ms"], "images_s": 1000 * row.samples / m["time/step_ms"],
            "peak_gb": m.get("mem/peak_gb"), "reserved_gb": m.get("mem/reserved_gb"),
-           "method_share": summary[row.share_key] if row.share_key else own_s / train_s,
+           "method_share": own_s / train_s,
            "syncs_per_step": None if syncs is None else syncs.get(row.prefix.removesuffix("/"))}  # fmt: skip
     if "select/solver_s" in m:  # CSOT's allocation
         out["allocation_share"] = m["select/solver_s"] / train_s
@@ -316,7 +312,7 @@ def run_rows(rows: list[Row], tmp: Path, extra: tuple[str, ...] = ()) -> None:
     for args, group in runs.items():
         run_dir = tmp / f"run{len(list(tmp.glob('run*.log')))}"
         try:
-            metrics, summary, syncs, harness_error = _tracked_run([*args, *extra], run_dir)
+            metrics, syncs, harness_error = _tracked_run([*args, *extra], run_dir)
         except RowError as e:  # the run's last lines go into the record: the tmp dir is removed
             logs = [d.with_suffix(".log") for d in (run_dir, run_dir.with_name(run_dir.name + "-untracked"))]
             log = [path for path in logs if path.exists()][-1]  # the retry's without the harness
@@ -326,7 +322,7 @@ def run_rows(rows: list[Row], tmp: Path, extra: tuple[str, ...] = ()) -> None:
             continue
         for row in group:
             try:
-                row.result = measure(row, metrics, summary, syncs)
+                row.result = measure(row, metrics, syncs)
             except Exception as e:
                 row.result = {"error": _one_line(e)}
             if harness_error:

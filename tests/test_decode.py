@@ -1,7 +1,10 @@
 """Decoding image files to uint8 tensors, the uint8 transforms, and the normalisation on the device."""
 
+import os
 import pickle
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -159,3 +162,15 @@ def test_unreadable_files_raise_the_pil_error(tmp_path):
     Path(tmp_path / "broken.jpg").write_bytes(b"not an image")
     with pytest.raises(OSError):
         read_rgb(tmp_path / "broken.jpg")
+
+
+def test_runner_turns_transparent_huge_pages_on_before_torch_loads():
+    """Read once at torch's first allocation: `import runner` sets it before anything imports torch, and
+    leaves a user's own setting alone."""
+    code = "import os, sys, runner; print('torch' in sys.modules, os.environ['THP_MEM_ALLOC_ENABLE'])"
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "1"]
+    env["THP_MEM_ALLOC_ENABLE"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "0"]

@@ -232,6 +232,15 @@ def test_a_net_trains_through_fit_by_iterations_and_logs_its_rows(tmp_path, capl
     assert "t: epoch 3/3" in caplog.text
 
 
+def test_each_epoch_logs_its_own_code_seconds(tmp_path):
+    cfg, ctx, data = hash_setup(tmp_path, n=12)  # 3 iterations per epoch: epochs of 3, 3, 2
+    net = torch.nn.Linear(3, 1)
+    groups = [{"params": net.parameters(), "lr": 0.0}]
+    timing = hashing.train_net(cfg, ctx, data, "c", net, groups, lambda n, x: (n(x).sum(), 0.25), 8)
+    assert [r["c/time/code_s"] for r in rows(tmp_path, "c")] == [0.75, 0.75, 0.5]  # not a running total
+    assert timing["code_share"] == 2.0 / timing["seconds"]
+
+
 def test_hash_lr_steps_per_iteration(tmp_path):
     cfg, ctx, data = hash_setup(tmp_path)  # epochs of 2 iterations
     cfg.method.decay_at, cfg.method.decay = [3], 0.5

@@ -78,7 +78,7 @@ class HashHooks:
     batch, Adam on `param_groups` with the step decay over iterations. With `val_score` (a function of
     nothing, higher is better), `evaluate` reports it as `val/p@1` and fit keeps the best net; the
     epoch is then `method.eval_every` training epochs long, else one pass over the training set.
-    `code_seconds` adds up the time spent on the codes."""
+    `code_seconds` adds up the time spent on the codes; each epoch's is logged as `time/code_s`."""
 
     def __init__(self, method, labels, seed, param_groups, loss, iters=None, val_score=None):
         self.method, self.param_groups, self._loss, self.val_score = method, param_groups, loss, val_score
@@ -91,7 +91,7 @@ class HashHooks:
             epoch_iters = max(1, round(method.eval_every * epoch_iters))
             self.select = ("val/p@1", "max")  # the authors' model selection
         self.epoch_iters = epoch_iters
-        self.code_seconds = 0.0
+        self.code_seconds = self.epoch_code_seconds = 0.0
 
     @property
     def epochs(self) -> int:
@@ -108,10 +108,13 @@ class HashHooks:
     def loss(self, net, x, y_soft, idx, epoch):
         loss, code_seconds = self._loss(net, x)
         self.code_seconds += code_seconds
+        self.epoch_code_seconds += code_seconds
         return loss
 
     def evaluate(self, model):
-        return {"val/p@1": self.val_score()} if self.select is not None else {}
+        out = {"time/code_s": self.epoch_code_seconds}
+        self.epoch_code_seconds = 0.0
+        return out | ({"val/p@1": self.val_score()} if self.select is not None else {})
 
 
 def train_config(train, hooks: HashHooks):
