@@ -25,7 +25,8 @@ def all_codes(d, s):
     return np.array(rows)
 
 
-def brute_force_min(unary, s, alpha, beta, groups):
+def every_assignment(unary, s, alpha, beta, groups):
+    """Every code assignment z (A, nc, d) with s bits per class, and its energy (A,)."""
     nc, d = unary.shape
     options = all_codes(d, s)
     choice = np.array(list(itertools.product(range(len(options)), repeat=nc)))
@@ -35,11 +36,15 @@ def brute_force_min(unary, s, alpha, beta, groups):
     for p, p2 in itertools.combinations(range(nc), 2):
         shared = (z[:, p] * z[:, p2]).sum(1)
         energy += (beta + alpha * (groups[p] == groups[p2])) * shared
-    return energy.min()
+    return z, energy
 
 
-def random_instance(rng):
-    nc, d = rng.integers(2, 5), rng.integers(2, 5)
+def brute_force_min(unary, s, alpha, beta, groups):
+    return every_assignment(unary, s, alpha, beta, groups)[1].min()
+
+
+def random_instance(rng, max_classes=4):
+    nc, d = rng.integers(2, max_classes + 1), rng.integers(2, 5)
     s = int(rng.integers(1, min(2, d) + 1))
     groups = None if rng.random() < 0.5 else rng.integers(0, 2, nc)
     alpha, beta = rng.uniform(0, 2, size=2)
@@ -123,21 +128,37 @@ def full_network_optimum(unary, s, alpha, beta, groups):
     return res.fun
 
 
+def test_bucket_load_bound_holds_at_every_minimizer():
+    rng = np.random.default_rng(5)
+    below_nc = 0
+    for _ in range(200):
+        unary, s, alpha, beta, groups = random_instance(rng, max_classes=5)
+        unary[:, 0] += rng.uniform(0, 3)  # every class prefers bucket 0 by as much
+        z, energy = every_assignment(unary, s, alpha, beta, groups)
+        largest_group = 1 if groups is None else np.bincount(groups).max()
+        bound = hh.bucket_load_bound(unary, s, beta, largest_group)
+        minimizers = z[energy <= energy.min() + 1e-9]
+        assert (minimizers.sum(1) <= bound).all()
+        below_nc += (bound < len(unary)).any()
+    assert below_nc > 20  # the bound cuts bundles on many instances (31 of these 200)
+
+
 @pytest.mark.parametrize("method", hh.SOLVERS)
-def test_load_cap_growth_keeps_full_network_optimum(method):
+def test_bundle_caps_keep_the_full_network_optimum(method):
     rng = np.random.default_rng(20)
     grew = 0
-    for bonus in (0.0, 1.0, 3.0):
+    for bonus, n_groups in ((0.0, 3), (1.0, 3), (3.0, 3), (6.0, 1)):
         nc, d, s = 20, 5, 1
         unary = rng.normal(size=(nc, d)) + bonus * np.eye(d)[np.zeros(nc, int)]  # crowd bucket 0
-        groups = rng.integers(0, 3, nc)
+        groups = rng.integers(0, n_groups, nc)
         z, log = hh.assign_codes(unary, s, 0.05, 0.05, groups, method=method, log=True)
         grew += log["load_factor"] > 4
-        assert log["n_iter"] == np.log2(log["load_factor"] // 4) + 1  # one flow solve per doubling
+        # the buckets' bundles never double (their loads' bound holds): one solve per sibling-cap doubling
+        assert log["n_iter"] == np.log2(log["load_factor"] // 4) + 1
         assert hh.code_energy(z, unary, 0.05, 0.05, groups) == pytest.approx(
             full_network_optimum(unary, s, 0.05, 0.05, groups), abs=1e-6
         )
-    assert grew >= 1  # the crowded instances needed larger bundles
+    assert grew >= 1  # one sibling group of 20 crowding bucket 0 needed larger bundles
 
 
 @pytest.mark.parametrize("method", hh.SOLVERS)

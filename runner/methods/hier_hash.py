@@ -154,6 +154,30 @@ def bundle_cap(n, sparsity, d, load_factor):
     return np.minimum(n, load_factor * -(-n * sparsity // d) + 1)
 
 
+def bucket_load_bound(unary, sparsity, beta, largest_group=1) -> np.ndarray:
+    r"""An upper bound on each bucket's load ``y_q`` at every minimizer of ``code_energy``, from the unaries.
+
+    .. math::
+        y_q \le 1 + L + \Big\lfloor \max_p \big(c_p[q] - \min_{q'} c_p[q']\big) / \beta \Big\rfloor,
+        \quad L = \Big\lfloor \frac{n_c s}{d - g s} \Big\rfloor
+
+    (``nc`` where ``beta = 0`` or ``d <= g s``; never above ``nc``), ``g`` the largest sibling group (1
+    without groups). Why: moving class p's unit from bucket q to a bucket q' that p and its siblings leave
+    empty (at least ``d - g s`` of them, so one holds at most L classes) changes the energy by
+    ``c_p[q] - c_p[q'] + beta (y_q' - y_q + 1) - alpha (y_{r,q} - 1)``, which a minimizer keeps >= 0.
+    Bundles of the flow network cut at these loads keep every minimizer: one solve, where uniform caps
+    had to double (and re-solve) whenever the classes crowd into the buckets they all prefer.
+    """
+    unary = np.asarray(unary, dtype=np.float64)
+    nc, d = unary.shape
+    free = d - largest_group * sparsity
+    if beta <= 0 or free <= 0:
+        return np.full(d, nc)
+    gain = (unary - unary.min(1, keepdims=True)).max(0)  # (d,) the most any class gains by bucket q
+    bound = 1 + nc * sparsity // free + np.floor(gain / beta + 1e-9)  # a tie rounded below still counts
+    return np.minimum(bound, nc).astype(np.int64)
+
+
 def _convex_arcs(tails, heads, counts, unit_cost):
     """``counts[i]`` parallel unit-capacity arcs ``tails[i] -> heads[i]`` costing 0, u, 2u, ..."""
     first = np.repeat(np.cumsum(counts) - counts, counts)
@@ -161,7 +185,7 @@ def _convex_arcs(tails, heads, counts, unit_cost):
     return np.repeat(tails, counts), np.repeat(heads, counts), np.ones(len(index), int), unit_cost * index
 
 
-def flow_network(unary, sparsity, alpha, beta, groups=None, load_factor=None) -> FlowNetwork:
+def flow_network(unary, sparsity, alpha, beta, groups=None, load_factor=None, bucket_caps=None) -> FlowNetwork:
     """The min-cost-flow network whose optimum is the minimizer of ``code_energy``.
 
     Arcs (capacity, cost): ``s->a_p`` (s, 0); ``a_p->b_{r,q}`` if p has siblings else
@@ -169,9 +193,12 @@ def flow_network(unary, sparsity, alpha, beta, groups=None, load_factor=None) ->
     ``nc`` parallel ``b_q->t`` (1, j*beta), j < nc. Size: ``V = nc + d(1 + #groups) + 2``,
     ``E <= nc + 3*nc*d``. ``load_factor`` f keeps only the first ``bundle_cap(n, s, d, f)`` arcs
     of each bundle of n parallel arcs (higher loads become infeasible); None keeps all (Theorem 1).
+    ``bucket_caps`` (d,) sets the bucket bundles' arc counts instead (``b_q->t``, each at most nc).
     """
     unary, sparsity, alpha, beta, groups = _check_problem(unary, sparsity, alpha, beta, groups)
     nc, d = unary.shape
+    if bucket_caps is None:
+        bucket_caps = np.full(d, bundle_cap(nc, sparsity, d, load_factor))
     if groups is None:
         groups = np.arange(nc)
     _, group_of, group_size = np.unique(groups, return_inverse=True, return_counts=True)
@@ -192,7 +219,7 @@ def flow_network(unary, sparsity, alpha, beta, groups=None, load_factor=None) ->
             np.repeat(bundle_cap(group_size[sibling_groups], sparsity, d, load_factor), d),
             alpha,
         ),
-        _convex_arcs(b, np.ones(d, int), np.full(d, bundle_cap(nc, sparsity, d, load_factor)), beta),
+        _convex_arcs(b, np.ones(d, int), bucket_caps, beta),
     ]
     tail, head, capacity, cost = (np.concatenate(column) for column in zip(*parts))
     supply = np.zeros(2 + nc + d * (1 + len(sibling_groups)), dtype=np.int64)
@@ -291,7 +318,8 @@ def assign_codes(
         is full), ``err`` (|flow cost - E(z)|, the integer-cost rounding; 0 for ``highs``),
         ``converged`` (True: the solve is exact), ``energy``, ``flow_cost`` (in energy units),
         ``flow`` (per arc), ``network`` (the ``FlowNetwork`` last solved), ``load_factor`` (its
-        bundle caps), ``cost_scale``.
+        sibling bundles' caps), ``bucket_caps`` (its bucket bundles' arcs, from ``bucket_load_bound``),
+        ``cost_scale``.
 
     Returns
     -------
@@ -313,27 +341,31 @@ def assign_codes(
     nc, d = unary.shape
     # Solve with few parallel arcs per bundle first: if no bundle is filled, the flow is also
     # optimal for the full network (a negative residual cycle enters b_q, or t, by one arc only,
-    # and an unused kept arc of the same bundle costs no more). Else double the bundles.
+    # and an unused kept arc of the same bundle costs no more). Else double the filled bundles. The
+    # buckets' bundles start one arc above their loads' bound, which no minimizer reaches.
     group_of = np.arange(nc) if groups is None else np.unique(groups, return_inverse=True)[1].reshape(nc)
     group_size = np.bincount(group_of)
+    bucket_caps = np.minimum(bucket_load_bound(unary, sparsity, beta, group_size.max()) + 1, nc)
     load_factor, n_iter = 4, 0
     while True:
         n_iter += 1
-        net = flow_network(unary, sparsity, alpha, beta, groups, load_factor)
+        net = flow_network(unary, sparsity, alpha, beta, groups, load_factor, bucket_caps)
         flow, flow_cost, scale = _solve_flow(net, method, cost_scale)
         z = flow[nc : nc + nc * d].reshape(nc, d).astype(np.int64)
         group_load = np.zeros((len(group_size), d), dtype=np.int64)
         np.add.at(group_load, group_of, z)
         group_cap = bundle_cap(group_size, sparsity, d, load_factor)[:, None]
-        bucket_cap = bundle_cap(nc, sparsity, d, load_factor)
-        filled = ((group_load >= group_cap) & (group_cap < group_size[:, None])).any()
-        if not filled and not (bucket_cap < nc and z.sum(0).max() >= bucket_cap):
+        group_filled = ((group_load >= group_cap) & (group_cap < group_size[:, None])).any()
+        bucket_filled = (z.sum(0) >= bucket_caps) & (bucket_caps < nc)
+        if not group_filled and not bucket_filled.any():
             break
-        load_factor *= 2
+        load_factor *= 1 + group_filled
+        bucket_caps = np.where(bucket_filled, np.minimum(2 * bucket_caps, nc), bucket_caps)
     if not log:
         return z
     energy = code_energy(z, unary, alpha, beta, groups)
-    diagnostics = {"flow": flow, "network": net, "load_factor": load_factor, "cost_scale": scale}
+    diagnostics = {"flow": flow, "network": net, "load_factor": load_factor, "bucket_caps": bucket_caps,
+                   "cost_scale": scale}  # fmt: skip
     info = {"n_iter": n_iter, "err": abs(flow_cost - energy), "converged": True}  # exact: nothing to warn
     return z, {**info, "energy": energy, "flow_cost": flow_cost, **diagnostics}
 
