@@ -185,7 +185,9 @@ def _convex_arcs(tails, heads, counts, unit_cost):
     return np.repeat(tails, counts), np.repeat(heads, counts), np.ones(len(index), int), unit_cost * index
 
 
-def flow_network(unary, sparsity, alpha, beta, groups=None, load_factor=None, bucket_caps=None) -> FlowNetwork:
+def flow_network(
+    unary, sparsity, alpha, beta, groups=None, load_factor=None, bucket_caps=None
+) -> FlowNetwork:
     """The min-cost-flow network whose optimum is the minimizer of ``code_energy``.
 
     Arcs (capacity, cost): ``s->a_p`` (s, 0); ``a_p->b_{r,q}`` if p has siblings else
