@@ -412,7 +412,7 @@ def test_worker_pool_gives_the_in_process_result():
         assert torch.equal(a, b)
 
 
-def hooks_step(workers, seed=3):
+def hooks_step(workers, seed=3, overlap=True):
     """One Co-Mixup step of `MixupHooks` (clean pass, mix, loss, backward) on a fixed model and batch:
     (mixed x, mixed y, loss, weight gradients, the hooks)."""
     from runner.configs.classify import CoMixupConfig
@@ -421,6 +421,7 @@ def hooks_step(workers, seed=3):
 
     cfg = to_node(CoMixupConfig(grid=2, part=4, preview=False))
     cfg.workers = workers  # -1 (auto) is the hooks' to resolve, past the schema's range
+    cfg.overlap = overlap
     hooks = MixupHooks(cfg, 5, RunContext(torch.device("cpu"), ROOT, tracker=None), seed=seed)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -438,11 +439,12 @@ def hooks_step(workers, seed=3):
     return x_mix, y_mix, loss.detach(), [p.grad for p in model.parameters()], hooks
 
 
-def test_overlapped_pool_step_gives_the_in_process_step_exactly():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_pool_step_gives_the_in_process_step_exactly(overlap):
     x0, y0, loss0, grads0, hooks0 = hooks_step(workers=0)
-    x1, y1, loss1, grads1, hooks1 = hooks_step(workers=2)
+    x1, y1, loss1, grads1, hooks1 = hooks_step(workers=2, overlap=overlap)
     try:
-        # the deferred weight backward ran: its clean loss value is in loss1 (consumed by `loss`)
+        # any deferred weight backward ran: its clean loss value is in loss1 (consumed by `loss`)
         assert hooks0.pool is None and hooks1.pool is not None and hooks1._deferred is None
         assert not torch.equal(x0, batch(3, 9, size=8)[0])  # the batch was mixed
         assert torch.equal(x0, x1) and torch.equal(y0, y1) and torch.equal(loss0, loss1)

@@ -97,6 +97,9 @@ class CoMixupConfig(InputMixupConfig):
     mixed_labels: bool = True  # half/half blends of two inputs from the second sweep
     solver: Literal[SOLVERS] = "gco_swap"
     workers: int = -1  # -1: auto (CUDA: a process per partition up to the cores; CPU: in-process)
+    # with workers: take the clean weight gradient while they solve (the activation gradients are computed
+    # twice); false: one clean backward, then the solve (faster where the solve is shorter than that repeat)
+    overlap: bool = True
 
     def __post_init__(self):
         super().__post_init__()

@@ -8,9 +8,9 @@ One step, as in the Co-Mixup / Puzzle Mix code:
    (unscaled: with fp16 small gradients may underflow; bf16 and fp32 are safe). The weight gradient is
    kept and enters the step through the loss hook. With clean_lam = 0 the saliency comes from an
    eval-mode pass and no weight gradient is kept.
-2. mix the batch under no_grad. Co-Mixup with a `ComixupPool` splits the backward of step 1: the
-   input gradient first, the partitions go to the workers, and the weight gradient is taken while
-   they solve (the same numbers as one backward; the activation gradients are computed twice);
+2. mix the batch under no_grad. Co-Mixup with a `ComixupPool` (and `overlap`) splits the backward of
+   step 1: the input gradient first, the partitions go to the workers, and the weight gradient is taken
+   while they solve (the same numbers as one backward; the activation gradients are computed twice);
 3. loss on the mixed batch: soft-target CE, or BCE(softmax(logits), y~) averaged over B*K (`bce`,
    the authors' choice), plus the clean term.
 """
@@ -91,7 +91,8 @@ class MixupHooks:
 
     def transform(self, x, y_soft, idx, model):
         pool = self._comixup_pool(x)
-        saliency_maps = self._clean_pass(model, x, y_soft, defer_weights=pool is not None)
+        overlap = pool is not None and self.cfg.overlap
+        saliency_maps = self._clean_pass(model, x, y_soft, defer_weights=overlap)
         if pool is None:
             with torch.no_grad():
                 x_mix, y_mix = self._mix(x, y_soft, saliency_maps)
@@ -99,7 +100,8 @@ class MixupHooks:
             with torch.no_grad():
                 options = self._comixup_options()
                 pending = pool.submit(x, y_soft, saliency_maps, rng=self.rng, with_masks=False, **options)
-            self._weight_backward()  # on the device while the workers solve the partitions
+            if overlap:
+                self._weight_backward()  # on the device while the workers solve the partitions
             with torch.no_grad():
                 x_mix, y_mix = pending.result()
             y_mix = y_mix.to(y_soft.dtype)
