@@ -28,6 +28,7 @@ PRESETS = {
     "dbot": ["+experiment=dbot_cifar100_lt", "train.warmup_epochs=0", "dataset.imbalance=2",
              "dataset.train_size=600", "dataset.test_size=100"],
     "hashing": ["+experiment=hier_hash_cifar100_triplet", "method.iters=8", "method.base_iters=8",
+                "method.classes_per_batch=16",  # batches of 32, as the others
                 "method.ks=[1]", "method.margin=[0.5]", "method.npairs_l2=[0.03]",
                 "method.baselines=[th]", "method.input_norm=dataset"],
 }
