@@ -141,6 +141,8 @@ def test_bucket_load_bound_holds_at_every_minimizer():
         assert (minimizers.sum(1) <= bound).all()
         below_nc += (bound < len(unary)).any()
     assert below_nc > 20  # the bound cuts bundles on many instances (31 of these 200)
+    with pytest.raises(ValueError, match="must be finite"):
+        hh.bucket_load_bound(np.array([[0.0, np.nan]]), 1, 0.1)
 
 
 @pytest.mark.parametrize("method", hh.SOLVERS)

@@ -168,7 +168,7 @@ def bucket_load_bound(unary, sparsity, beta, largest_group=1) -> np.ndarray:
     Bundles of the flow network cut at these loads keep every minimizer: one solve, where uniform caps
     had to double (and re-solve) whenever the classes crowd into the buckets they all prefer.
     """
-    unary = np.asarray(unary, dtype=np.float64)
+    unary = _check_unary(unary)
     nc, d = unary.shape
     free = d - largest_group * sparsity
     if beta <= 0 or free <= 0:
