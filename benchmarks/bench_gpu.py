@@ -294,7 +294,7 @@ def measure(row: Row, metrics: list[dict], syncs: dict | None) -> dict:
         raise RowError(f"no second epoch of {row.prefix or 'the fit'} in metrics.jsonl")
     m = {key.removeprefix(row.prefix): value for key, value in epoch.items() if key.startswith(row.prefix)}
     train_s = m["time/pass_s"] + m["time/train_s"]
-    own_s = m["time/pass_s"] + m.get("time/code_s", m["time/transform_s"])  # hashing: its flow's seconds
+    own_s = m["time/pass_s"] + m["time/transform_s"] + m.get("time/code_s", 0.0)  # hashing: its flow's
     out = {"step_ms": m["time/step_ms"], "images_s": 1000 * row.samples / m["time/step_ms"],
            "peak_gb": m.get("mem/peak_gb"), "reserved_gb": m.get("mem/reserved_gb"),
            "method_share": own_s / train_s,

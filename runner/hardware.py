@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from runner.methods._common import usable_cores
 from runner.schema import ConfigError
 
 log = logging.getLogger(__name__)
@@ -37,8 +38,7 @@ def auto_workers(device: str) -> int:
     own, at most 8 (gpu.yaml's; past that decoding outpaces the GPU); none on the CPU, whose cores train."""
     if device != "cuda":
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(8, cores - 1))
+    return max(1, min(8, usable_cores() - 1))
 
 
 # conf/hardware/auto.yaml reads these when a job's config is resolved: on the machine that runs the job.

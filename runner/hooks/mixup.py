@@ -100,8 +100,7 @@ class MixupHooks:
             with torch.no_grad():
                 options = self._comixup_options()
                 pending = pool.submit(x, y_soft, saliency_maps, rng=self.rng, with_masks=False, **options)
-            if overlap:
-                self._weight_backward()  # on the device while the workers solve the partitions
+            self._weight_backward()  # a deferred one (overlap): on the device while the workers solve
             with torch.no_grad():
                 x_mix, y_mix = pending.result()
             y_mix = y_mix.to(y_soft.dtype)

@@ -12,9 +12,9 @@ The solver convention (POT's), applied to every public solver in ``runner/method
   emits the one shared ``UserWarning`` when the solver stopped at ``max_iter`` without converging.
 - Old keyword names keep working one release with a ``DeprecationWarning`` (:func:`renamed_kwargs`).
 
-Also here: :func:`logsumexp` for numpy arrays (scipy's) and torch tensors, and the transportation-LP
+Also here: :func:`logsumexp` for numpy arrays (scipy's) and torch tensors, the transportation-LP
 constraint matrices (:func:`transport_constraints`) with the integrality check of TU LPs
-(:func:`integral_solution`).
+(:func:`integral_solution`), and :func:`usable_cores` (which :mod:`runner.hardware` counts too).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ __all__ = [
     "logsumexp",
     "transport_constraints",
     "integral_solution",
+    "usable_cores",
 ]
 
 
@@ -44,6 +45,11 @@ class ConvergenceWarning(UserWarning):
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity (a Slurm or taskset share), not the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _caller_level() -> int:

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from gco import cgco
 
-from runner.methods._common import renamed_kwargs
+from runner.methods._common import renamed_kwargs, usable_cores
 
 __all__ = [
     "OPTIONS",
@@ -779,8 +779,7 @@ def auto_workers(batch_size: int, part: int) -> int:
     """Worker processes worth starting for batches of `batch_size`: one per partition
     (ceil(batch_size / part)), at most this rank's share of the CPU cores it may run on (the cores
     divided by the ranks on this node, torchrun's LOCAL_WORLD_SIZE)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    share = cpus // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    share = usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return max(1, min(share, math.ceil(batch_size / part)))
 
 
