@@ -2,6 +2,8 @@
 
 import importlib.util
 import itertools
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -243,6 +245,65 @@ def test_two_label_cut_is_exact_and_more_labels_never_beat_brute_force(method):
             assert e_cut >= e_bf - 1e-5
             exact += abs(e_cut - e_bf) < 1e-5
     assert exact >= 15  # a local minimum, but mostly the optimum on 3x3 grids
+
+
+# gco aborts the whole process (no exception) on a term past its limit or a forbidden label under
+# expansion, so this runs in a child: a regression fails the test instead of killing the suite.
+_CUT_LIMITS_CHILD = """
+import numpy as np
+from runner.methods.comixup import comixup, grid_cut
+rng = np.random.default_rng(0)
+for method in ("gco_swap", "gco_expansion"):
+    for trial in range(40):
+        L, size, w = (2, 3, 20.0) if trial < 20 else (3, 2, 1e3)  # edge terms 20 and 1e3: past 1e7 at 1e-6
+        unary = rng.normal(size=(size, size, L)) * rng.choice([1.0, 1e3])
+        forbid = rng.random((size, size, L)) < 0.3
+        forbid[..., rng.integers(L)] = False  # one label left at every site
+        unary[forbid] = np.inf
+        pairwise = 1.0 - np.eye(L)
+        labels, best = (grid_cut(unary, pairwise, w, m) for m in (method, "brute"))
+        chosen = np.take_along_axis(unary, labels[..., None], 2)
+        assert np.isfinite(chosen).all(), (method, trial)
+        energy = [chosen.sum() + w * ((lab[1:] != lab[:-1]).sum() + (lab[:, 1:] != lab[:, :-1]).sum())
+                  for lab in (labels, best)]
+        # integers at a scale >= 1e7 / (2 max - min + 4 max edge): within half a unit per term, twice
+        finite = unary[np.isfinite(unary)]
+        unit = (2 * finite.max() - finite.min() + 4 * w) / 1e7
+        tol = (unary[..., 0].size + 2 * size * (size - 1)) * unit
+        assert energy[0] >= energy[1] - tol, (method, trial)
+        if L == 2:  # both moves are exact on two labels
+            assert energy[0] <= energy[1] + tol, (method, trial, energy)
+x = np.random.default_rng(1).random((23, 3, 8, 8)).astype(np.float32)
+y = np.eye(5, dtype=np.float32)[np.arange(23) % 5]
+s = np.random.default_rng(2).random((23, 8, 8)) ** 8  # peaked: inputs dominated, partitions of 8 and 7
+_, _, masks = comixup(x, y, s, grid=4, part=8, mixed_labels=False, method="gco_expansion", rng=0)
+assert np.isin(masks, (0, 1)).all() and np.allclose(masks.sum(-1), 1)
+print("ok")
+"""
+
+
+def test_cuts_with_forbidden_labels_and_large_terms_run_and_stay_near_brute_force():
+    """Forbidden labels under expansion and edge terms past 1e7 at gco's 1e-6 resolution aborted the
+    process; both methods now never choose a forbidden label and are exact on two labels."""
+    done = subprocess.run([sys.executable, "-c", _CUT_LIMITS_CHILD], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "unary, pairwise, weight, method, message",
+    [
+        (np.full((2, 2, 2), np.nan), 1 - np.eye(2), 1.0, "gco_swap", "NaN or -inf"),
+        (np.full((2, 2, 2), np.inf), 1 - np.eye(2), 1.0, "gco_swap", r"site \(0, 0\) .* forbids all 2"),
+        (np.zeros((2, 2, 3)), np.ones((3, 3)), 1.0, "gco_swap", "zero diagonal"),
+        (np.zeros((2, 2, 3)), np.subtract.outer(np.arange(3.0), np.arange(3.0)) ** 2, 1.0, "gco_expansion", "metric"),
+        (np.zeros((2, 2, 2)), 1 - np.eye(2), -0.5, "gco_swap", "got -0.5"),
+        (np.zeros((1, 2, 2, 2)), 1 - np.eye(2), np.ones((1, 3)), "gco_swap", r"\(1, 4\)"),
+        (np.zeros((2, 2)), 1 - np.eye(2), 1.0, "gco_swap", "expected"),
+    ],
+)
+def test_grid_cut_names_bad_input(unary, pairwise, weight, method, message):
+    with pytest.raises(ValueError, match=message):
+        grid_cut(unary, pairwise, weight, method)
 
 
 def test_label_pruning_keeps_the_exact_optimum():

@@ -293,6 +293,8 @@ def test_numpy_in_numpy_out_and_bad_input():
         puzzle_mix(x, y, np.full((8, 8, 8), np.nan), grid=2)
     with pytest.raises(ValueError, match="method='bf'"):
         puzzle_mix(x, y, np.ones((8, 8, 8)), grid=2, method="bf")
+    with pytest.raises(ValueError, match="needs n_labels=2"):  # gco would abort the process
+        puzzle_mix(x, y, np.ones((8, 8, 8)), grid=2, method="gco_expansion")
     with pytest.warns(DeprecationWarning, match="use method"), pytest.raises(ValueError, match="method='bf'"):
         puzzle_mix(x, y, np.ones((8, 8, 8)), grid=2, solver="bf")
 

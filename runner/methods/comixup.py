@@ -84,8 +84,9 @@ _RENAMED = {"n_iter": "max_iter", "solver": "method"}  # old keyword -> new, acc
 _BLEND_SLOTS = ((0, 1), (0, 2), (1, 2))  # blended labels: halves of the three most used inputs
 _MIX_BONUS = 5e-4  # favours a blend on ties, as the authors do
 _BRUTE_MAX_STATES = 2_000_000
-_GCO_DISABLED = 10**9  # int unary of a label a site may not take
-_GCO_MAX_TERM = 1e8  # largest scaled finite energy term sent to gco (int32)
+_GCO_RESOLUTION = 1e6  # energies go to gco as integers in units of 1e-6 (coarser only to meet the limits)
+_GCO_CHECKED_TERM = 10**7  # gco's GCO_MAX_ENERGYTERM: it aborts the process on a larger checked term
+_GCO_DATA_TERM = 1e8  # largest finite data term under swap, which gco does not check (int32 headroom)
 # The keyword options of `comixup` that a method config sets (`max_iter` and `method` under the config
 # keys `n_iter` and `solver`: `method.method` would read badly on a command line).
 OPTIONS = ("beta", "gamma", "eta", "tau", "thres_type", "omega", "alpha", "grid", "part", "max_iter",
@@ -240,18 +241,22 @@ def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, sw
     """gco on a batch of grids; unary (P, n, L) float (+inf = forbidden) -> labels (P, n).
 
     edge_weight: a scalar, or (P, E) per edge in `_grid_edges` order. Energies go to gco as int32
-    at 1e-6 resolution (gco's own float path rounds edge weights to 1e-3).
+    at 1e-6 resolution (gco's own float path rounds edge weights to 1e-3), coarser where a term would
+    pass gco's limit: it aborts the process on a smoothness term, and under expansion on a data term,
+    above GCO_MAX_ENERGYTERM. A forbidden label costs more than any allowed label of its site plus
+    all that its 4 edges can save, so no swap or expansion move keeps a site on it: the moves'
+    minimisers are those of an infinite cost, and the cost stays within the limit.
     """
     P, n, L = unary.shape
     finite = np.isfinite(unary)
     uniform = np.ndim(edge_weight) == 0
-    scale = 1e6
-    peak = max(
-        np.abs(unary, where=finite, out=np.zeros_like(unary)).max(), np.max(edge_weight) * pairwise.max()
-    )
-    if peak * scale > _GCO_MAX_TERM:
-        scale = _GCO_MAX_TERM / peak
-    unary_int = np.where(finite, np.rint(unary * scale), _GCO_DISABLED).astype(np.intc).reshape(P * n, L)
+    lo, hi = unary.min(where=finite, initial=np.inf), unary.max(where=finite, initial=-np.inf)
+    smooth = np.max(edge_weight) * pairwise.max()  # the largest edge term
+    bounds = {abs(lo): _GCO_DATA_TERM, abs(hi): _GCO_DATA_TERM, smooth: _GCO_CHECKED_TERM}
+    if not swap:  # the forbidden cost below, with room for rounding
+        bounds[2 * hi - lo + 4 * smooth] = _GCO_CHECKED_TERM - 8
+    scale = min([_GCO_RESOLUTION] + [limit / bound for bound, limit in bounds.items() if bound > 0])
+    unary_int = np.rint(np.where(finite, unary, 0.0) * scale).astype(np.intc)
     s1, s2, ones = _grid_edges(P, grid)
     if uniform:  # gco charges edge_weight * smooth[l, l']: fold the weight into the label matrix
         smooth_int = np.rint(pairwise * (edge_weight * scale)).astype(np.intc)
@@ -260,6 +265,11 @@ def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, sw
         q = next((q for q in range(1, 13) if np.allclose(pairwise * q, np.rint(pairwise * q))), 1000)
         smooth_int = np.rint(pairwise * q).astype(np.intc)
         weights = np.rint(np.asarray(edge_weight, np.float64).reshape(-1) * (scale / q)).astype(np.intc)
+    if not finite.all():
+        top, bottom = int(unary_int.max(where=finite, initial=0)), int(unary_int.min(where=finite, initial=0))
+        forbidden = 2 * top - bottom + 4 * int(smooth_int.max()) * int(weights.max()) + 1
+        unary_int[~finite] = forbidden
+    unary_int = unary_int.reshape(P * n, L)
     handle = np.empty(1, np.intc)
     energy = np.empty(1, np.longlong)
     labels = np.empty(P * n, np.intc)
@@ -315,12 +325,36 @@ def grid_cut(unary, pairwise, smooth_weight, method: str = "gco_swap") -> np.nda
     unary = np.asarray(unary, dtype=np.float64)
     single = unary.ndim == 3
     batch = unary[None] if single else unary
-    P, g, g2, L = batch.shape
-    if g != g2:
+    if batch.ndim != 4 or batch.shape[1] != batch.shape[2]:
         raise ValueError(f"unary: shape {unary.shape}, expected (g, g, L) or (P, g, g, L)")
+    P, g, _, L = batch.shape
     pairwise = np.asarray(pairwise, dtype=np.float64)
+    _check_cut_problem(batch.reshape(P, g * g, L), pairwise, smooth_weight, 2 * g * (g - 1), method)
     labels = _cut(batch.reshape(P, g * g, L), pairwise, smooth_weight, g, method).reshape(P, g, g)
     return labels[0] if single else labels
+
+
+def _check_cut_problem(unary: np.ndarray, pairwise: np.ndarray, smooth_weight, edges: int, method: str):
+    """What `grid_cut` promises to solve, checked up front: gco aborts the whole process on some of the
+    rest (a non-metric expansion, a negative smoothness term)."""
+    P, n, L = unary.shape
+    if np.isnan(unary).any() or (unary == -np.inf).any():
+        raise ValueError("unary: contains NaN or -inf (+inf is the one non-finite value: a forbidden label)")
+    stuck = np.argwhere(~np.isfinite(unary).any(2))
+    if len(stuck):
+        raise ValueError(f"unary: site {tuple(stuck[0].tolist())} (grid, cell) forbids all {L} labels")
+    if pairwise.shape != (L, L) or not np.isfinite(pairwise).all():
+        raise ValueError(f"pairwise: shape {pairwise.shape}, expected finite ({L}, {L}) costs")
+    if (pairwise < 0).any() or np.diagonal(pairwise).any() or not np.array_equal(pairwise, pairwise.T):
+        raise ValueError("pairwise: must be symmetric and >= 0 with a zero diagonal")
+    via = pairwise[:, :, None] + pairwise[None, :, :]  # [a, b, c]: the cost a -> b plus b -> c
+    if method == "gco_expansion" and (pairwise[:, None, :] > via + 1e-9 * pairwise.max()).any():
+        raise ValueError("pairwise: method='gco_expansion' needs a metric (the triangle inequality fails)")
+    w = np.asarray(smooth_weight, dtype=np.float64)
+    if w.shape not in ((), (P, edges)):
+        raise ValueError(f"smooth_weight: shape {w.shape}, expected a number or one per edge, ({P}, {edges})")
+    if not (np.isfinite(w) & (w >= 0)).all():
+        raise ValueError(f"smooth_weight: must be finite and >= 0, got {w.min() if w.size else w}")
 
 
 def _cut(unary, pairwise, edge_weight, grid, method):
