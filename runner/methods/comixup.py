@@ -265,11 +265,10 @@ def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, sw
         q = next((q for q in range(1, 13) if np.allclose(pairwise * q, np.rint(pairwise * q))), 1000)
         smooth_int = np.rint(pairwise * q).astype(np.intc)
         weights = np.rint(np.asarray(edge_weight, np.float64).reshape(-1) * (scale / q)).astype(np.intc)
-    if not finite.all():
-        top, bottom = int(unary_int.max(where=finite, initial=0)), int(unary_int.min(where=finite, initial=0))
-        forbidden = 2 * top - bottom + 4 * int(smooth_int.max()) * int(weights.max()) + 1
-        unary_int[~finite] = forbidden
-    unary_int = unary_int.reshape(P * n, L)
+    if not finite.all():  # rint is monotone: round(hi * scale) is the largest finite integer term
+        top, bottom = round(hi * scale), round(lo * scale)
+        unary_int[~finite] = 2 * top - bottom + 4 * int(smooth_int.max()) * int(weights.max()) + 1
+    unary_int = np.ascontiguousarray(unary_int.reshape(P * n, L))  # sites by labels, row-major
     handle = np.empty(1, np.intc)
     energy = np.empty(1, np.longlong)
     labels = np.empty(P * n, np.intc)
@@ -408,48 +407,56 @@ def _resolve(o: np.ndarray) -> np.ndarray:
 
 
 def _label_step(U, counts, grid, beta_n, method, mixed, stats):
-    """Solve output j's MRF for each active partition; U (a, n, m) unary, counts (a, m) its current o_j.
+    """Solve output j's MRF for each active partition; U (a, m, n) unary per input and cell, counts (a, m)
+    its current o_j.
 
     Returns source weights (a, n, m). Inputs are reordered per partition into label slots shared by
     the whole batch of grids: with `mixed`, the three most used inputs first (the blends of slots
     0,1 / 0,2 / 1,2 follow the one-hot labels; a blend needs its inputs in use), then every other
-    input that no single input dominates. Input i is dominated by i' when U[:, i] >= U[:, i'] at
-    every cell (ties broken by index): replacing i by i' never raises unary nor smoothness cost, so
-    a swap (or expansion) local minimum without i is one with i, and the global minimum is kept.
-    On peaked saliency this leaves a handful of labels out of m and cuts the swap's O(L^2) pairs.
+    input that no single input dominates. Input i is dominated by i' when U[i] >= U[i'] at every
+    cell (ties broken by index): replacing i by i' never raises unary nor smoothness cost, so a swap
+    (or expansion) local minimum without i is one with i, and the global minimum is kept. On peaked
+    saliency this leaves a handful of labels out of m and cuts the swap's O(L^2) pairs. Inputs lead
+    the unary's axes so that every reordering is one gather of whole rows.
     """
-    a, n, m = U.shape
+    a, m, n = U.shape
+    rows = np.arange(a)[:, None]
     if mixed:
         order = np.argsort(-counts, axis=1, kind="stable")
-        U = np.take_along_axis(U, order[:, None, :], axis=2)
+        U = U[rows, order]
         n_used = (counts > 0).sum(1)
-        protected = np.arange(m)[None, :] < np.where(n_used >= 3, 3, np.where(n_used == 2, 2, 0))[:, None]
+        protected = np.where(n_used >= 3, 3, np.where(n_used == 2, 2, 0))[:, None]
     else:
-        order = np.broadcast_to(np.arange(m), (a, m))
-        protected = np.zeros((a, m), bool)
-    geq = (U[:, :, :, None] >= U[:, :, None, :]).all(1)  # geq[p, i, i']: U_i >= U_i' at every cell
-    tie_break = np.tril(np.ones((m, m), bool), -1)  # i > i' loses an exact tie
-    dominated = (geq & (~geq.transpose(0, 2, 1) | tie_break)).any(2) & ~protected
+        order, protected = np.broadcast_to(np.arange(m), (a, m)), 0
+    geq = (U[:, :, None, :] >= U[:, None, :, :]).all(3)  # geq[p, i, i']: U_i >= U_i' at every cell
+    dominated = (geq & (~geq.transpose(0, 2, 1) | _tie_break(m))).any(2) & (np.arange(m) >= protected)
     keep_first = np.argsort(dominated, axis=1, kind="stable")
-    order = np.take_along_axis(order, keep_first, axis=1)
-    U = np.take_along_axis(U, keep_first[:, None, :], axis=2)
-    k = max(int((~dominated).sum(1).max()), 1)
-    U = np.where(np.take_along_axis(dominated, keep_first, axis=1)[:, None, :k], np.inf, U[:, :, :k])
+    kept = m - dominated.sum(1)
+    k = max(int(kept.max()), 1)
+    order = order[rows, keep_first[:, :k]]
+    U = U[rows, keep_first[:, :k]]
+    U[np.arange(k) >= kept[:, None]] = np.inf  # padding slots of partitions with fewer labels
     vectors, pairwise = _label_set(k, mixed)
     if mixed and k > 1:
         first, second = np.array(_BLEND_SLOTS[: len(vectors) - k]).T
         needed = second + 1  # a blend of slots (i, i') needs i' + 1 inputs in use
         unary_blend = np.where(
-            n_used[:, None, None] >= needed, 0.5 * (U[:, :, first] + U[:, :, second]) - _MIX_BONUS, np.inf
+            n_used[:, None, None] >= needed[:, None], 0.5 * (U[:, first] + U[:, second]) - _MIX_BONUS, np.inf
         )
-        U = np.concatenate([U, unary_blend], axis=2)
+        U = np.concatenate([U, unary_blend], axis=1)
     tic = time.perf_counter()
-    labels = _cut(U, pairwise, beta_n, grid, method)
+    labels = _cut(U.transpose(0, 2, 1), pairwise, beta_n, grid, method)
     stats["gc_seconds"] += time.perf_counter() - tic
     stats["gc_calls"] += 1
     W = np.zeros((a, n, m))
-    np.put_along_axis(W, order[:, None, :k], vectors[labels], axis=2)
+    W[rows[:, :, None], np.arange(n)[:, None], order[:, None, :]] = vectors[labels]
     return W
+
+
+@lru_cache(maxsize=64)
+def _tie_break(m: int) -> np.ndarray:
+    """tie[i, i']: input slot i loses an exact tie to slot i' (i > i')."""
+    return np.tril(np.ones((m, m), bool), -1)
 
 
 class _Sweeps(NamedTuple):
@@ -499,7 +506,7 @@ def _solve_partitions(s_grid, A, lam, z0, sizes, sweeps: _Sweeps, log=False):
     cost = np.where(
         real[:, None, :], -s_grid.transpose(0, 2, 1) - eta_n * np.log(lam + 1e-8)[:, None, :], 0.0
     )
-    unary_base = np.where(real[:, None, :], cost, np.inf)
+    unary_base = np.where(real[:, :, None], cost.transpose(0, 2, 1), np.inf)  # (P, m, n), as `_label_step`
     W = np.eye(m)[z0] * real[:, :, None, None]
     o = W.sum(2)
     total = o.sum(1)
@@ -518,7 +525,7 @@ def _solve_partitions(s_grid, A, lam, z0, sizes, sweeps: _Sweeps, log=False):
                 continue
             others = total[act] - o[act, j]
             u = 2.0 * gamma_n * _diversity_cost(A[act], others, threshold, thres_type) + gamma_n * R[act, j]
-            z_j = _label_step(unary_base[act] + u[:, None, :], o[act, j], grid, beta_n, method, mixed, stats)
+            z_j = _label_step(unary_base[act] + u[:, :, None], o[act, j], grid, beta_n, method, mixed, stats)
             W[act, j] = z_j
             o_j = z_j.sum(1)
             total[act] += o_j - o[act, j]
