@@ -315,7 +315,7 @@ def test_label_pruning_keeps_the_exact_optimum():
         U = -peaks + rng.random(m) * 0.2
         pairwise = 1.0 - np.eye(m)
         stats = {"gc_seconds": 0.0, "gc_calls": 0}
-        z = cm._label_step(U, np.ones((1, m)), g, 0.3, "brute", False, stats)[0]
+        z = cm._label_step(U.transpose(0, 2, 1), np.ones((1, m)), g, 0.3, "brute", False, stats)[0]
         full = grid_cut(U[0].reshape(g, g, m), pairwise, 0.3, "brute").ravel()
         e_pruned = labeling_energy(z.argmax(1), U[0].reshape(g, g, m), pairwise, 0.3)
         assert e_pruned == pytest.approx(

@@ -250,19 +250,26 @@ def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, sw
     P, n, L = unary.shape
     finite = np.isfinite(unary)
     uniform = np.ndim(edge_weight) == 0
+    # gco charges weight_e * matrix[l, l']. A uniform weight is folded into the label matrix; otherwise the
+    # matrix is pairwise * q, q the smallest integer making it integral (else 1000 / its largest entry), and
+    # the rest of the scale goes on the edges.
+    if uniform:
+        q, steps = None, 0
+    else:
+        q = next((q for q in range(1, 13) if np.allclose(pairwise * q, np.rint(pairwise * q))), None)
+        q = q or 1000 / pairwise.max()
+        steps = round(pairwise.max() * q)  # the matrix's largest entry, an exact integer
     lo, hi = unary.min(where=finite, initial=np.inf), unary.max(where=finite, initial=-np.inf)
     smooth = np.max(edge_weight) * pairwise.max()  # the largest edge term
     bounds = {abs(lo): _GCO_DATA_TERM, abs(hi): _GCO_DATA_TERM, smooth: _GCO_CHECKED_TERM}
-    if not swap:  # the forbidden cost below, with room for rounding
-        bounds[2 * hi - lo + 4 * smooth] = _GCO_CHECKED_TERM - 8
+    if not swap:  # the forbidden cost below, with room for the rounding of its terms
+        bounds[2 * hi - lo + 4 * smooth] = _GCO_CHECKED_TERM - 8 - 2 * steps
     scale = min([_GCO_RESOLUTION] + [limit / bound for bound, limit in bounds.items() if bound > 0])
     unary_int = np.rint(np.where(finite, unary, 0.0) * scale).astype(np.intc)
     s1, s2, ones = _grid_edges(P, grid)
-    if uniform:  # gco charges edge_weight * smooth[l, l']: fold the weight into the label matrix
-        smooth_int = np.rint(pairwise * (edge_weight * scale)).astype(np.intc)
-        weights = ones
-    else:  # smallest integer q making the label matrix integral, the rest of the scale on the edges
-        q = next((q for q in range(1, 13) if np.allclose(pairwise * q, np.rint(pairwise * q))), 1000)
+    if uniform:
+        smooth_int, weights = np.rint(pairwise * (edge_weight * scale)).astype(np.intc), ones
+    else:
         smooth_int = np.rint(pairwise * q).astype(np.intc)
         weights = np.rint(np.asarray(edge_weight, np.float64).reshape(-1) * (scale / q)).astype(np.intc)
     if not finite.all():  # rint is monotone: round(hi * scale) is the largest finite integer term
