@@ -420,9 +420,11 @@ def cascade_codes(unary, ks, alpha, beta, method="networkx", cost_scale=None, lo
     codes, levels, groups = [], [], None
     for level in range(k):
         sparsity = ks if level == k - 1 else 1
-        z, info = assign_codes(unary[level], sparsity, alpha, beta, groups, method, cost_scale, log=True)
+        solved = assign_codes(unary[level], sparsity, alpha, beta, groups, method, cost_scale, log=log)
+        z = solved[0] if log else solved  # the level logs only when asked: each costs an energy evaluation
+        if log:
+            levels.append(solved[1])
         codes.append(z)
-        levels.append(info)
         if level < k - 1:
             path = z.argmax(1) if groups is None else groups * d + z.argmax(1)  # (group, child) id
             groups = np.unique(path, return_inverse=True)[1].reshape(nc)
