@@ -486,6 +486,20 @@ def test_curriculum_budget_code_rule():
 # ----------------------------------------------------------------------------- bad input
 
 
+def test_budget_takes_numpy_and_torch_scalars_and_empty_or_negative_input_is_named():
+    probs, features, labels = chunk(np.random.default_rng(18))
+    plan = csot_plan(probs, features, labels, 0.5)
+    for m in (np.float32(0.5), np.array(0.5), torch.tensor(0.5, dtype=torch.float64)):
+        np.testing.assert_array_equal(csot_plan(probs, features, labels, m), plan)
+    for m in (True, "0.5", np.array([0.5])):
+        with pytest.raises(ValueError, match="curriculum budget must be a number"):
+            csot_plan(probs, features, labels, m)
+    with pytest.raises(ValueError, match="epoch=-1"):
+        curriculum_budget(-1, 10, 80)
+    with pytest.raises(ValueError, match="no samples"):
+        allocate(probs[:0], features[:0], labels[:0], 0.5)
+
+
 def test_bad_input_raises_value_error():
     probs, features, labels = chunk(np.random.default_rng(18))
     with pytest.raises(ValueError, match="summing to one"):

@@ -20,6 +20,7 @@ from runner.methods.dbot import (
     dbot_predict,
     marginal_violation,
     round_plan,
+    weighted_focal_loss,
 )
 
 EXACT = ("sinkhorn", "dual", "bregman")
@@ -314,6 +315,26 @@ def test_loss_checks_its_prior_once_and_never_waits_for_the_device(mode):
                 loss(logits, torch.randint(0, 4, (16,), device=STAND_IN)).backward()
     assert tracker.counts["other"] == {"sync": 1}
     assert tracker.counts["train"] == {}, tracker.report()["sites"]
+
+
+def test_half_precision_loss_normalises_a_large_count_prior():
+    """Counts summing to 1e5 overflow float16 (max 65504) if normalised in the logits' precision. The half
+    loss runs a few dozen float16 operations of relative rounding 2^-11 each: within 1% of float32's."""
+    torch.manual_seed(0)
+    logits, labels, counts = torch.randn(8, 5), torch.arange(8) % 5, torch.full((5,), 20000.0)
+    for mode in ("paper", "official"):
+        full = dbot_loss(logits, labels, counts, mode=mode)
+        half = dbot_loss(logits.half(), labels, counts, mode=mode)
+        assert torch.isfinite(half) and half.item() == pytest.approx(full.item(), rel=1e-2)
+    assert dbot_loss(logits, labels, counts, n_sweeps=np.int64(2)) == dbot_loss(logits, labels, counts, n_sweeps=2)
+    cost, a, b_low, b_up = random_problem(0)
+    np.testing.assert_array_equal(dbot(cost, a, b_low, b_up, np.int64(1)), dbot(cost, a, b_low, b_up, 1.0))
+
+
+def test_focal_loss_below_gamma_one_keeps_finite_gradients_at_a_large_margin():
+    logits = torch.tensor([[20.0, 0.0, 0.0], [0.0, 1.0, 0.0]], requires_grad=True)  # p = 1 in float32
+    weighted_focal_loss(logits, torch.tensor([0, 1]), gamma=0.5).backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[1].abs().sum() > 0
 
 
 def test_loss_rejects_bad_arguments():

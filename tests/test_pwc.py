@@ -421,6 +421,16 @@ def test_partial_wasserstein_bad_input(a, b, match):
         partial_wasserstein_dual(np.ones((3, 2)), a, b)
 
 
+def test_float32_masses_of_equal_totals_are_feasible():
+    """Six float32 sixths sum to 1.00000003 > eight eighths: equal up to float32 rounding (eps 1.2e-7)."""
+    cost = np.random.default_rng(0).random((6, 8))
+    value32 = partial_wasserstein_dual(cost, np.full(6, 1 / 6, np.float32), np.full(8, 1 / 8, np.float32))[0]
+    value64 = partial_wasserstein_dual(cost, np.full(6, 1 / 6), np.full(8, 1 / 8))[0]
+    assert value32 == pytest.approx(value64, rel=1e-6)
+    with pytest.raises(ValueError, match="infeasible"):  # 0.96 is short by far more than rounding
+        partial_wasserstein_dual(cost, np.full(6, 1 / 6, np.float32), np.full(8, 0.12, np.float32))
+
+
 def test_docstring_examples_run():
     import doctest
 

@@ -96,8 +96,10 @@ def _check_shape(x, shape, name):
 
 
 def _check_budget(m):
-    if not (isinstance(m, (int, float, np.floating, np.integer)) and 0 < m <= 1):
-        raise ValueError(f"m={m}: the curriculum budget must lie in (0, 1]")
+    """m as a float: a real number (a 0-d array or tensor too) in (0, 1]."""
+    scalar = getattr(m, "ndim", 0) == 0 and not isinstance(m, (bool, str))
+    if not (scalar and 0 < float(m) <= 1):
+        raise ValueError(f"m={m!r}: the curriculum budget must be a number in (0, 1]")
     return float(m)
 
 
@@ -735,6 +737,8 @@ def curriculum_budget(epoch, warmup, end, m0=0.3, rule="paper"):
     """
     if not 0 < m0 <= 1:
         raise ValueError(f"m0={m0}: must lie in (0, 1]")
+    if not (math.isfinite(epoch) and epoch >= 0):
+        raise ValueError(f"epoch={epoch}: must be a finite number >= 0")
     if not end > max(warmup, 1):
         raise ValueError(f"end={end} must be > warmup={warmup} and > 1")
     if rule == "paper":
@@ -771,6 +775,8 @@ def allocate(probs, features, labels, m, solve_batch=1024, seed=0, log=False, wa
     """
     _check_iters(solve_batch, "solve_batch")
     n = probs.shape[0]
+    if n == 0:
+        raise ValueError("probs: no samples (shape (0, C)); allocate needs at least one")
     perm = np.random.default_rng(seed).permutation(n)
     if isinstance(probs, torch.Tensor):
         return _allocate_batched(probs, features, labels, m, solve_batch, perm, log, warn, plan_kwargs)

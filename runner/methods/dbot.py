@@ -98,7 +98,8 @@ def _vector(x, size: int, name: str, allow_inf: bool = False, like=None):
 
 
 def _check_reg(reg):
-    if not (isinstance(reg, (int, float, np.floating)) and math.isfinite(reg) and reg > 0):
+    if not (isinstance(reg, (int, float, np.floating, np.integer)) and not isinstance(reg, bool)
+            and math.isfinite(reg) and reg > 0):
         raise ValueError(f"reg={reg}: the entropic weight (eps in the paper) must be a finite number > 0")
 
 
@@ -535,7 +536,7 @@ class DBOTLoss:
             raise ValueError(f"mode={mode!r}: must be one of {LOSS_MODES}")
         if not 0.0 <= delta < 1.0:
             raise ValueError(f"delta={delta}: must be in [0, 1)")
-        if not (isinstance(n_sweeps, int) and n_sweeps >= 1):
+        if not (isinstance(n_sweeps, (int, np.integer)) and not isinstance(n_sweeps, bool) and n_sweeps >= 1):
             raise ValueError(f"n_sweeps={n_sweeps}: must be an integer >= 1")
         host = torch.as_tensor(prior).detach().to("cpu", torch.float64)
         if host.ndim != 1 or not bool((host.isfinite() & (host > 0)).all()):
@@ -546,11 +547,12 @@ class DBOTLoss:
     def _log_prior_and_bounds(self, logits):
         """log r, log b_low, log b_up in the logits' dtype on their device (made at the first call)."""
         key = (logits.dtype, logits.device)
-        if key not in self._logs:
-            prior = torch.as_tensor(self.prior, dtype=logits.dtype, device=logits.device)
+        if key not in self._logs:  # in float32 at least: a half-precision sum of counts overflows
+            work = torch.promote_types(logits.dtype, torch.float32)
+            prior = torch.as_tensor(self.prior, dtype=work, device=logits.device)
             prior = prior / prior.sum()
             low, up = (1.0 - self.delta) * prior, (1.0 + self.delta) * prior
-            self._logs[key] = torch.log(prior), torch.log(low), torch.log(up)
+            self._logs[key] = tuple(torch.log(v).to(logits.dtype) for v in (prior, low, up))
         return self._logs[key]
 
     def __call__(self, logits, target):
@@ -647,7 +649,9 @@ def weighted_focal_loss(logits, target, gamma: float = 0.0, weight=None):
     here, as the focal baseline of the long-tail task, to the softmax).
     """
     log_p = torch.log_softmax(logits, dim=1).gather(1, target[:, None])[:, 0]
-    per_sample = -((1.0 - log_p.exp()) ** gamma) * log_p if gamma else -log_p
+    # 1 - p floored at the smallest normal: at p = 1 (a large margin) the gradient of x^gamma, gamma < 1, is inf
+    focal = (1.0 - log_p.exp()).clamp(min=torch.finfo(log_p.dtype).tiny) ** gamma if gamma else None
+    per_sample = -focal * log_p if gamma else -log_p
     if weight is None:
         return per_sample.mean()
     w = torch.as_tensor(weight, dtype=logits.dtype, device=logits.device)[target]
