@@ -273,6 +273,10 @@ for method in ("gco_swap", "gco_expansion"):
         assert energy[0] >= energy[1] - tol, (method, trial)
         if L == 2:  # both moves are exact on two labels
             assert energy[0] <= energy[1] + tol, (method, trial, energy)
+metric = np.abs(np.subtract.outer(np.arange(3.0), np.arange(3.0)))  # 0.37 x: rint at 1e-6 broke its triangles
+for w in (5e-7, 1e-6, 1e9):
+    grid_cut(rng.normal(size=(3, 3, 3)), 0.37 * metric, w, "gco_expansion")
+assert grid_cut(np.array([[[0.0, np.inf]]]), 1 - np.eye(2), 1.0).tolist() == [[0]]  # one cell: no edges
 x = np.random.default_rng(1).random((23, 3, 8, 8)).astype(np.float32)
 y = np.eye(5, dtype=np.float32)[np.arange(23) % 5]
 s = np.random.default_rng(2).random((23, 8, 8)) ** 8  # peaked: inputs dominated, partitions of 8 and 7
@@ -573,6 +577,7 @@ def test_defaults_match_the_paper():
         (dict(method="bf"), "method='bf'"),
         (dict(max_iter=0), "max_iter=0"),
         (dict(tol=-1.0), "tol=-1.0"),
+        (dict(alpha=np.inf), "alpha=inf"),
     ],
 )
 def test_bad_input_raises_a_clear_value_error(change, message):
@@ -584,6 +589,13 @@ def test_bad_input_raises_a_clear_value_error(change, message):
         s[0, 0, 0] = np.nan
     with pytest.raises(ValueError, match=message):
         comixup(x, y, s, **change)
+
+
+def test_a_tiny_alpha_puts_each_prior_on_one_input():
+    """Gamma(1e-4) draws underflow to 0 together; lambda was 0/0 and the cut got NaN costs."""
+    x, y, s = batch(0, 12)
+    x_mix, y_mix, masks = comixup(x, y, s, alpha=1e-4, part=4, rng=0)
+    assert torch.isfinite(x_mix).all() and torch.allclose(y_mix.sum(1), torch.ones(12))
 
 
 def test_log_reports_sweeps_and_tol_ends_them():

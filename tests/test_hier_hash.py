@@ -278,6 +278,8 @@ def test_old_names_warn_and_keep_working():
         ({"beta": np.inf}, "beta=inf"),
         ({"method": "lemon"}, "method='lemon'"),
         ({"cost_scale": 0.0}, "cost_scale=0.0"),
+        ({"cost_scale": 1e20, "method": "ortools"}, "cost_scale=1e.20: the integer costs"),  # int64 overflow
+        ({"cost_scale": 1e20, "method": "networkx"}, "cost_scale=1e.20: the integer costs"),
     ],
 )
 def test_bad_input_raises_value_error(kwargs, match):
@@ -292,6 +294,20 @@ def test_bad_bucket_input_raises_value_error():
         hh.bucket_ids(np.zeros((3, 8)), 4, 2, 5)
     with pytest.raises(ValueError, match=r"must be \(N, d\*k\)"):
         hh.bucket_ids(np.zeros((3, 7)), 4, 2, 1)
+    with pytest.raises(ValueError, match="no int64 ids"):  # 64^11 = 2^66: the ids wrapped to -1, a miss
+        hh.bucket_ids(np.zeros((1, 64 * 11)), 64, 11, 1)
+
+
+def test_highs_is_exact_at_any_cost_scale():
+    """HiGHS's feasibility and optimality tolerances are absolute (1e-7): costs are scaled to 1 first."""
+    rng = np.random.default_rng(21)
+    for scale in (1e-9, 1.0, 1e6):
+        unary, groups = rng.normal(size=(5, 4)) * scale, np.array([0, 0, 1, 1, 2])
+        energies = [
+            hh.code_energy(hh.assign_codes(unary, 2, scale, scale, groups, method=m), unary, scale, scale, groups)
+            for m in ("highs", "networkx")
+        ]
+        assert energies[0] == pytest.approx(energies[1], rel=1e-9, abs=0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,23 +377,41 @@ def test_search_reranks_candidates_by_distance():
             np.testing.assert_array_equal(neighbors[q], found[q][np.argsort(dist)[:K]])
 
 
-def test_expansion_follows_probe_order():
+@pytest.mark.parametrize("d, k, n", [(4, 2, 30), (8, 3, 400)])  # buckets in use < 64 probes (ranked), or more
+def test_expansion_follows_probe_order(d, k, n):
     rng = np.random.default_rng(13)
-    d, k, ks, n, K = 4, 2, 1, 30, 12
+    ks, K = 1, 12
     act = rng.normal(size=(n, d * k))
     index = hh.HashIndex(act, rng.normal(size=(n, 3)), d, k, ks)
     found = index.candidates(act, K=K, self_ids=np.arange(n))
     again = index.candidates(act, K=K, self_ids=np.arange(n))
     assert [f.tolist() for f in found] == [f.tolist() for f in again]  # deterministic
-    all_probes = hh.probe_buckets(act, d, k, 0, d**k)
-    for q in range(n):
+    all_probes = hh.probe_buckets(act[:30], d, k, 0, d**k)
+    holds = {}
+    for i, bucket in enumerate(index.buckets[:, 0]):
+        holds.setdefault(bucket, set()).add(i)
+    for q in range(30):
         assert len(found[q]) >= K and q not in found[q]
         union = set()
         for t in range(d**k):  # smallest probe prefix holding K items besides the query
-            union |= {i for i in range(n) if index.buckets[i, 0] == all_probes[q, t]} - {q}
+            union |= holds.get(all_probes[q, t], set()) - {q}
             if t >= ks - 1 and len(union) >= K:
                 break
         assert found[q].tolist() == sorted(union)
+
+
+def test_search_for_more_neighbours_than_exist_ranks_the_used_buckets(monkeypatch):
+    """d^k = 1e6 buckets, 10 items: probed one by one, 1e6 probes (at d^k = 1e9 minutes and all memory);
+    the 10 buckets in use are ranked instead, after the first chunk of 64 probes at most."""
+    rng = np.random.default_rng(16)
+    act, emb = rng.random((10, 2000)), rng.random((10, 2))
+    index = hh.HashIndex(act, emb, 1000, 2, 1)
+    enumerated, probe = [], hh.probe_buckets
+    monkeypatch.setattr(hh, "probe_buckets", lambda a, d, k, lo, hi: enumerated.append(hi - lo) or probe(a, d, k, lo, hi))
+    neighbors, n_cand = index.search(act[:3], emb[:3], 20, self_ids=[0, 1, -1])
+    np.testing.assert_array_equal(neighbors, hh.exhaustive_search(emb[:3], emb, 20, self_ids=[0, 1, -1]))
+    assert n_cand.tolist() == [9, 9, 10] and (neighbors[:2, 9:] == -1).all() and (neighbors[2, 10:] == -1).all()
+    assert sum(enumerated) <= 1 + 3 * 64, enumerated
 
 
 def test_query_in_empty_bucket_expands():
@@ -410,6 +444,9 @@ def test_exhaustive_search_matches_sorting():
     q, db = rng.normal(size=(7, 3)), rng.normal(size=(20, 3))
     dist = ((q[:, None] - db[None]) ** 2).sum(-1)
     np.testing.assert_array_equal(hh.exhaustive_search(q, db, 5), np.argsort(dist, axis=1)[:, :5])
+    # a stored query loses only its own row: one that is not stored keeps all K
+    mixed = hh.exhaustive_search(np.array([[0.0], [5.0]]), np.array([[0.0], [1.0]]), 2, self_ids=[0, -1])
+    assert mixed.tolist() == [[1, -1], [1, 0]]
 
 
 def test_precision_at_k_counts_misses():

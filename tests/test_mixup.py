@@ -295,6 +295,20 @@ def test_numpy_in_numpy_out_and_bad_input():
         puzzle_mix(x, y, np.ones((8, 8, 8)), grid=2, method="bf")
     with pytest.raises(ValueError, match="needs n_labels=2"):  # gco would abort the process
         puzzle_mix(x, y, np.ones((8, 8, 8)), grid=2, method="gco_expansion")
+    with pytest.raises(ValueError, match="8x16; puzzle_mix needs square"):
+        puzzle_mix(torch.rand(8, 3, 8, 16), y, np.ones((8, 8, 16)), grid=4)
+    with pytest.raises(ValueError, match="alpha=inf: must be a finite number"):
+        input_mixup(x, y, alpha=np.inf)
+
+
+def test_integer_one_hot_targets_mix_as_floats():
+    """F.one_hot gives int64: in that dtype every label weight truncated to 0 or 1."""
+    x, y = distinct_batch(0)
+    for mix in (input_mixup, cutmix):
+        _, y_float = mix(x, y, rng=3)
+        _, y_int = mix(x, y.long(), rng=3)
+        assert y_int.dtype == torch.float32  # 1 - w in float32 may round once more than in float64:
+        torch.testing.assert_close(y_int, y_float.float(), rtol=2**-23, atol=0)
     with pytest.warns(DeprecationWarning, match="use method"), pytest.raises(ValueError, match="method='bf'"):
         puzzle_mix(x, y, np.ones((8, 8, 8)), grid=2, solver="bf")
 

@@ -253,28 +253,28 @@ def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, sw
     # gco charges weight_e * matrix[l, l']. A uniform weight is folded into the label matrix; otherwise the
     # matrix is pairwise * q, q the smallest integer making it integral (else 1000 / its largest entry), and
     # the rest of the scale goes on the edges.
-    if uniform:
-        q, steps = None, 0
-    else:
+    q = None
+    if not uniform:
         q = next((q for q in range(1, 13) if np.allclose(pairwise * q, np.rint(pairwise * q))), None)
-        q = q or 1000 / pairwise.max()
-        steps = round(pairwise.max() * q)  # the matrix's largest entry, an exact integer
     lo, hi = unary.min(where=finite, initial=np.inf), unary.max(where=finite, initial=-np.inf)
     smooth = np.max(edge_weight) * pairwise.max()  # the largest edge term
     bounds = {abs(lo): _GCO_DATA_TERM, abs(hi): _GCO_DATA_TERM, smooth: _GCO_CHECKED_TERM}
-    if not swap:  # the forbidden cost below, with room for the rounding of its terms
-        bounds[2 * hi - lo + 4 * smooth] = _GCO_CHECKED_TERM - 8 - 2 * steps
+    if not swap:  # the forbidden cost below, with ample room for the rounding of its terms
+        bounds[2 * hi - lo + 4 * smooth] = _GCO_CHECKED_TERM / 2
     scale = min([_GCO_RESOLUTION] + [limit / bound for bound, limit in bounds.items() if bound > 0])
     unary_int = np.rint(np.where(finite, unary, 0.0) * scale).astype(np.intc)
     s1, s2, ones = _grid_edges(P, grid)
+    # expansion needs the matrix to stay a metric, which rounding up keeps (ceil a + ceil b >= ceil(a + b))
+    to_int = np.rint if swap or q else np.ceil
     if uniform:
-        smooth_int, weights = np.rint(pairwise * (edge_weight * scale)).astype(np.intc), ones
+        smooth_int, weights = to_int(pairwise * (edge_weight * scale)).astype(np.intc), ones
     else:
-        smooth_int = np.rint(pairwise * q).astype(np.intc)
+        q = q or 1000 / pairwise.max()
+        smooth_int = to_int(pairwise * q).astype(np.intc)
         weights = np.rint(np.asarray(edge_weight, np.float64).reshape(-1) * (scale / q)).astype(np.intc)
     if not finite.all():  # rint is monotone: round(hi * scale) is the largest finite integer term
         top, bottom = round(hi * scale), round(lo * scale)
-        unary_int[~finite] = 2 * top - bottom + 4 * int(smooth_int.max()) * int(weights.max()) + 1
+        unary_int[~finite] = 2 * top - bottom + 4 * int(smooth_int.max()) * int(weights.max(initial=0)) + 1
     unary_int = np.ascontiguousarray(unary_int.reshape(P * n, L))  # sites by labels, row-major
     handle = np.empty(1, np.intc)
     energy = np.empty(1, np.longlong)
@@ -699,8 +699,8 @@ def _prepare(x, y_onehot, saliency_maps, sweeps: _Sweeps, omega, alpha, grid, pa
     are (numpy: torch views on the CPU)."""
     sweeps._checked()
     _check_range("omega", omega, 0.0, 1.0)
-    if not alpha > 0:
-        raise ValueError(f"alpha={alpha}: must be > 0")
+    if not 0 < alpha < math.inf:
+        raise ValueError(f"alpha={alpha}: must be a finite number > 0")
     if not (isinstance(part, int | np.integer) and part >= 2):
         raise ValueError(f"part={part}: must be an integer >= 2")
     numpy_out = not isinstance(x, torch.Tensor)
@@ -760,6 +760,9 @@ def _partitions(summary: np.ndarray, omega, alpha, grid: int, part, rng) -> dict
     s_grid = pooled[index] * real[:, :, None]
     A = _compatibility_from_locations(loc[index], real, omega)
     gammas = rng.gamma(alpha, size=real.shape) * real
+    underflow = np.flatnonzero(gammas.sum(1) == 0)
+    if len(underflow):  # every draw underflowed (tiny alpha): the Dirichlet's mass sits on one vertex
+        gammas[underflow, rng.integers(0, sizes[underflow])] = 1.0
     lam = gammas / gammas.sum(1, keepdims=True)
     z0 = rng.integers(0, sizes[:, None, None], size=(*real.shape, n))
     return {"arrays": (s_grid, A, lam, z0, sizes), "index": index, "grid": grid}

@@ -268,7 +268,8 @@ def _flow_highs(net: FlowNetwork) -> np.ndarray:
     from scipy.optimize import linprog
 
     bounds = np.stack([np.zeros(len(net.tail)), net.capacity], axis=1)
-    res = linprog(net.cost, A_eq=net.incidence(), b_eq=net.supply, bounds=bounds, method="highs-ds")
+    unit = max(float(np.abs(net.cost).max()), np.finfo(float).tiny)  # HiGHS's tolerances are absolute
+    res = linprog(net.cost / unit, A_eq=net.incidence(), b_eq=net.supply, bounds=bounds, method="highs-ds")
     if res.status != 0:
         raise RuntimeError(f"HiGHS failed on the flow LP: {res.message}")
     return integral_solution(res.x, "flow")  # totally unimodular constraints: a vertex is integral
@@ -280,6 +281,11 @@ def _solve_flow(net: FlowNetwork, method, cost_scale):
         flow = _flow_highs(net)
         return flow, float(flow @ net.cost), None
     scale = float(cost_scale) if cost_scale is not None else _auto_cost_scale(net)
+    if cost_scale is not None and np.abs(net.cost).max() * scale * (net.n_nodes + 1) > _INT_COST_BUDGET:
+        raise ValueError(
+            f"cost_scale={cost_scale}: the integer costs times the node count would pass 2^56 (their "
+            f"int64 headroom); at most {_auto_cost_scale(net):.3g} here, or None to choose it"
+        )
     int_cost = np.rint(net.cost * scale).astype(np.int64)
     flow = _flow_ortools(net, int_cost) if method == "ortools" else _flow_networkx(net, int_cost)
     return flow, float(flow @ int_cost) / scale, scale
@@ -481,6 +487,8 @@ def probe_buckets(activations, d, k, start, stop) -> np.ndarray:
     activation ranked ``digit_v`` there (0 = largest; ties to the lower index). Probes 0..ks-1
     are the item's own ks buckets (Eq. 1); later probes are the expansion order of a query.
     """
+    if d**k > np.iinfo(np.int64).max:
+        raise ValueError(f"d={d}, k={k}: d**k = {d**k} buckets have no int64 ids; lower d or k")
     ranks = np.argsort(-_levels(activations, d, k), axis=2, kind="stable")  # (N, k, d)
     digits = decode_buckets(np.arange(start, stop), d, k)  # (P, k)
     path = np.stack([ranks[:, level, digits[:, level]] for level in range(k)], axis=-1)  # (N, P, k)
@@ -581,16 +589,32 @@ class HashIndex:
 
     def _expand(self, activation, found, K, self_id) -> np.ndarray:
         seen = set(found.tolist())
+        K = min(K, len(self.embedding) - int(0 <= self_id < len(self.embedding)))  # no more exist
         start, chunk = self.ks, 64
         while len(seen) < K and start < self.n_buckets:
-            stop = min(start + chunk, self.n_buckets)
-            for items in self._lookup(probe_buckets(activation, self.d, self.k, start, stop)[0]):
+            if chunk > len(self.keys):  # more probes to try than buckets in use: rank those instead
+                buckets, start = self._used_from(activation, start), self.n_buckets
+            else:
+                stop = min(start + chunk, self.n_buckets)
+                buckets = self._lookup(probe_buckets(activation, self.d, self.k, start, stop)[0])
+                start, chunk = stop, 2 * chunk
+            for items in buckets:
                 seen.update(items.tolist())
                 seen.discard(int(self_id))
                 if len(seen) >= K:
                     break
-            start, chunk = stop, 2 * chunk
         return np.array(sorted(seen), dtype=np.int64)
+
+    def _used_from(self, activation, start) -> list[np.ndarray]:
+        """Item arrays of the buckets in use whose probe index for this query is >= start, in probe order.
+        A bucket's probe index is its path's rank at each level, in base d: the inverse of
+        ``probe_buckets``, so that d**k probes need not be enumerated."""
+        ranks = np.argsort(-_levels(activation, self.d, self.k), axis=2, kind="stable")[0]  # (k, d)
+        rank_of = np.empty_like(ranks)
+        rank_of[np.arange(self.k)[:, None], ranks] = np.arange(self.d)
+        probe = encode_buckets(rank_of[np.arange(self.k), decode_buckets(self.keys, self.d, self.k)], self.d)
+        order = np.argsort(probe, kind="stable")
+        return [self.items[self.starts[p] : self.ends[p]] for p in order[probe[order] >= start]]
 
     def search(self, query_activations, query_embedding, K, self_ids=None, max_pairs=2**16):
         """Top-K by Euclidean distance among the candidates (ties to the lower id).
@@ -632,7 +656,7 @@ def exhaustive_search(query_embedding, db_embedding, K, self_ids=None, chunk=256
     n_query = len(query_embedding)
     self_ids = np.full(n_query, -1) if self_ids is None else np.asarray(self_ids)
     db_sq = (db_embedding**2).sum(1)
-    K_eff = min(K, len(db_embedding) - int((self_ids >= 0).any()))
+    K_eff = min(K, len(db_embedding))
     neighbors = np.full((n_query, K), -1, dtype=np.int64)
     for lo in range(0, n_query if K_eff > 0 else 0, chunk):
         q = query_embedding[lo : lo + chunk]
@@ -641,7 +665,9 @@ def exhaustive_search(query_embedding, db_embedding, K, self_ids=None, chunk=256
         dist[rows, self_ids[lo : lo + chunk][rows]] = np.inf
         top = np.argpartition(dist, K_eff - 1, axis=1)[:, :K_eff]
         order = np.lexsort((top, np.take_along_axis(dist, top, 1)), axis=1)
-        neighbors[lo : lo + chunk, :K_eff] = np.take_along_axis(top, order, 1)
+        top = np.take_along_axis(top, order, 1)
+        # a stored query's own row sorts last (distance inf): it is no neighbour
+        neighbors[lo : lo + chunk, :K_eff] = np.where(np.isinf(np.take_along_axis(dist, top, 1)), -1, top)
     return neighbors
 
 

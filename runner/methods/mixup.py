@@ -20,6 +20,7 @@ Puzzle Mix's graph cut is chosen by `method=` (`solver` before, deprecated), as 
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import scipy.stats
@@ -66,8 +67,8 @@ def _tensor_io(fn):
 
 
 def _pairing(B: int, alpha: float, rng) -> tuple[float, np.ndarray]:
-    if not alpha > 0:
-        raise ValueError(f"alpha={alpha}: must be > 0")
+    if not 0 < alpha < math.inf:
+        raise ValueError(f"alpha={alpha}: must be a finite number > 0")
     if B < 2:
         raise ValueError(f"x: batch of {B}; mixing needs at least 2 inputs")
     return float(rng.beta(alpha, alpha)), rng.permutation(B)
@@ -81,7 +82,10 @@ def _check_batch(x, y):
 
 
 def _mix_targets(y, weight, partner):
-    """w y + (1 - w) y[partner]; w a number or per sample (B,), partner (B,) indices, both on y's device."""
+    """w y + (1 - w) y[partner]; w a number or per sample (B,), partner (B,) indices, both on y's device.
+    Integer targets (``F.one_hot``'s) mix as float32: in their dtype every weight would truncate to 0 or 1."""
+    if not y.is_floating_point():
+        y = y.float()
     if not isinstance(weight, torch.Tensor):  # filled there: a copy of the number would wait for the device
         weight = torch.full((), weight, dtype=y.dtype, device=y.device)
     weight = weight.to(y.dtype).reshape(-1, 1)
@@ -337,6 +341,8 @@ def puzzle_mix(
     _check_choice("method", method, SOLVERS)
     rng = np.random.default_rng(rng)
     B, C, H, W = x.shape
+    if H != W:
+        raise ValueError(f"x: images of {H}x{W}; puzzle_mix needs square ones (g x g cells of square blocks)")
     lam, perm = _pairing(B, alpha, rng)
     if not (isinstance(n_labels, int) and n_labels >= 2):
         raise ValueError(f"n_labels={n_labels}: must be an integer >= 2")
