@@ -318,7 +318,8 @@ def grid_cut(unary, pairwise, smooth_weight, method: str = "gco_swap") -> np.nda
     pairwise: (L, L) symmetric, zero diagonal (a metric for `gco_expansion`); smooth_weight: w >= 0,
     a scalar or (P, E) per edge (the g(g-1) vertical edges row by row, then the horizontal ones).
     method (`solver` before, deprecated): `gco_swap` (alpha-beta swap, a local minimum; exact for
-    L = 2), `gco_expansion`, `brute` (exact, L^(g^2) <= 2e6). Returns labels of shape unary.shape[:-1].
+    L = 2 up to the costs' integer resolution, 1e-6 or coarser near gco's limit), `gco_expansion`,
+    `brute` (exact, L^(g^2) <= 2e6). Returns labels of shape unary.shape[:-1].
     One cut, run by gco to its own fixed point: no iteration options, no log.
 
     >>> unary = np.zeros((2, 2, 2))

@@ -12,7 +12,8 @@ lambda ~ Beta(alpha, alpha) drawn once per batch:
                     blocks moved by a masked transport towards where they stay visible
                                                                                      (Kim et al. 2020)
 
-and y~ = w y + (1 - w) y[perm] with w the share of x in x~. Tensors or arrays in, the same out.
+and y~ = w y + (1 - w) y[perm] with w the share of x in x~. Tensors or arrays in, the same out (but
+`manifold_mixup`, whose x goes through a model: tensors).
 Puzzle Mix's graph cut is chosen by `method=` (`solver` before, deprecated), as in
 `runner.methods.comixup.grid_cut`.
 """
