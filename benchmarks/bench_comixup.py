@@ -79,15 +79,16 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def step_times(model_cfg: dict, shape: tuple, repeats: int) -> tuple[float, float]:
-    """(vanilla, Co-Mixup) seconds per SGD step of batch 100: forward, loss, backward, update."""
+def step_times(model_cfg: dict, shape: tuple, repeats: int, **options) -> tuple[float, float]:
+    """(vanilla, Co-Mixup) seconds per SGD step of batch 100: forward, loss, backward, update; `options`
+    of `CoMixupConfig` (workers, lag)."""
     torch.manual_seed(0)
     model = build_model(OmegaConf.create(model_cfg), shape, 10)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.rand(B, *shape)
     y = torch.nn.functional.one_hot(torch.arange(B) % 10, 10).float()
     ctx = RunContext(torch.device("cpu"), Path("."), tracker=None)
-    hooks = MixupHooks(to_node(CoMixupConfig(preview=False)), 10, ctx=ctx, seed=0)
+    hooks = MixupHooks(to_node(CoMixupConfig(preview=False, **options)), 10, ctx=ctx, seed=0)
 
     def vanilla():
         loss = torch.nn.functional.cross_entropy(model(x), y.argmax(1))
@@ -102,8 +103,12 @@ def step_times(model_cfg: dict, shape: tuple, repeats: int) -> tuple[float, floa
         loss.backward()
         opt.step()
 
-    vanilla(), co_mixup()  # warm-up
-    return best_of(vanilla, repeats), best_of(co_mixup, repeats)
+    vanilla(), co_mixup()  # warm-up (and, with lag, the first step: clean, nothing solved yet)
+    try:
+        return best_of(vanilla, repeats), best_of(co_mixup, repeats)
+    finally:
+        if hooks.pool is not None:
+            hooks.pool.close()
 
 
 def host_work(repeats: int = 3) -> dict:
@@ -263,7 +268,9 @@ def main() -> bool:
         puzzle = {
             g: best_of(lambda g=g: puzzle_mix(x, y, s, grid=g, t_size=4, rng=0), 3) for g in (2, 4, 8, 16)
         }
-        cnn_vanilla, cnn_comix = step_times({"name": "cnn", "channels": [16, 32, 64]}, (1, 24, 24), 5)
+        cnn = {"name": "cnn", "channels": [16, 32, 64]}, (1, 24, 24)
+        cnn_vanilla, cnn_comix = step_times(*cnn, 5)
+        pooled = {lag: step_times(*cnn, 5, workers=1, lag=lag)[1] for lag in (False, True)}
         resnet_vanilla, resnet_comix = step_times({"name": "preactresnet18"}, (3, 32, 32), 1)
         host = host_work()
     finally:
@@ -284,6 +291,9 @@ def main() -> bool:
     for name, v, c in (("cnn 16-32-64, 1x24x24", cnn_vanilla, cnn_comix),
                        ("preactresnet18, 3x32x32", resnet_vanilla, resnet_comix)):  # fmt: skip
         print(f"  {name:28s} vanilla {v * 1e3:8.1f} ms   co-mixup {c * 1e3:8.1f} ms   overhead x{c / v:.2f}")
+    before, after = pooled[False] / cnn_vanilla, pooled[True] / cnn_vanilla
+    print(f"  {'cnn, cuts in 1 worker':28s} co-mixup {pooled[False] * 1e3:8.1f} ms   with method.lag "
+          f"{pooled[True] * 1e3:.1f} ms (x{before:.2f} -> x{after:.2f}: the cuts run through the next step)")
     print(f"Co-Mixup's host work per ImageNet-preset batch ({host['batch']} x {C} x {host['size']} x "
           f"{host['size']}, {host['grid']}x{host['grid']} grid, {host['partitions']} partitions of <= "
           f"{host['part']}; CPU s, min of 3):")  # fmt: skip

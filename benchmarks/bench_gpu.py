@@ -9,8 +9,8 @@ peak and reserved GPU memory, the method's share of the epoch's training time (i
 batch transform, e.g. CSOT's selection and Co-Mixup's mixing; hashing: the min-cost flow), host-device
 syncs per training step (CUDA: `torch.cuda.set_sync_debug_mode("warn")` warnings; CPU: the
 `runner.device_tracking` harness), and the step time over the baseline's. On CUDA also: the targets
-(`TARGETS`), fp32 against bf16 and torch.compile for `--variants` (default `VARIANT_PRESETS`), and DDP
-scaling when several GPUs are visible (torchrun).
+(`TARGETS`), fp32 against bf16, torch.compile and Co-Mixup's `method.lag` for `--variants` (default
+`VARIANT_PRESETS`), and DDP scaling when several GPUs are visible (torchrun).
 
 The runs share this process (`runner.cli.main`, no import per run), each in its own run dir. On CUDA the
 table and a JSON record go to benchmarks/results/<gpu>-<torch>-<commit>.{md,json}; without CUDA (and
@@ -74,7 +74,9 @@ STEPS = 50
 TARGETS = {"comixup_": ("step", 2.2), "dbot_": ("step", 1.2), "hier_hash_": ("step", 1.2),
            "csot_": ("allocation", 0.1)}  # fmt: skip
 VARIANT_PRESETS = ("comixup_cifar100_preactresnet18", "comixup_imagenet")
-VARIANTS = {"bf16": ["hardware.precision=bf16"], "compile": ["hardware.compile=true"]}
+VARIANTS = {"bf16": ["hardware.precision=bf16"], "compile": ["hardware.compile=true"],
+            "lag": ["method.lag=true"]}  # fmt: skip
+METHOD_VARIANTS = {"lag"}  # options of the method (Co-Mixup's cuts through the next step), not its baseline's
 DDP_PRESET = "comixup_imagenet"  # its batch of 448 splits over 2, 4 or 8 GPUs
 # In-process runs: no Hydra files or logging set-up of their own (a run's output goes to its log).
 LOG_TAIL = 40  # lines of a failed run's log kept in the record
@@ -386,6 +388,9 @@ def variants(rows: list[Row], tmp: Path) -> tuple[list[str], list[dict]]:
     for row in rows:
         cells = [row.preset, row.method, _fmt(row.result.get("step_ms"), ".1f")]
         for variant, extra in VARIANTS.items():
+            if variant in METHOD_VARIANTS and row.baseline is None:
+                cells.append("n/a (a method option)")
+                continue
             twin = dataclasses.replace(row, result={})
             run_rows([twin], tmp, tuple(extra))
             records.append({"key": row.key, "variant": variant, **twin.result})

@@ -299,7 +299,7 @@ def test_cuts_with_forbidden_labels_and_large_terms_run_and_stay_near_brute_forc
         (np.full((2, 2, 2), np.nan), 1 - np.eye(2), 1.0, "gco_swap", "NaN or -inf"),
         (np.full((2, 2, 2), np.inf), 1 - np.eye(2), 1.0, "gco_swap", r"site \(0, 0\) .* forbids all 2"),
         (np.zeros((2, 2, 3)), np.ones((3, 3)), 1.0, "gco_swap", "zero diagonal"),
-        (np.zeros((2, 2, 3)), np.subtract.outer(np.arange(3.0), np.arange(3.0)) ** 2, 1.0, "gco_expansion", "metric"),
+        (np.zeros((2, 2, 3)), np.subtract.outer(*[np.arange(3.0)] * 2) ** 2, 1.0, "gco_expansion", "metric"),
         (np.zeros((2, 2, 2)), 1 - np.eye(2), -0.5, "gco_swap", "got -0.5"),
         (np.zeros((1, 2, 2, 2)), 1 - np.eye(2), np.ones((1, 3)), "gco_swap", r"\(1, 4\)"),
         (np.zeros((2, 2)), 1 - np.eye(2), 1.0, "gco_swap", "expected"),
@@ -517,6 +517,37 @@ def test_pool_step_gives_the_in_process_step_exactly(overlap):
     finally:
         hooks1.pool.close()
     assert hooks_step(workers=-1)[4].workers == 0  # auto on the CPU: in-process
+
+
+def test_lag_trains_each_batch_on_its_mix_one_step_later():
+    """With lag, step t trains on batch t-1's mix (the pool's, from step t-1's saliency), solved while step t
+    ran its clean pass; the first step trains on its clean batch. Auto workers start a pool on the CPU."""
+    from runner.configs.classify import CoMixupConfig
+    from runner.hooks.mixup import MixupHooks
+    from runner.schema import ConfigError, to_node
+
+    def hooks(lag, workers=1):
+        cfg = to_node(CoMixupConfig(grid=2, part=4, preview=False, lag=lag))
+        cfg.workers = workers
+        return MixupHooks(cfg, 5, RunContext(torch.device("cpu"), ROOT, tracker=None), seed=3)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(5))
+    batches = [batch(seed, 9, size=8)[:2] for seed in (3, 4, 5)]
+    plain, lagged = hooks(False), hooks(True, workers=-1)
+    try:
+        expected = [plain.transform(x, y, None, model) for x, y in batches]
+        got = [lagged.transform(x, y, None, model) for x, y in batches]
+        assert lagged.workers >= 1 and lagged.pool is not None
+    finally:
+        plain.pool.close()
+        lagged.pool.close()
+    assert torch.equal(got[0][0], batches[0][0]) and torch.equal(got[0][1], batches[0][1])
+    for t in (1, 2):
+        assert not torch.equal(got[t][0], batches[t - 1][0])  # mixed
+        assert torch.equal(got[t][0], expected[t - 1][0]) and torch.equal(got[t][1], expected[t - 1][1])
+    with pytest.raises(ConfigError, match="method.lag=true solves in worker processes"):
+        CoMixupConfig(lag=True, workers=0)
 
 
 def test_auto_workers_one_per_partition_up_to_the_cores(monkeypatch):

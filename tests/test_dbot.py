@@ -326,7 +326,8 @@ def test_half_precision_loss_normalises_a_large_count_prior():
         full = dbot_loss(logits, labels, counts, mode=mode)
         half = dbot_loss(logits.half(), labels, counts, mode=mode)
         assert torch.isfinite(half) and half.item() == pytest.approx(full.item(), rel=1e-2)
-    assert dbot_loss(logits, labels, counts, n_sweeps=np.int64(2)) == dbot_loss(logits, labels, counts, n_sweeps=2)
+    two = dbot_loss(logits, labels, counts, n_sweeps=2)
+    assert dbot_loss(logits, labels, counts, n_sweeps=np.int64(2)) == two
     cost, a, b_low, b_up = random_problem(0)
     np.testing.assert_array_equal(dbot(cost, a, b_low, b_up, np.int64(1)), dbot(cost, a, b_low, b_up, 1.0))
 

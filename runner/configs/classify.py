@@ -96,10 +96,13 @@ class CoMixupConfig(InputMixupConfig):
     set_resolve: bool = True
     mixed_labels: bool = True  # half/half blends of two inputs from the second sweep
     solver: Literal[SOLVERS] = "gco_swap"
-    workers: int = -1  # -1: auto (CUDA: a process per partition up to the cores; CPU: in-process)
+    workers: int = -1  # -1: auto (CUDA, or lag: a process per partition up to the cores; CPU: in-process)
     # with workers: take the clean weight gradient while they solve (the activation gradients are computed
     # twice); false: one clean backward, then the solve (faster where the solve is shorter than that repeat)
     overlap: bool = True
+    # true: a batch's cuts are solved during the next step, which trains on that batch's mix (the masks from
+    # saliency one weight update old; a deviation from the paper). The first step trains on its clean batch.
+    lag: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -109,6 +112,10 @@ class CoMixupConfig(InputMixupConfig):
         check_range("method.part", self.part, 2)
         check_range("method.n_iter", self.n_iter, 1)
         check_range("method.workers", self.workers, -1)
+        if self.lag and self.workers == 0:
+            raise ConfigError(
+                "method.lag=true solves in worker processes: set method.workers to -1 (auto) or >= 1"
+            )
         if self.solver == "gco_expansion" and self.mixed_labels:  # else it fails at the first batch
             raise ConfigError(
                 "method.solver='gco_expansion' needs method.mixed_labels=false: "

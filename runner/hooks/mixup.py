@@ -10,7 +10,8 @@ One step, as in the Co-Mixup / Puzzle Mix code:
    eval-mode pass and no weight gradient is kept.
 2. mix the batch under no_grad. Co-Mixup with a `ComixupPool` (and `overlap`) splits the backward of
    step 1: the input gradient first, the partitions go to the workers, and the weight gradient is taken
-   while they solve (the same numbers as one backward; the activation gradients are computed twice);
+   while they solve (the same numbers as one backward; the activation gradients are computed twice).
+   With `lag` the workers solve through the next step instead, which trains on this batch's mix;
 3. loss on the mixed batch: soft-target CE, or BCE(softmax(logits), y~) averaged over B*K (`bce`,
    the authors' choice), plus the clean term.
 """
@@ -62,9 +63,11 @@ class MixupHooks:
     normalize: the data's per-channel (mean, std), so that raw pixels are x * std + mean (Puzzle Mix's
     seam cost and adversarial noise live in raw pixels); None when x is raw.
     Co-Mixup's `workers`: 0 solves in-process, n > 0 in a pool of n processes, -1 (auto) one process
-    per partition of the first batch up to this rank's share of the CPU cores on an accelerator
-    (`auto_workers`), in-process on the CPU (there the weight backward would take the cores the
-    solvers need).
+    per partition of the first batch up to this rank's share of the CPU cores on an accelerator or with
+    `lag` (`auto_workers`), in-process on the CPU otherwise (there the weight backward would take the
+    cores the solvers need). With `lag`, `transform` returns the previous batch's mix, whose cuts the
+    workers solved during this step's clean pass; the first step of a run (and of a resumed one) returns
+    its clean batch.
     """
 
     mid_epoch_resume = True  # on_epoch_start only arms the preview; the rng is in state_dict
@@ -82,6 +85,7 @@ class MixupHooks:
         self.pool = None  # started at the first batch (auto workers need its size)
         self._clean = None  # (loss value, [(param, grad)]) of the current step's clean pass
         self._deferred = None  # (clean loss, params) whose weight gradient is still to take
+        self._lagged = None  # with lag: the previous batch's pending mix
         self._adv = None  # Puzzle Mix's adversarial option: (noise in raw pixels, (mask x, mask partner))
         self._preview = False
 
@@ -91,7 +95,8 @@ class MixupHooks:
 
     def transform(self, x, y_soft, idx, model):
         pool = self._comixup_pool(x)
-        overlap = pool is not None and self.cfg.overlap
+        lag = pool is not None and self.cfg.lag
+        overlap = pool is not None and self.cfg.overlap and not lag
         saliency_maps = self._clean_pass(model, x, y_soft, defer_weights=overlap)
         if pool is None:
             with torch.no_grad():
@@ -100,9 +105,11 @@ class MixupHooks:
             with torch.no_grad():
                 options = self._comixup_options()
                 pending = pool.submit(x, y_soft, saliency_maps, rng=self.rng, with_masks=False, **options)
+            if lag:  # this batch's cuts run through the next step; this one trains on the previous mix
+                pending, self._lagged = self._lagged, pending
             self._weight_backward()  # a deferred one (overlap): on the device while the workers solve
             with torch.no_grad():
-                x_mix, y_mix = pending.result()
+                x_mix, y_mix = (x, y_soft) if pending is None else pending.result()
             y_mix = y_mix.to(y_soft.dtype)
         if self._preview:
             self._preview = False
@@ -127,7 +134,8 @@ class MixupHooks:
     def _comixup_pool(self, x):
         """The Co-Mixup worker pool, or None to solve in-process (see the class docstring)."""
         if self.workers == -1:
-            self.workers = auto_workers(len(x), self.cfg.part) if self.ctx.accelerator else 0
+            wanted = self.ctx.accelerator or self.cfg.lag
+            self.workers = auto_workers(len(x), self.cfg.part) if wanted else 0
         if self.workers > 0 and self.pool is None:
             self.pool = ComixupPool(self.workers)
         return self.pool

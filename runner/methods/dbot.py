@@ -649,7 +649,7 @@ def weighted_focal_loss(logits, target, gamma: float = 0.0, weight=None):
     here, as the focal baseline of the long-tail task, to the softmax).
     """
     log_p = torch.log_softmax(logits, dim=1).gather(1, target[:, None])[:, 0]
-    # 1 - p floored at the smallest normal: at p = 1 (a large margin) the gradient of x^gamma, gamma < 1, is inf
+    # 1 - p floored at the smallest normal: at p = 1 (a large margin) x^gamma's gradient is inf for gamma < 1
     focal = (1.0 - log_p.exp()).clamp(min=torch.finfo(log_p.dtype).tiny) ** gamma if gamma else None
     per_sample = -focal * log_p if gamma else -log_p
     if weight is None:

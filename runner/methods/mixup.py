@@ -349,8 +349,8 @@ def puzzle_mix(
         raise ValueError(f"n_labels={n_labels}: must be an integer >= 2")
     if method == "gco_expansion" and n_labels > 2:
         raise ValueError(
-            f"method='gco_expansion' needs n_labels=2 (got {n_labels}): the squared costs of more mask levels "
-            "are not a metric, and gco aborts the process on a non-metric expansion"
+            f"method='gco_expansion' needs n_labels=2 (got {n_labels}): the squared costs of more mask "
+            "levels are not a metric, and gco aborts the process on a non-metric expansion"
         )
     if grid == -1:
         choices = [c for c in RANDOM_GRIDS if H % c == 0 and W % c == 0]
