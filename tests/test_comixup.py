@@ -520,13 +520,14 @@ def test_pool_step_gives_the_in_process_step_exactly(overlap):
 
 
 def test_lag_trains_each_batch_on_its_mix_one_step_later():
-    """With lag, step t trains on batch t-1's mix (the pool's, from step t-1's saliency), solved while step t
-    ran its clean pass; the first step trains on its clean batch. Auto workers start a pool on the CPU."""
+    """With lag, step t trains on batch t-1's mix (from step t-1's saliency; the in-process one, which the
+    pool's equals), solved while step t ran its clean pass; the first step trains on its clean batch. Auto
+    workers start a pool for it on the CPU."""
     from runner.configs.classify import CoMixupConfig
     from runner.hooks.mixup import MixupHooks
     from runner.schema import ConfigError, to_node
 
-    def hooks(lag, workers=1):
+    def hooks(lag, workers):
         cfg = to_node(CoMixupConfig(grid=2, part=4, preview=False, lag=lag))
         cfg.workers = workers
         return MixupHooks(cfg, 5, RunContext(torch.device("cpu"), ROOT, tracker=None), seed=3)
@@ -534,13 +535,12 @@ def test_lag_trains_each_batch_on_its_mix_one_step_later():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(5))
     batches = [batch(seed, 9, size=8)[:2] for seed in (3, 4, 5)]
-    plain, lagged = hooks(False), hooks(True, workers=-1)
+    plain, lagged = hooks(False, workers=0), hooks(True, workers=-1)
+    expected = [plain.transform(x, y, None, model) for x, y in batches]
     try:
-        expected = [plain.transform(x, y, None, model) for x, y in batches]
         got = [lagged.transform(x, y, None, model) for x, y in batches]
         assert lagged.workers >= 1 and lagged.pool is not None
     finally:
-        plain.pool.close()
         lagged.pool.close()
     assert torch.equal(got[0][0], batches[0][0]) and torch.equal(got[0][1], batches[0][1])
     for t in (1, 2):
