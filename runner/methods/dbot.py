@@ -259,7 +259,7 @@ def _solve_bregman(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every, dy
     row_sums = plan.sum(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         for n_iter in range(1, max_iter + 1):
-            plan *= (a / row_sums)[:, None]
+            plan *= nx.where(a > 0, a / row_sums, 0.0)[:, None]  # a row of no mass stays 0 (not 0/0)
             col_sums = plan.sum(axis=0)
             # Both column projections only rescale columns: track the sums and scale P once.
             column_scale = nx.ones(n, type_as=cost)
