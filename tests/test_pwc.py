@@ -351,6 +351,10 @@ def test_entropic_epsilon_is_absolute_by_default(monkeypatch):
     pw_empty = cover(X_app, X_dev, 0, "ctrans").pw[0]
     cover(X_app, X_dev, 1, "entropic", reg=0.5, reg_relative=True, max_iter=200)
     assert used == [pytest.approx(0.5 * pw_empty)]
+    used.clear()
+    same = np.ones((5, 2))  # every point the same: PW({}) = 0 and every cost 0, so reg = 0.5 x 1
+    assert cover(same, same, 2, "entropic", reg=0.5, reg_relative=True).pw.tolist() == [0.0, 0.0, 0.0]
+    assert used == [0.5, 0.5]
 
 
 def test_entropy_baseline_takes_the_highest_scores():

@@ -348,8 +348,8 @@ def _entropic_scores(problem, selected, opts):
     down by up to 100x here.
     """
     eps = opts["reg"]
-    if opts["reg_relative"]:  # PW({}) = 0: nothing to cover, any scale will do
-        eps *= problem.pw([]) or problem.cost.mean()
+    if opts["reg_relative"]:  # PW({}) = 0: nothing to cover, any scale will do (all costs 0: 1)
+        eps *= problem.pw([]) or problem.cost.mean() or 1.0
     g = entropic_partial_wasserstein_dual(
         problem.cost,
         problem.a,
