@@ -498,6 +498,17 @@ def test_budget_takes_numpy_and_torch_scalars_and_empty_or_negative_input_is_nam
         curriculum_budget(-1, 10, 80)
     with pytest.raises(ValueError, match="no samples"):
         allocate(probs[:0], features[:0], labels[:0], 0.5)
+    with pytest.raises(ValueError, match="reg=inf: must be a finite number"):  # a NaN plan before
+        csot_plan(probs, features, labels, 0.5, reg=np.inf)
+    with pytest.raises(ValueError, match="anderson=-1"):
+        csot_plan(probs, features, labels, 0.5, anderson=-1)
+    cost, rows, cols = (torch.from_numpy(v)[None] for v in (-np.log(probs), *marginals(*probs.shape, 0.5)))
+    for kwargs, match in ((dict(reg=0.0), "reg=0.0"), (dict(reg=0.1, check_every=0), "check_every=0"),
+                          (dict(reg=0.1, anderson=-1), "anderson=-1")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            batched_curriculum_ot(cost, rows, cols, **kwargs)
+    with pytest.raises(ValueError, match=r"expected \(P, B, C\)"):
+        batched_curriculum_ot(cost[0], rows, cols, 0.1)
 
 
 def test_bad_input_raises_value_error():

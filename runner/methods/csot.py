@@ -104,8 +104,13 @@ def _check_budget(m):
 
 
 def _check_positive(value, name):
-    if not value > 0:
-        raise ValueError(f"{name}={value}: must be > 0")
+    if not 0 < value < math.inf:
+        raise ValueError(f"{name}={value}: must be a finite number > 0")
+
+
+def _check_memory(anderson):
+    if not (isinstance(anderson, (int, np.integer)) and not isinstance(anderson, bool) and anderson >= 0):
+        raise ValueError(f"anderson={anderson}: must be an integer >= 0")
 
 
 def _check_iters(value, name):
@@ -207,8 +212,7 @@ def curriculum_ot(cost, row_cap, col_mass, reg, max_iter=100, tol=1e-9, anderson
         )
     _check_positive(reg, "reg")
     _check_iters(max_iter, "max_iter")
-    if not (isinstance(anderson, (int, np.integer)) and anderson >= 0):
-        raise ValueError(f"anderson={anderson}: must be an integer >= 0")
+    _check_memory(anderson)
 
     plan, info = _curriculum_ot(nx, cost, row_cap, col_mass, reg, max_iter, tol, anderson, g_init)
     info = convergence_log("curriculum_ot", tol=tol, **info)
@@ -584,6 +588,7 @@ def csot_plan(
             raise ValueError(f"{name}={kappa}: must be >= 0")
     _check_iters(max_iter, "max_iter")
     _check_iters(inner_max_iter, "inner_max_iter")
+    _check_memory(anderson)
     if (kappa_p or kappa_l) and features is None:
         raise ValueError("features are required when kappa_p or kappa_l > 0")
 
@@ -887,6 +892,13 @@ def batched_curriculum_ot(
     ``g_init`` (P, C) warm-starts; ``frozen`` (P,) bool: problems left alone (plan 0, ``n_iter`` 0).
     Returns (plan (P, B, C), {``n_iter``, ``err``, ``converged``: (P,) tensors, ``f`` (P, B), ``g`` (P, C)}).
     """
+    if cost.ndim != 3 or row_cap.shape != cost.shape[:2] or col_mass.shape != (cost.shape[0], cost.shape[2]):
+        raise ValueError(f"cost {tuple(cost.shape)}, row_cap {tuple(row_cap.shape)}, col_mass "
+                         f"{tuple(col_mass.shape)}: expected (P, B, C), (P, B) and (P, C)")  # fmt: skip
+    _check_positive(reg, "reg")
+    _check_iters(max_iter, "max_iter")
+    _check_iters(check_every, "check_every")
+    _check_memory(anderson)
     n_problems, device = cost.shape[0], cost.device
     neg_cost = -cost / reg
     log_a, log_b, rows = torch.log(row_cap), torch.log(col_mass), row_cap > 0
@@ -1059,6 +1071,7 @@ def batched_csot_plan(
     for name, value in (("max_iter", max_iter), ("inner_max_iter", inner_max_iter)):
         _check_iters(value, name)
     _check_iters(check_every, "check_every")
+    _check_memory(anderson)
     if (kappa_p or kappa_l) and features is None:
         raise ValueError("features are required when kappa_p or kappa_l > 0")
     n_chunks, n_rows, n_cols = probs.shape
