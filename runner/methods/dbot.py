@@ -649,9 +649,9 @@ def weighted_focal_loss(logits, target, gamma: float = 0.0, weight=None):
     here, as the focal baseline of the long-tail task, to the softmax).
     """
     log_p = torch.log_softmax(logits, dim=1).gather(1, target[:, None])[:, 0]
-    # 1 - p floored at the smallest normal: at p = 1 (a large margin) x^gamma's gradient is inf for gamma < 1
-    focal = (1.0 - log_p.exp()).clamp(min=torch.finfo(log_p.dtype).tiny) ** gamma if gamma else None
-    per_sample = -focal * log_p if gamma else -log_p
+    per_sample = -log_p
+    if gamma:  # 1 - p floored at the smallest normal: at p = 1, x^gamma's gradient is inf for gamma < 1
+        per_sample = -((1.0 - log_p.exp()).clamp(min=torch.finfo(log_p.dtype).tiny) ** gamma) * log_p
     if weight is None:
         return per_sample.mean()
     w = torch.as_tensor(weight, dtype=logits.dtype, device=logits.device)[target]

@@ -465,6 +465,11 @@ def _levels(activations, d, k) -> np.ndarray:
     return activations.reshape(len(activations), k, d)
 
 
+def _ranks(activations, d, k) -> np.ndarray:
+    """(N, k, d): at each level, the activation indices from the largest down (ties to the lower index)."""
+    return np.argsort(-_levels(activations, d, k), axis=2, kind="stable")
+
+
 def encode_buckets(digits, d) -> np.ndarray:
     """Bucket id of a tree path: Horner in base d, level 1 most significant. digits (..., k)."""
     digits = np.asarray(digits, dtype=np.int64)
@@ -489,7 +494,7 @@ def probe_buckets(activations, d, k, start, stop) -> np.ndarray:
     """
     if d**k > np.iinfo(np.int64).max:
         raise ValueError(f"d={d}, k={k}: d**k = {d**k} buckets have no int64 ids; lower d or k")
-    ranks = np.argsort(-_levels(activations, d, k), axis=2, kind="stable")  # (N, k, d)
+    ranks = _ranks(activations, d, k)
     digits = decode_buckets(np.arange(start, stop), d, k)  # (P, k)
     path = np.stack([ranks[:, level, digits[:, level]] for level in range(k)], axis=-1)  # (N, P, k)
     return encode_buckets(path, d)
@@ -545,6 +550,7 @@ class HashIndex:
         order = np.argsort(flat, kind="stable")
         self.items = order // ks  # item ids grouped by bucket, ascending within a bucket
         self.keys, self.starts = np.unique(flat[order], return_index=True)
+        self.key_paths = decode_buckets(self.keys, d, k)  # (used buckets, k): ranked by `_used_from`
         self.ends = np.r_[self.starts[1:], len(flat)]
         # (used bucket, item) incidence: a query's candidates are one sparse product away
         rows = np.repeat(np.arange(len(self.keys)), self.ends - self.starts)
@@ -609,10 +615,10 @@ class HashIndex:
         """Item arrays of the buckets in use whose probe index for this query is >= start, in probe order.
         A bucket's probe index is its path's rank at each level, in base d: the inverse of
         ``probe_buckets``, so that d**k probes need not be enumerated."""
-        ranks = np.argsort(-_levels(activation, self.d, self.k), axis=2, kind="stable")[0]  # (k, d)
+        ranks = _ranks(activation, self.d, self.k)[0]  # (k, d)
         rank_of = np.empty_like(ranks)
         rank_of[np.arange(self.k)[:, None], ranks] = np.arange(self.d)
-        probe = encode_buckets(rank_of[np.arange(self.k), decode_buckets(self.keys, self.d, self.k)], self.d)
+        probe = encode_buckets(rank_of[np.arange(self.k), self.key_paths], self.d)
         order = np.argsort(probe, kind="stable")
         return [self.items[self.starts[p] : self.ends[p]] for p in order[probe[order] >= start]]
 
