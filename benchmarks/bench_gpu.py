@@ -19,6 +19,7 @@ without --smoke) it prints one line and measures nothing.
     make bench-gpu                          # CUDA: every row, the targets, the variants, DDP
     make bench-gpu ARGS=--smoke             # every row for 2 steps (tests/test_bench_gpu.py runs it)
     python -m benchmarks.bench_gpu [--smoke] [--steps N] [--only SUBSTRING ...] [--variants PRESET ...]
+                                   [--kinds bf16 compile lag]
                                    [--out DIR]
 
 `--smoke` runs every row for one step per epoch at a batch of 10 on 32-px images of 10 classes (the
@@ -378,16 +379,17 @@ def targets(rows: list[Row], by_key: dict[str, Row]) -> list[tuple[str, bool]]:
     return out
 
 
-def variants(rows: list[Row], tmp: Path) -> tuple[list[str], list[dict]]:
-    """fp32 against `VARIANTS` (bf16, torch.compile) for `rows`: table lines and records (ms/step,
-    speed-up over fp32 eager)."""
-    head = ["preset", "method", "fp32 ms/step", *(f"{v} ms/step (speed-up)" for v in VARIANTS)]
+def variants(rows: list[Row], tmp: Path, kinds=tuple(VARIANTS)) -> tuple[list[str], list[dict]]:
+    """fp32 against the `kinds` of `VARIANTS` (bf16, torch.compile, lag) for `rows`: table lines and
+    records (ms/step, speed-up over fp32 eager)."""
+    head = ["preset", "method", "fp32 ms/step", *(f"{v} ms/step (speed-up)" for v in kinds)]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     print("\n".join(lines), flush=True)
     records = []
     for row in rows:
         cells = [row.preset, row.method, _fmt(row.result.get("step_ms"), ".1f")]
-        for variant, extra in VARIANTS.items():
+        for variant in kinds:
+            extra = VARIANTS[variant]
             if variant in METHOD_VARIANTS and row.baseline is None:
                 cells.append("n/a (a method option)")
                 continue
@@ -466,6 +468,8 @@ def main(argv: list[str] | None = None) -> bool | None:
     parser.add_argument("--only", nargs="+", default=[], help="the presets whose name contains one of these")
     parser.add_argument("--variants", nargs="*", default=list(VARIANT_PRESETS), metavar="PRESET",
                         help="presets also run in bf16 and compiled (none: skip; default %(default)s)")
+    parser.add_argument("--kinds", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="the variants' columns (default: %(default)s)")
     parser.add_argument("--out", type=Path, help="where the record goes (default: results/, or a tmp dir)")
     opts = parser.parse_args([] if argv is None else argv)
     unknown = sorted(set(opts.variants) - set(PRESETS))
@@ -516,7 +520,7 @@ def main(argv: list[str] | None = None) -> bool | None:
             if full:
                 print()
                 chosen = [row for row in rows if row.preset in opts.variants]
-                variant_lines, variant_records = variants(chosen, Path(tmp))
+                variant_lines, variant_records = variants(chosen, Path(tmp), opts.kinds)
                 try:
                     ddp = ddp_scaling(rows, Path(tmp))
                 except Exception as e:  # the rows' record is written whatever happens here

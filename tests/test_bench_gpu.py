@@ -82,6 +82,23 @@ def test_variants_name_presets(bench, capsys):
     assert "--variants nope: not a preset" in capsys.readouterr().err
 
 
+def test_variants_run_only_the_kinds_asked_and_no_method_option_on_a_baseline(bench, tmp_path, monkeypatch):
+    ran = []
+
+    def run_rows(rows, tmp, extra):
+        ran.append(extra)
+        rows[0].result["step_ms"] = 5.0
+
+    monkeypatch.setattr(bench, "run_rows", run_rows)
+    base = bench.Row("p", "erm", [], 8, result={"step_ms": 4.0})
+    method = bench.Row("p", "comixup", [], 8, baseline=base.key, result={"step_ms": 10.0})
+    lines, records = bench.variants([base, method], tmp_path, ("lag",))
+    assert ran == [tuple(bench.VARIANTS["lag"])]
+    assert lines[0] == "| preset | method | fp32 ms/step | lag ms/step (speed-up) |"
+    assert lines[2:] == ["| p | erm | 4.0 | n/a (a method option) |", "| p | comixup | 10.0 | 5.0 (2.00x) |"]
+    assert records == [{"key": "p comixup", "variant": "lag", "step_ms": 5.0}]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's tracking harness")
 def test_a_run_the_tracking_harness_breaks_runs_again_without_it(bench, tmp_path, monkeypatch, capsys):
     @contextlib.contextmanager
