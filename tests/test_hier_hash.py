@@ -163,6 +163,56 @@ def test_bundle_caps_keep_the_full_network_optimum(method):
     assert grew >= 1  # one sibling group of 20 crowding bucket 0 needed larger bundles
 
 
+def test_siblings_never_share_holds_at_every_minimizer():
+    rng = np.random.default_rng(22)
+    separated = 0
+    for _ in range(300):
+        unary, s, _, beta, groups = random_instance(rng, max_classes=5)
+        groups = rng.integers(0, 2, len(unary)) if groups is None else groups
+        alpha = rng.uniform(0, 5)
+        never = hh.siblings_never_share(unary, s, alpha, beta, groups)
+        z, energy = every_assignment(unary, s, alpha, beta, groups)
+        minimizers = z[energy <= energy.min() + 1e-9]
+        for g in np.unique(groups)[never]:
+            assert minimizers[:, groups == g].sum(1).max() <= 1
+            separated += (groups == g).sum() >= 2
+    assert separated > 50  # 85 of these 300
+    # tight: two siblings preferring bucket 0 by 1 share it iff alpha < 1 - beta
+    unary, groups = np.array([[1.0, 0.0], [1.0, 0.0]]), np.array([0, 0])
+    for alpha, never in ((0.7 - 1e-9, False), (0.7 + 1e-9, True)):
+        assert hh.siblings_never_share(unary, 1, alpha, 0.3, groups).tolist() == [never]
+        z, energy = every_assignment(unary, 1, alpha, 0.3, groups)
+        assert (z[energy.argmin()].sum(0).max() == 1) == never
+
+
+@pytest.mark.parametrize("method", hh.SOLVERS)
+@pytest.mark.parametrize("guess", ["likely", "nowhere"])
+def test_lazy_sibling_nodes_keep_the_full_network_optimum(method, guess, monkeypatch):
+    """assign_codes makes the nodes b_{r,q} of separated siblings only where they are likely to meet (or
+    nowhere), and all of them once siblings meet elsewhere: the optimum is the full network's either way."""
+    if guess == "nowhere":
+        monkeypatch.setattr(
+            hh, "_likely_shared", lambda unary, group_of, n, top: np.zeros((n, unary.shape[1]), bool)
+        )
+    rng = np.random.default_rng(23)
+    smaller = resolved = 0
+    for _ in range(40):
+        nc, d, s = 12, 10, int(rng.integers(1, 3))
+        groups = rng.integers(0, 5, nc)
+        unary = rng.normal(size=(5, d))[groups] + 0.3 * rng.normal(size=(nc, d))  # siblings alike
+        alpha, beta = rng.choice([0.5, 5.0, 50.0]), rng.choice([0.1, 1.0])
+        z, log = hh.assign_codes(unary, s, alpha, beta, groups, method=method, log=True)
+        assert hh.code_energy(z, unary, alpha, beta, groups) == pytest.approx(
+            full_network_optimum(unary, s, alpha, beta, groups), abs=1e-6
+        )
+        smaller += log["network"].n_nodes < hh.flow_network(unary, s, alpha, beta, groups).n_nodes
+        resolved += log["n_iter"] > 1
+    if guess == "likely":
+        assert smaller >= 10 and resolved <= 2  # mostly one solve, on fewer nodes
+    else:
+        assert resolved >= 10  # siblings met outside the pairs: all pairs joined for a second solve
+
+
 @pytest.mark.parametrize("method", hh.SOLVERS)
 def test_no_penalty_gives_top_s(method):
     rng = np.random.default_rng(3)
