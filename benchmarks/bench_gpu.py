@@ -381,7 +381,9 @@ def targets(rows: list[Row], by_key: dict[str, Row]) -> list[tuple[str, bool]]:
 
 def variants(rows: list[Row], tmp: Path, kinds=tuple(VARIANTS)) -> tuple[list[str], list[dict]]:
     """fp32 against the `kinds` of `VARIANTS` (bf16, torch.compile, lag) for `rows`: table lines and
-    records (ms/step, speed-up over fp32 eager)."""
+    records (ms/step, speed-up over fp32 eager); no table without rows."""
+    if not rows:
+        return [], []
     head = ["preset", "method", "fp32 ms/step", *(f"{v} ms/step (speed-up)" for v in kinds)]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     print("\n".join(lines), flush=True)
@@ -525,7 +527,7 @@ def main(argv: list[str] | None = None) -> bool | None:
                     ddp = ddp_scaling(rows, Path(tmp))
                 except Exception as e:  # the rows' record is written whatever happens here
                     ddp = f"DDP scaling: error: {_one_line(e)}"
-                extra = ["", *variant_lines, "", ddp]
+                extra = ["", *variant_lines, "", ddp] if variant_lines else ["", ddp]
                 print(ddp)
     finally:
         torch.set_num_threads(threads)

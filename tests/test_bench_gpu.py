@@ -97,6 +97,7 @@ def test_variants_run_only_the_kinds_asked_and_no_method_option_on_a_baseline(be
     assert lines[0] == "| preset | method | fp32 ms/step | lag ms/step (speed-up) |"
     assert lines[2:] == ["| p | erm | 4.0 | n/a (a method option) |", "| p | comixup | 10.0 | 5.0 (2.00x) |"]
     assert records == [{"key": "p comixup", "variant": "lag", "step_ms": 5.0}]
+    assert bench.variants([], tmp_path, ("lag",)) == ([], [])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's tracking harness")
