@@ -277,7 +277,8 @@ metric = np.abs(np.subtract.outer(np.arange(3.0), np.arange(3.0)))  # 0.37 x: ri
 for w in (5e-7, 1e-6, 1e9):
     grid_cut(rng.normal(size=(3, 3, 3)), 0.37 * metric, w, "gco_expansion")
 assert grid_cut(np.array([[[0.0, np.inf]]]), 1 - np.eye(2), 1.0).tolist() == [[0]]  # one cell: no edges
-assert grid_cut(np.array([[[0.5, 0.2, 0.9]]]), 1 - np.eye(3), np.zeros((1, 0))).tolist() == [[1]]  # nor per edge
+no_edges = np.zeros((1, 0))  # per-edge weights of a one-cell grid
+assert grid_cut(np.array([[[0.5, 0.2, 0.9]]]), 1 - np.eye(3), no_edges).tolist() == [[1]]
 x = np.random.default_rng(1).random((23, 3, 8, 8)).astype(np.float32)
 y = np.eye(5, dtype=np.float32)[np.arange(23) % 5]
 s = np.random.default_rng(2).random((23, 8, 8)) ** 8  # peaked: inputs dominated, partitions of 8 and 7

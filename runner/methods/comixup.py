@@ -267,7 +267,7 @@ def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, sw
     if not uniform:
         q = next((q for q in range(1, 13) if np.allclose(pairwise * q, np.rint(pairwise * q))), None)
     lo, hi = unary.min(where=finite, initial=np.inf), unary.max(where=finite, initial=-np.inf)
-    smooth = (edge_weight if uniform else np.max(edge_weight, initial=0)) * pairwise.max()  # largest edge term
+    smooth = (edge_weight if uniform else np.max(edge_weight, initial=0)) * pairwise.max()  # largest edge
     bounds = {abs(lo): _GCO_DATA_TERM, abs(hi): _GCO_DATA_TERM, smooth: _GCO_CHECKED_TERM}
     if not swap:  # the forbidden cost below, with ample room for the rounding of its terms
         bounds[2 * hi - lo + 4 * smooth] = _GCO_CHECKED_TERM / 2
