@@ -92,9 +92,9 @@ _MAX_COST_SCALE = 1e12
 class FlowNetwork(NamedTuple):
     """Arc list of the network of Theorem 1.
 
-    Nodes: 0 = s, 1 = t, 2..nc+1 = a_p, then d bucket nodes b_q, then the nodes b_{r,q} row-major over
-    (r, q): d per sibling group of size >= 2 in ``flow_network``, fewer in those ``assign_codes`` solves.
-    Arcs in order: nc source arcs, nc*d unary arcs (row-major over (p, q)), sibling arcs, sink arcs.
+    Nodes: 0 = s, 1 = t, 2..nc+1 = a_p, then d bucket nodes b_q, then d nodes b_{r,q} per sibling
+    group of size >= 2. Arcs in order: nc source arcs, nc*d unary arcs (row-major over (p, q)),
+    sibling arcs, sink arcs.
     """
 
     tail: np.ndarray  # (n_arcs,) int
@@ -218,7 +218,7 @@ def _convex_arcs(tails, heads, counts, unit_cost):
 
 
 def flow_network(
-    unary, sparsity, alpha, beta, groups=None, load_factor=None, bucket_caps=None
+    unary, sparsity, alpha, beta, groups=None, load_factor=None, bucket_caps=None, sibling_caps=None
 ) -> FlowNetwork:
     """The min-cost-flow network whose optimum is the minimizer of ``code_energy``.
 
@@ -227,49 +227,40 @@ def flow_network(
     ``nc`` parallel ``b_q->t`` (1, j*beta), j < nc. Size: ``V = nc + d(1 + #groups) + 2``,
     ``E <= nc + 3*nc*d``. ``load_factor`` f keeps only the first ``bundle_cap(n, s, d, f)`` arcs
     of each bundle of n parallel arcs (higher loads become infeasible); None keeps all (Theorem 1).
-    ``bucket_caps`` (d,) sets the bucket bundles' arc counts instead (``b_q->t``, each at most nc).
+    ``bucket_caps`` (d,) sets the bucket bundles' arc counts instead (``b_q->t``, each at most nc), and
+    ``sibling_caps`` (n_groups,) those of the sibling bundles (``b_{r,q}->b_q``, groups in ``np.unique``
+    order).
     """
     unary, sparsity, alpha, beta, groups = _check_problem(unary, sparsity, alpha, beta, groups)
     nc, d = unary.shape
     if bucket_caps is None:
         bucket_caps = np.full(d, bundle_cap(nc, sparsity, d, load_factor))
     group_of, group_size = _sibling_groups(groups, nc)
-    sibling_pairs = np.repeat((group_size >= 2)[:, None], d, axis=1)
-    sibling_arcs = bundle_cap(group_size, sparsity, d, load_factor)
-    return _network(unary, sparsity, alpha, beta, group_of, sibling_pairs, sibling_arcs, bucket_caps)
+    if sibling_caps is None:
+        sibling_caps = bundle_cap(group_size, sparsity, d, load_factor)
+    sibling_groups = np.flatnonzero(group_size >= 2)
+    layer = np.full(len(group_size), -1)
+    layer[sibling_groups] = np.arange(len(sibling_groups))
 
-
-def _network(unary, sparsity, alpha, beta, group_of, sibling_pairs, sibling_arcs, bucket_caps):
-    """``flow_network`` with a node ``b_{r,q}`` only where ``sibling_pairs[r, q]`` (n_groups, d), after
-    the bucket nodes in row-major order, and ``sibling_arcs[r]`` parallel arcs ``b_{r,q} -> b_q``. The
-    classes of the other (group, bucket) pairs go straight to ``b_q``, free of their sibling penalty."""
-    nc, d = unary.shape
     a = 2 + np.arange(nc)
     b = 2 + nc + np.arange(d)
-    pair_group, pair_bucket = np.nonzero(sibling_pairs)
-    pair_node = np.full(sibling_pairs.shape, -1)
-    pair_node[pair_group, pair_bucket] = 2 + nc + d + np.arange(len(pair_group))
-    unary_head = np.where(sibling_pairs[group_of], pair_node[group_of], b)
+    b_group = 2 + nc + d + layer[:, None] * d + np.arange(d)  # (n_groups, d), valid where layer >= 0
+    unary_head = np.where((group_size[group_of] >= 2)[:, None], b_group[group_of], b[None, :])
     parts = [
         (np.zeros(nc, int), a, np.full(nc, sparsity), np.zeros(nc)),
         (np.repeat(a, d), unary_head.ravel(), np.ones(nc * d, int), -unary.ravel()),
-        _convex_arcs(pair_node[pair_group, pair_bucket], b[pair_bucket], sibling_arcs[pair_group], alpha),
+        _convex_arcs(
+            b_group[sibling_groups].ravel(),
+            np.tile(b, len(sibling_groups)),
+            np.repeat(sibling_caps[sibling_groups], d),
+            alpha,
+        ),
         _convex_arcs(b, np.ones(d, int), bucket_caps, beta),
     ]
     tail, head, capacity, cost = (np.concatenate(column) for column in zip(*parts))
-    supply = np.zeros(2 + nc + d + len(pair_group), dtype=np.int64)
+    supply = np.zeros(2 + nc + d * (1 + len(sibling_groups)), dtype=np.int64)
     supply[0], supply[1] = nc * sparsity, -nc * sparsity
     return FlowNetwork(tail.astype(np.int64), head.astype(np.int64), capacity.astype(np.int64), cost, supply)
-
-
-def _likely_shared(unary, group_of, n_groups, top) -> np.ndarray:
-    """(n_groups, d) bool: the buckets that two or more classes of a group rank among their ``top`` best.
-    With ``top = 3s + 1`` they held every bucket where separated siblings met in about 96% of CIFAR-sized
-    levels (64 classes, 32 buckets, synthetic trained-like unaries): one solve is the rule."""
-    d = unary.shape[1]
-    best = np.argpartition(-unary, top - 1, axis=1)[:, :top]  # (nc, top), in no order
-    votes = np.bincount((group_of[:, None] * d + best).ravel(), minlength=n_groups * d)
-    return votes.reshape(n_groups, d) >= 2
 
 
 def _auto_cost_scale(net: FlowNetwork) -> float:
@@ -366,11 +357,11 @@ def assign_codes(
         Default: the largest power of two that keeps OR-tools' arithmetic in int64 (<= 1e12).
     log : bool
         Also return a dict: ``n_iter`` (flow problems solved: the bundle caps double until no bundle
-        is full, and every sibling node joins once siblings meet without one), ``err`` (|flow cost
-        - E(z)|, the integer-cost rounding; 0 for ``highs``), ``converged`` (True: the solve is
-        exact), ``energy``, ``flow_cost`` (in energy units), ``flow`` (per arc), ``network`` (the
-        ``FlowNetwork`` last solved), ``load_factor`` (its sibling bundles' caps), ``bucket_caps``
-        (its bucket bundles' arcs, from ``bucket_load_bound``), ``cost_scale``.
+        is full), ``err`` (|flow cost - E(z)|, the integer-cost rounding; 0 for ``highs``),
+        ``converged`` (True: the solve is exact), ``energy``, ``flow_cost`` (in energy units),
+        ``flow`` (per arc), ``network`` (the ``FlowNetwork`` last solved), ``load_factor`` (the caps of
+        its sibling bundles that may share), ``bucket_caps`` (its bucket bundles' arcs, from
+        ``bucket_load_bound``), ``cost_scale``.
 
     Returns
     -------
@@ -393,37 +384,29 @@ def assign_codes(
     # Solve with few parallel arcs per bundle first: if no bundle is filled, the flow is also
     # optimal for the full network (a negative residual cycle enters b_q, or t, by one arc only,
     # and an unused kept arc of the same bundle costs no more). Else double the filled bundles. The
-    # buckets' bundles start one arc above their loads' bound, which no minimizer reaches. Groups that
-    # never share (``siblings_never_share``) keep one free arc per bundle: capacity 1 cuts no minimizer.
-    # Their nodes b_{r,q} start on the buckets where siblings are likely to meet; the other classes go
-    # straight to b_q, which drops those pairs' penalties (>= 0): a lower bound on the energy, exact at
-    # a flow where no siblings meet outside the pairs. Else every pair joins, for one more solve.
+    # buckets' bundles start one arc above their loads' bound, which no minimizer reaches. A sibling group
+    # that never shares a bucket (`siblings_never_share`) keeps one free arc per bundle: every minimizer
+    # is still a flow, and the arcs priced at alpha, which slow the solver most, are gone.
     if alpha == 0:
         groups = None  # without their penalty, siblings are classes like any other
     group_of, group_size = _sibling_groups(groups, nc)
-    has_siblings = (group_size >= 2)[:, None]
     bucket_caps = np.minimum(bucket_load_bound(unary, sparsity, beta, group_size.max()) + 1, nc)
     never_share = siblings_never_share(unary, sparsity, alpha, beta, groups)
-    likely = _likely_shared(unary, group_of, len(group_size), min(d, 3 * sparsity + 1))
-    sibling_pairs = likely | (has_siblings & ~never_share[:, None])
     load_factor, n_iter = 4, 0
     while True:
         n_iter += 1
-        group_cap = bundle_cap(group_size, sparsity, d, load_factor)
-        sibling_arcs = np.where(never_share, 1, group_cap)
-        net = _network(unary, sparsity, alpha, beta, group_of, sibling_pairs, sibling_arcs, bucket_caps)
+        group_cap = np.where(never_share, 1, bundle_cap(group_size, sparsity, d, load_factor))
+        net = flow_network(unary, sparsity, alpha, beta, groups, load_factor, bucket_caps, group_cap)
         flow, flow_cost, scale = _solve_flow(net, method, cost_scale)
         z = flow[nc : nc + nc * d].reshape(nc, d).astype(np.int64)
         group_load = np.zeros((len(group_size), d), dtype=np.int64)
         np.add.at(group_load, group_of, z)
         capped = ~never_share & (group_cap < group_size)
-        group_filled = (sibling_pairs & (group_load >= group_cap[:, None]) & capped[:, None]).any()
-        siblings_met = (~sibling_pairs & (group_load >= 2)).any()
+        group_filled = ((group_load >= group_cap[:, None]) & capped[:, None]).any()
         bucket_filled = (z.sum(0) >= bucket_caps) & (bucket_caps < nc)
-        if not group_filled and not siblings_met and not bucket_filled.any():
+        if not group_filled and not bucket_filled.any():
             break
         load_factor *= 1 + group_filled
-        sibling_pairs |= has_siblings & siblings_met
         bucket_caps = np.where(bucket_filled, np.minimum(2 * bucket_caps, nc), bucket_caps)
     if not log:
         return z
