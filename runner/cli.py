@@ -38,7 +38,16 @@ import runner.hardware  # noqa: F401  (registers the resolvers of hardware=auto)
 from runner import configs, rundir
 from runner.data.files import UnreadableImage
 from runner.faults import CheckpointError, Diverged, Interrupted
-from runner.schema import ConfigError, apply_debug, main_metric, task_module, to_node, validate
+from runner.schema import (
+    OPTION_SCHEMAS,
+    ConfigError,
+    apply_debug,
+    main_metric,
+    option_keys,
+    task_module,
+    to_node,
+    validate,
+)
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 configs.register()  # the method schemas: the base of each conf/method/*.yaml
@@ -120,15 +129,25 @@ _preset_note: str | None = None  # main's line on the preset it applied, the fir
 
 
 @functools.cache
+def _preset_file(name: str) -> tuple[dict, dict]:
+    """conf/experiment/NAME.yaml as (the group options it chooses, `override /model: mlp` -> {model: mlp};
+    its content); ({}, {}) for a preset that is not there ("none", or one of the user's config dir)."""
+    path = CONF_DIR / "experiment" / f"{name}.yaml"
+    content = (yaml.safe_load(path.read_text()) or {}) if path.is_file() else {}
+    chosen = {}
+    for entry in content.get("defaults", []):
+        if isinstance(entry, dict):
+            chosen.update({key.removeprefix("override /"): value for key, value in entry.items()})
+    return chosen, content
+
+
+@functools.cache
 def _presets() -> dict[str, tuple[str, str | None]]:
     """Each preset of conf/experiment that names a method: its method's task and its dataset (None: it
     keeps the default)."""
     presets = {}
     for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
-        chosen = {}
-        for entry in (yaml.safe_load(path.read_text()) or {}).get("defaults", []):
-            if isinstance(entry, dict):
-                chosen.update({key.removeprefix("override /"): value for key, value in entry.items()})
+        chosen, _ = _preset_file(path.stem)
         if "method" in chosen:
             presets[path.stem] = (configs.METHODS[chosen["method"]]().task, chosen.get("dataset"))
     return presets
@@ -164,6 +183,36 @@ def method_preset(method: str, dataset: str | None) -> tuple[str, str] | None:
     except (ConfigError, TypeError):  # a key or value the method does not take
         return None
     return preset, why
+
+
+def without_other_options_settings(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, str | None]:
+    """`cfg` without the settings its preset gives a group's own option where the command line chose
+    another option with no such key (`+method=csot model=cnn`: csot_digits' `model.hidden` is its MLP's),
+    and the line that says so; keys the command line sets itself are kept (and checked as usual)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    (preset, *_) = _given(parsed, "experiment") or [None]
+    chosen, content = _preset_file(preset) if preset else ({}, {})
+    typed = {o.key_or_group for o in parsed}
+    left_out = []
+    for group in sorted(OPTION_SCHEMAS.keys() & chosen.keys()):
+        option = chosen[group]
+        if (_given(parsed, group) or [option]) == [option]:
+            continue
+        valid = option_keys(group, cfg[group].get("name"))  # the schema `validate` checks the group with
+        foreign = sorted(
+            key
+            for key in content.get(group) or {}
+            if key not in valid and key in cfg[group] and f"{group}.{key}" not in typed
+        )
+        with open_dict(cfg):
+            for key in foreign:
+                del cfg[group][key]
+        left_out += [f"{group}.{key} (for its {group} {option})" for key in foreign]
+    if not left_out:
+        return cfg, None
+    return cfg, f"left out the preset's {', '.join(left_out)}"
 
 
 def _given(parsed, key: str) -> list[str] | None:
@@ -242,7 +291,7 @@ def _compose(overrides: list[str]) -> DictConfig:
     overrides = canonical(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
-            return compose("config", overrides=overrides)
+            return without_other_options_settings(compose("config", overrides=overrides), overrides)[0]
         except Exception as e:
             message = " ".join(str(e).split())
             missing = re.search(_MISSING_OPTION, message)
@@ -357,16 +406,17 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     from runner.track import Tracker
 
     t0 = time.perf_counter()
+    hydra_cfg = HydraConfig.get()
+    cfg, left_out = without_other_options_settings(cfg, list(hydra_cfg.overrides.task))
     cfg = _typed(cfg, validate(cfg))
     apply_debug(cfg)
-    hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode.name == "MULTIRUN" and cfg.logger.group is None:  # one W&B group per sweep
         cfg.logger.group = "/".join(Path(hydra_cfg.sweep.dir).parts[-2:])
     run_dir = Path(hydra_cfg.runtime.output_dir)
     cleanup.callback(teardown)
     device, rank, world_size = setup(cfg.hardware)
     if rank == 0:  # the first line: what the runner chose for the command line (a preset, the device)
-        log.info("; ".join(filter(None, [_preset_note, describe(cfg.hardware, device)])))
+        log.info("; ".join(filter(None, [_preset_note, left_out, describe(cfg.hardware, device)])))
     if world_size > 1:  # torchrun's ranks: rank 0's run dir (another rank's clock may name another)
         run_dir = rundir.shared(run_dir, rank)
     if rank == 0:

@@ -353,6 +353,8 @@ TOP_LEVEL = {
     "logger": LoggerConfig,
     "train": TrainConfig,
 }
+# The groups whose options have schemas of their own (by option name; other options take the group's).
+OPTION_SCHEMAS = {"dataset": DATASET_SCHEMAS, "model": MODEL_SCHEMAS}
 # Optional top-level keys and their checks: a method (`+method=NAME`), `+debug=smoke`, a preset's numbers.
 OPTIONAL = ("method", "debug", "paper", "per_method")
 # Top-level scalars: their type and, for numbers, their range (numpy takes seeds in [0, 2**32 - 1]).
@@ -411,6 +413,11 @@ def to_node(obj) -> DictConfig:
 
 def _names(schema: type) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)]
+
+
+def option_keys(group: str, option: str | None) -> list[str]:
+    """The keys a top-level group takes with `option` chosen: its own schema's, else the group's."""
+    return _names(OPTION_SCHEMAS.get(group, {}).get(option, TOP_LEVEL[group]))
 
 
 def task_module(cfg: DictConfig):
@@ -476,10 +483,8 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         checked["metric"] = cfg.metric
     for group, base in TOP_LEVEL.items():
         node = cfg[group]
-        if group == "dataset":
-            base = DATASET_SCHEMAS.get(node.name, base)
-        elif group == "model":
-            base = MODEL_SCHEMAS.get(node.name, base)
+        if isinstance(node, DictConfig):
+            base = OPTION_SCHEMAS.get(group, {}).get(node.get("name"), base)
         checked[group] = _to_schema(node, base, group)
     method = cfg.get("method")
     if method is not None:

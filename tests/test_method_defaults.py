@@ -15,7 +15,7 @@ import yaml
 from runner import hardware
 from runner.cli import _MAIN_PRESETS, CONF_DIR, _compose, _presets, _typed, canonical, method_preset_override
 from runner.configs import METHODS
-from runner.schema import ConfigError, validate
+from runner.schema import ConfigError, option_keys, validate
 
 OPT_OUT = "+experiment=none: without it"
 
@@ -138,6 +138,23 @@ def test_a_dataset_brings_its_natural_network_and_model_still_wins(dataset, mode
     assert _compose([f"dataset={dataset}", "model=cnn"]).model.name == "cnn"
 
 
+def test_any_network_replaces_a_presets_with_its_own_defaults():
+    covered = set()  # every network, and every preset with settings some network has not, once
+    for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
+        own = set(yaml.safe_load(path.read_text()).get("model") or {})
+        for model in sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")):
+            if own - set(option_keys("model", model)) and not {path.stem, model} <= covered:
+                covered |= {path.stem, model}
+                cfg = _compose([f"+experiment={path.stem}", f"model={model}"])
+                name = validate(cfg)["model"].name
+                assert name in model and set(cfg.model) <= set(option_keys("model", name))
+    kept = _compose(["+experiment=csot_digits", "model=mlp"])  # the preset's own network keeps its settings
+    assert list(kept.model.hidden) == [128]
+    typed = ["+experiment=csot_digits", "model=cnn", "model.hidden=[3]"]  # a key the user gives is checked
+    with pytest.raises(ConfigError, match=r"^unknown key model.hidden; valid keys: name, pretrained, zero_"):
+        validate(_compose(typed))
+
+
 def test_every_preset_composes_the_network_it_names():
     for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
         defaults = yaml.safe_load(path.read_text())["defaults"]
@@ -203,6 +220,7 @@ for argv in json.loads(sys.argv[1]):
 print(json.dumps(out))
 """
 TINY = ["+debug=smoke", "logger=none", "train.progress=false", "train.eval_batch_size=64"]
+OTHER_MODEL = ["+method=csot", "model=cnn"]  # csot_digits' model.hidden is its MLP's
 CFG_JOBS = [
     ["--cfg", "job", "+method=csot", "dataset=cifar100"],
     ["--cfg", "job", "+experiment=csot_cifar100"],
@@ -215,6 +233,7 @@ def runs(tmp_path_factory):
     for a tiny budget: [exit code, stdout, stderr] each, and the run dirs' root (one Python start)."""
     root = tmp_path_factory.mktemp("methods")
     jobs = CFG_JOBS + [[f"+method={m}", *TINY, f"hydra.run.dir={root / m}"] for m in sorted(METHODS)]
+    jobs += [[*OTHER_MODEL, *TINY, f"hydra.run.dir={root / 'other_model'}"]]
     env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(jobs)], cwd=root, env=env, text=True,
                           capture_output=True, timeout=300)  # fmt: skip
@@ -243,3 +262,13 @@ def test_every_method_runs_on_the_default_and_its_log_starts_with_the_preset_and
     if preset:
         assert f"preset: {preset} for +method={method} on the default dataset" in first and OPT_OUT in first
     assert first.endswith("device: cpu (hardware=auto: no CUDA device visible; fp32, 0 loader workers)")
+
+
+def test_another_model_than_the_presets_runs_without_the_presets_settings_of_its_own(runs):
+    results, root = runs
+    code, _, stderr = results[-1]
+    assert code == 0, stderr[-2000:]
+    first = next((root / "other_model").glob("*.log")).read_text().splitlines()[0]
+    assert "; left out the preset's model.hidden (for its model mlp); device: cpu" in first
+    saved = yaml.safe_load((root / "other_model" / "config.yaml").read_text())["model"]
+    assert saved["name"] == "cnn" and "hidden" not in saved
