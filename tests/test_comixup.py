@@ -840,6 +840,8 @@ def test_tiny_imagenet_and_imagenet_presets_compose_for_every_row():
         imagenet = validate(_compose([f"+method={method}", "+experiment=comixup_imagenet"]))
         assert imagenet["model"].name == "resnet50" and imagenet["dataset"].name == "imagenet"
         assert imagenet["train"].epochs == 100 and imagenet["method"].loss == "ce"  # the ImageNet code's
+        if method == "puzzle_mix":  # the ImageNet code's: transport on the cut's grid, not 56 x 56 cells
+            assert (imagenet["method"].t_size, imagenet["method"].beta) == (-1, 1.5)
 
 
 def test_erm_with_bce_trains_on_the_authors_loss():
