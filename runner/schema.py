@@ -415,9 +415,14 @@ def _names(schema: type) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)]
 
 
-def option_keys(group: str, option: str | None) -> list[str]:
-    """The keys a top-level group takes with `option` chosen: its own schema's, else the group's."""
-    return _names(OPTION_SCHEMAS.get(group, {}).get(option, TOP_LEVEL[group]))
+def _group_schema(group: str, name: str | None) -> type:
+    """The schema of a top-level group whose node is named `name`: that name's own, else the group's."""
+    return OPTION_SCHEMAS.get(group, {}).get(name, TOP_LEVEL[group])
+
+
+def option_keys(group: str, name: str | None) -> list[str]:
+    """The keys a top-level group's node named `name` (`model.name`: mlp, cnn, ...) may hold."""
+    return _names(_group_schema(group, name))
 
 
 def task_module(cfg: DictConfig):
@@ -481,11 +486,10 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("metric"):
         main_metric(cfg, ("", "max"))  # a bad direction
         checked["metric"] = cfg.metric
-    for group, base in TOP_LEVEL.items():
+    for group in TOP_LEVEL:
         node = cfg[group]
-        if isinstance(node, DictConfig):
-            base = OPTION_SCHEMAS.get(group, {}).get(node.get("name"), base)
-        checked[group] = _to_schema(node, base, group)
+        name = node.get("name") if isinstance(node, DictConfig) else None
+        checked[group] = _to_schema(node, _group_schema(group, name), group)
     method = cfg.get("method")
     if method is not None:
         task = method.get("task") if isinstance(method, DictConfig) else None
