@@ -1,6 +1,8 @@
 """The `runner` command end to end (subprocesses in a scratch dir)."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,11 @@ def test_bad_input_exits_nonzero_with_one_line(cli, args, expected):
     assert proc.returncode == 2
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_cli_starts_without_importing_pot_or_scikit_learn():
+    """Each takes about half a second to a second to import, at every `runner` start (a sweep's jobs, each
+    test's subprocess); the solvers that need them import them when they run."""
+    code = "import sys, runner.cli; print(*(name in sys.modules for name in ('ot', 'sklearn')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

@@ -37,6 +37,7 @@ __all__ = [
     "transport_constraints",
     "integral_solution",
     "usable_cores",
+    "get_backend",
 ]
 
 
@@ -45,6 +46,15 @@ class ConvergenceWarning(UserWarning):
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def get_backend(*arrays):
+    """POT's array backend of `arrays` (``ot.backend.get_backend``: numpy, torch, ...). POT is imported on
+    first use, not with the module: with scikit-learn it takes about a second, which every `runner` start
+    paid (the method configs import their solvers' modules for their choices)."""
+    from ot.backend import get_backend as backend
+
+    return backend(*arrays)
 
 
 def usable_cores() -> int:

@@ -51,9 +51,8 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from ot.backend import get_backend
 
-from runner.methods._common import convergence_log, renamed_kwargs
+from runner.methods._common import convergence_log, get_backend, renamed_kwargs
 
 __all__ = [
     "allocate",

@@ -33,12 +33,16 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import ot
 import torch
-from ot.backend import get_backend
 from scipy.special import xlogy
 
-from runner.methods._common import convergence_log, logsumexp, renamed_kwargs, transport_constraints
+from runner.methods._common import (
+    convergence_log,
+    get_backend,
+    logsumexp,
+    renamed_kwargs,
+    transport_constraints,
+)
 
 __all__ = [
     "LOSS_MODES",
@@ -478,6 +482,8 @@ def dbot_cluster(
         centroids = kmeans_plusplus(X, n_clusters, random_state=seed)[0]
     else:
         centroids = X[np.random.default_rng(seed).choice(n, n_clusters, replace=False)].copy()
+    import ot  # on first use, as `get_backend`
+
     masses = []
     for _ in range(n_outer):
         dists = ot.dist(X, centroids)  # squared Euclidean

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from scipy.sparse import coo_matrix, csr_matrix
-from sklearn.metrics import normalized_mutual_info_score
 
 from runner.methods._common import integral_solution, renamed_kwargs
 
@@ -734,6 +733,8 @@ def nmi(clusters, labels) -> float:
 
     scikit-learn's ``normalized_mutual_info_score`` with its default arithmetic mean.
     """
+    from sklearn.metrics import normalized_mutual_info_score  # scikit-learn: half a second to import
+
     return float(normalized_mutual_info_score(np.asarray(labels).ravel(), np.asarray(clusters).ravel()))
 
 

@@ -32,7 +32,6 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
-import ot
 from scipy import optimize, sparse
 
 from runner.methods._common import convergence_log, logsumexp, renamed_kwargs, transport_constraints
@@ -96,6 +95,8 @@ def _partial_lp(cost_ext, a, b, max_iter=NUM_ITER_MAX):
     (g <= 0 and <f, a> + <g, b> = PW; when sigma > 0 this u_d is the solver's own, when sigma = 0 it
     is the tightest feasible one). Returns (value, f, g, plan (n, m)).
     """
+    import ot  # on first use, as `runner.methods._common.get_backend`
+
     sigma = max(b.sum() - a.sum(), 0.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # POT only warns when the simplex stops early
@@ -290,6 +291,8 @@ class _Covering:
     """Cost over the columns [candidates | dev], the masses of Eq. 1, and a cache of PW(S)."""
 
     def __init__(self, X_app, X_dev, X_cand):
+        import ot
+
         self.n_app, self.n_dev, self.n_cand = len(X_app), len(X_dev), len(X_cand)
         self.cost = np.hstack([ot.dist(X_app, X_cand), ot.dist(X_app, X_dev)])
         self.a = np.full(self.n_app, 1.0 / self.n_app)
@@ -421,6 +424,8 @@ def _select_baseline(k, method, X_dev, X_cand, opts):
     if method == "random":
         return [int(j) for j in np.random.default_rng(opts["seed"]).choice(len(X_cand), k, replace=False)]
     if method == "kcenter":
+        import ot
+
         # Greedy k-center from the dev set: repeatedly take the candidate farthest from all centers.
         dist = ot.dist(X_cand, X_dev).min(axis=1)
         selected = []
