@@ -172,7 +172,7 @@ MODEL_SCHEMAS: dict[str, type] = {
 
 def model_config(node: DictConfig) -> ModelConfig:
     """The checked schema object of a `model` config node, defaults filled in."""
-    return _to_schema(node, MODEL_SCHEMAS.get(node.name, ModelConfig), "model")
+    return _to_schema(node, _group_schema("model", node.name), "model")
 
 
 @dataclass
