@@ -37,7 +37,7 @@ import runner.data  # noqa: F401  (registers the datasets and their schemas)
 import runner.hardware  # noqa: F401  (registers the resolvers of hardware=auto)
 from runner import configs, rundir
 from runner.data.files import UnreadableImage
-from runner.faults import CheckpointError, Diverged, Interrupted
+from runner.faults import CheckpointError, Diverged, Interrupted, OutOfMemory, out_of_memory
 from runner.schema import (
     OPTION_SCHEMAS,
     ConfigError,
@@ -385,7 +385,8 @@ def _job(cfg: DictConfig) -> float | None:
             stop = signal.Signals(getattr(e, "signum", signal.SIGINT))
             print(f"runner: stopped by {stop.name}; resume with: {_resume_hint(hydra_cfg)}", file=sys.stderr)
             sys.exit(128 + stop)
-        except (ConfigError, Diverged, CheckpointError, UnreadableImage) as e:  # bad input, a run gone wrong
+        # bad input, or a run gone wrong
+        except (ConfigError, Diverged, CheckpointError, OutOfMemory, UnreadableImage) as e:
             if multirun:
                 raise  # the sweep goes on; SweepSummary lists the job as failed
             print(f"runner: error: {e}", file=sys.stderr)
@@ -454,7 +455,16 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
         cfg.seed,
         run_dir,
     )
-    metrics = module.run(cfg, ctx)  # fills ctx.info (the model's parameter count) as it goes
+    try:
+        metrics = module.run(cfg, ctx)  # fills ctx.info (the model's parameter count) as it goes
+    except RuntimeError as e:  # torch's out-of-memory errors outside `fit`, which names the batch itself
+        memory = out_of_memory(e)
+        if memory is None:
+            raise
+        raise OutOfMemory(
+            f"ran out of {memory} outside the training steps; lower the network's size, or "
+            "train.eval_batch_size for the passes over whole splits"
+        ) from e
     summary = {"name": cfg.name, "tags": list(cfg.logger.tags), **ctx.info, **metrics}
     summary["time/total_s"] = time.perf_counter() - t0
     metric = main_metric(cfg, module.METRIC)[0]  # the task's, or the preset's headline (`metric:`)

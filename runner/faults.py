@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import threading
 
@@ -30,6 +31,31 @@ class Diverged(RuntimeError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read, or written (full disk, unwritable run dir)."""
+
+
+class OutOfMemory(RuntimeError):
+    """The device (or the host) had no memory left: what torch tried to allocate, and what to lower."""
+
+
+# torch's own out-of-memory errors: a GPU's (torch.OutOfMemoryError), Apple's MPS and the CPU allocator's
+# (a RuntimeError each); the host's OOM killer, which ends the process at once, raises nothing.
+_OUT_OF_MEMORY = ("DefaultCPUAllocator: can't allocate memory", "MPS backend out of memory")
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """For torch's out-of-memory errors, which memory and how much torch asked for ("CUDA memory (it tried
+    to allocate 2.00 GiB)"); None for any other error."""
+    import torch
+
+    text = str(error)
+    if not isinstance(error, torch.OutOfMemoryError) and not any(s in text for s in _OUT_OF_MEMORY):
+        return None
+    memory = "host memory" if _OUT_OF_MEMORY[0] in text else f"{text.split()[0]} memory"  # CUDA, MPS, ...
+    size = re.search(r"[Tt]ried to allocate ([\d.]+) (\w+)", text)
+    if size is None:
+        return memory
+    amount = f"{float(size[1]) / 2**30:.2f} GiB" if size[2] == "bytes" else f"{size[1]} {size[2]}"
+    return f"{memory} (it tried to allocate {amount})"
 
 
 class StopSignals:

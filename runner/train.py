@@ -49,7 +49,7 @@ from tqdm import tqdm
 from runner.data import Data, Split
 from runner.data.files import UNREADABLE
 from runner.data.views import augment_crop_flip
-from runner.faults import CheckpointError, Diverged, StopSignals
+from runner.faults import CheckpointError, Diverged, OutOfMemory, StopSignals, out_of_memory
 from runner.hardware import RunContext, Stopwatch, all_reduce_sum
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary, reliability_plot
 from runner.schema import ConfigError
@@ -672,7 +672,13 @@ def fit(
         for epoch in range(start, cfg.epochs):
             # after the resume: the data order is seeded by the restored RNG state
             loop.start_batches(augment, epoch)
-            metrics, calibration = loop.epoch(epoch, first if epoch == start else 0)
+            try:
+                metrics, calibration = loop.epoch(epoch, first if epoch == start else 0)
+            except RuntimeError as e:
+                memory = out_of_memory(e)
+                if memory is None:
+                    raise
+                raise loop.out_of_memory(epoch, memory) from e
             if loop.monitor.stopped:
                 break
     if loop.best is not None:  # the best epoch's weights and evaluation
@@ -918,6 +924,24 @@ class _Loop:
                 f"non-finite gradients); last good checkpoint: {self.state.last}; use "
                 "hardware.precision=bf16 or lower train.lr"
             )
+
+    def out_of_memory(self, epoch: int, memory: str) -> OutOfMemory:
+        """The one-line stop for running out of `memory` in `epoch`: the setting that sizes the step's
+        batch (a method's own, `hooks.batch_setting(epoch)`), what would make it fit, the checkpoint kept."""
+        cfg, ctx, batch = self.cfg, self.ctx, self.batch_shape[0]
+        key = f"train.phases.{self.phases.index(epoch)}.batch_size" if self.phases else "train.batch_size"
+        own = getattr(self.hooks, "batch_setting", None)
+        setting = own(epoch) if own else f"{key}={batch}"
+        fixes = ["lower it"]
+        splits = self.hooks is None or getattr(self.hooks, "accumulate_ok", False)
+        if splits and batch % (2 * ctx.world_size * cfg.accumulate) == 0:
+            fixes.append(f"keep the batch with train.accumulate={2 * cfg.accumulate} (half as many per pass)")
+        if ctx.accelerator and ctx.precision == "fp32":
+            fixes.append("use hardware.precision=bf16 (half the bytes per activation)")
+        return OutOfMemory(
+            f"ran out of {memory} in epoch {epoch + 1} at {setting}; {', or '.join(fixes)}; last good "
+            f"checkpoint: {self.state.last}"
+        )
 
     def save_partial(self, epoch: int, steps_done: int, loss_sum: torch.Tensor, stop: bool) -> None:
         """A mid-epoch checkpoint (when due, or on a stop signal), then the stop if asked."""

@@ -229,6 +229,16 @@ def test_corrupt_checkpoint_is_named_and_kept(straight, tmp_path):
     assert len(path.read_bytes()) == 1000
 
 
+def test_running_out_of_memory_outside_the_steps_is_one_line(tmp_path):
+    # a hidden layer of 2^52 units: 2^60 bytes of weights, more than any address space holds (2^57 bytes)
+    proc = run_cli([*BASE, "model.hidden=[4503599627370496]", "hydra.run.dir=run"], tmp_path, check=False)
+    assert proc.returncode == 1
+    assert one_line(proc.stderr) == (
+        "runner: error: ran out of host memory (it tried to allocate 1073741824.00 GiB) outside the training "
+        "steps; lower the network's size, or train.eval_batch_size for the passes over whole splits"
+    )
+
+
 @pytest.mark.slow
 def test_non_finite_loss_stops_at_once_naming_the_last_good_checkpoint(straight, tmp_path):
     run_dir = copy_run(straight, tmp_path)

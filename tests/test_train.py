@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from runner.cli import _compose
 from runner.data import Data, split_of
-from runner.faults import Diverged
+from runner.faults import Diverged, OutOfMemory
 from runner.hardware import RunContext
 from runner.models import build_model
 from runner.schema import validate
@@ -185,3 +185,35 @@ def test_fp16_logs_skipped_steps_and_the_scale_and_stops_when_it_underflows(tmp_
     fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx, InfiniteLoss())  # 5 steps: 2**16 / 2**5
     row = json.loads((tmp_path / "short" / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["train/skipped_steps"] == 5 and row["train/loss_scale"] == 2.0**11
+
+
+class OutOfMemoryAt:
+    """A loss that runs out of memory at one step of epoch 2: the device's error, as torch raises it on CUDA,
+    or a real failure of the CPU allocator (2^60 bytes, more than any address space holds)."""
+
+    accumulate_ok = True
+
+    def __init__(self, device: bool):
+        self.device, self.steps = device, 0
+
+    def loss(self, model, x, y_soft, idx, epoch):
+        self.steps += 1
+        if epoch == 1 and self.steps == 18:  # 16 steps per epoch: epoch 2, step 2
+            if self.device:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ...")
+            torch.empty(2**60, dtype=torch.uint8)
+        return soft_cross_entropy(model(x), y_soft)
+
+
+@pytest.mark.parametrize("device", [True, False])
+def test_running_out_of_memory_names_the_batch_what_fits_and_keeps_the_checkpoint(tmp_path, device):
+    model_cfg, train_cfg, ctx = setup(tmp_path, "train.epochs=3", "train.batch_size=6")
+    with pytest.raises(OutOfMemory) as stop:
+        fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx, OutOfMemoryAt(device))
+    memory = "CUDA memory (it tried to allocate 2.00 GiB)" if device else "host memory (it tried to allocate "
+    assert str(stop.value).startswith(f"ran out of {memory}")
+    assert str(stop.value).endswith(
+        " in epoch 2 at train.batch_size=6; lower it, or keep the batch with train.accumulate=2 (half as "
+        f"many per pass); last good checkpoint: {tmp_path / CHECKPOINT} (end of epoch 1)"
+    )
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=False)["epoch"] == 0  # kept as it was

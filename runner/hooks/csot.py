@@ -124,6 +124,12 @@ class NoisyLabelHooks:
         self.sampler = PoolBatches(self.pools, self.batch_size, ctx.rank, ctx.world_size, self.seed, plain)
         return self.sampler
 
+    def batch_setting(self, epoch) -> str:
+        """The setting that sizes epoch `epoch`'s batches (named when it runs out of memory)."""
+        if epoch < self.cfg.warmup and self.warmup_batch_size != self.batch_size:
+            return f"method.warmup_batch_size={self.warmup_batch_size}"
+        return f"train.batch_size={self.batch_size} (a clean and an unlabeled batch of it per step)"
+
     def sample(self, epoch) -> torch.Tensor:
         """The training indices epoch `epoch` draws from: its `dataset.epoch_samples` sample, or all."""
         if self.epoch_sample is None:

@@ -97,6 +97,11 @@ class HashHooks:
     def epochs(self) -> int:
         return math.ceil(self.iters / self.epoch_iters)
 
+    def batch_setting(self, epoch) -> str:
+        """The setting that sizes the batches (named when they run out of memory)."""
+        method = self.method
+        return f"method.classes_per_batch={method.classes_per_batch} (x method.per_class={method.per_class})"
+
     def batch_sampler(self, default):
         rank, world_size = default.rank, default.world_size  # fit's own sampler knows this process's shard
         return ClassBalancedEpochs(self.sampler, self.epoch_iters, self.iters, rank, world_size)
