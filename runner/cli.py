@@ -403,7 +403,7 @@ def _resume_hint(hydra_cfg) -> str:
 
 def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     """One job: validate, lock the run dir, set up device and tracker, run the task, write the summary."""
-    from runner.hardware import RunContext, describe, seed_everything, setup, teardown
+    from runner.hardware import RunContext, cap_host_memory, describe, seed_everything, setup, teardown
     from runner.track import Tracker
 
     t0 = time.perf_counter()
@@ -416,6 +416,8 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     cleanup.callback(teardown)
     device, rank, world_size = setup(cfg.hardware)
+    if device.type == "cpu":  # running out of memory: an error that names the batch, not the OOM killer
+        cap_host_memory()
     if rank == 0:  # the first line: what the runner chose for the command line (a preset, the device)
         log.info("; ".join(filter(None, [_preset_note, left_out, describe(cfg.hardware, device)])))
     if world_size > 1:  # torchrun's ranks: rank 0's run dir (another rank's clock may name another)
@@ -457,7 +459,7 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     )
     try:
         metrics = module.run(cfg, ctx)  # fills ctx.info (the model's parameter count) as it goes
-    except RuntimeError as e:  # torch's out-of-memory errors outside `fit`, which names the batch itself
+    except (RuntimeError, MemoryError) as e:  # out of memory outside `fit`, which names the batch itself
         memory = out_of_memory(e)
         if memory is None:
             raise

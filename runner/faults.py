@@ -37,21 +37,23 @@ class OutOfMemory(RuntimeError):
     """The device (or the host) had no memory left: what torch tried to allocate, and what to lower."""
 
 
-# torch's own out-of-memory errors: a GPU's (torch.OutOfMemoryError), Apple's MPS and the CPU allocator's
-# (a RuntimeError each); the host's OOM killer, which ends the process at once, raises nothing.
+# torch's out-of-memory errors: a GPU's (torch.OutOfMemoryError), Apple's MPS and the CPU allocator's (a
+# RuntimeError each); numpy's and Python's are MemoryError. The kernel's OOM killer raises nothing: it ends
+# the process (`runner.hardware.cap_host_memory` makes a CPU run meet one of these first).
 _OUT_OF_MEMORY = ("DefaultCPUAllocator: can't allocate memory", "MPS backend out of memory")
 
 
 def out_of_memory(error: BaseException) -> str | None:
-    """For torch's out-of-memory errors, which memory and how much torch asked for ("CUDA memory (it tried
-    to allocate 2.00 GiB)"); None for any other error."""
+    """For an out-of-memory error, which memory and how much was asked for ("CUDA memory (it tried to
+    allocate 2.00 GiB)"); None for any other error."""
     import torch
 
     text = str(error)
-    if not isinstance(error, torch.OutOfMemoryError) and not any(s in text for s in _OUT_OF_MEMORY):
+    host = isinstance(error, MemoryError) or _OUT_OF_MEMORY[0] in text
+    if not host and not isinstance(error, torch.OutOfMemoryError) and _OUT_OF_MEMORY[1] not in text:
         return None
-    memory = "host memory" if _OUT_OF_MEMORY[0] in text else f"{text.split()[0]} memory"  # CUDA, MPS, ...
-    size = re.search(r"[Tt]ried to allocate ([\d.]+) (\w+)", text)
+    memory = "host memory" if host else f"{text.split()[0]} memory"  # CUDA, MPS, XPU
+    size = re.search(r"allocate ([\d.]+) (\w+)", text)
     if size is None:
         return memory
     amount = f"{float(size[1]) / 2**30:.2f} GiB" if size[2] == "bytes" else f"{size[1]} {size[2]}"

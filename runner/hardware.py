@@ -6,6 +6,8 @@ import contextlib
 import logging
 import os
 import random
+import re
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -220,6 +222,62 @@ def setup(hw) -> tuple[torch.device, int, int]:
         else:
             dist.init_process_group("gloo")
     return device, rank, world_size
+
+
+def host_memory_available(proc=Path("/proc"), cgroups=Path("/sys/fs/cgroup")) -> int | None:
+    """Bytes this process could still allocate before the kernel's OOM killer steps in: the machine's
+    available memory and free swap, or less where its cgroup (a container's or a Slurm job's; cgroup v2,
+    every ancestor's `memory.max`) sets a lower limit. None where /proc/meminfo cannot be read (not Linux)."""
+    try:
+        meminfo = (proc / "meminfo").read_text()
+    except OSError:
+        return None
+    kb = {key: int(value) for key, value in re.findall(r"^(\w+):\s+(\d+) kB", meminfo, re.MULTILINE)}
+    available = 1024 * (kb.get("MemAvailable", kb.get("MemFree", 0)) + kb.get("SwapFree", 0))
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        lines = (proc / "self/cgroup").read_text().splitlines()
+        group = cgroups / next(line[3:] for line in lines if line.startswith("0::")).strip("/")
+        for folder in (group, *group.parents):
+            if not folder.is_relative_to(cgroups):
+                break
+            limit = folder / "memory.max"
+            if limit.exists() and limit.read_text().strip() != "max":
+                used = int((folder / "memory.current").read_text())
+                available = min(available, int(limit.read_text()) - used)
+    return max(available, 0)
+
+
+_memory_cap: int | None = None  # the RLIMIT_DATA soft limit this process set itself
+
+
+def cap_host_memory() -> int | None:
+    """Cap what this process can allocate (RLIMIT_DATA, its private writable memory) at what it holds now
+    plus `host_memory_available()`: a CPU run that outgrows the memory then fails an allocation, which it
+    reports in one line with what to lower, where the OOM killer would end it without a word. The CLI sets
+    it for runs on the CPU, and `fit` renews it at every epoch start (`renew_host_memory_cap`), so that
+    memory freed elsewhere since counts. A lower limit the user set stays. Returns the cap in bytes, or
+    None (not Linux, or the user's limit), changing nothing."""
+    global _memory_cap
+    import resource
+
+    available = host_memory_available()
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if available is None or sys.platform != "linux" or soft not in (resource.RLIM_INFINITY, _memory_cap):
+        return None
+    held = re.search(r"VmData:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    cap = 1024 * int(held[1]) + available
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    _memory_cap = cap
+    log.debug("host memory: allocations capped at %.1f GB (held now + available)", cap / 1e9)
+    return cap
+
+
+def renew_host_memory_cap() -> None:
+    """`cap_host_memory()` again where this process set a cap before (a CLI run on the CPU); else nothing."""
+    if _memory_cap is not None:
+        cap_host_memory()
 
 
 def describe(hw, device: torch.device) -> str:

@@ -50,7 +50,7 @@ from runner.data import Data, Split
 from runner.data.files import UNREADABLE
 from runner.data.views import augment_crop_flip
 from runner.faults import CheckpointError, Diverged, OutOfMemory, StopSignals, out_of_memory
-from runner.hardware import RunContext, Stopwatch, all_reduce_sum
+from runner.hardware import RunContext, Stopwatch, all_reduce_sum, renew_host_memory_cap
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary, reliability_plot
 from runner.schema import ConfigError
 from runner.untrusted import RefusedPickle, torch_load
@@ -674,7 +674,7 @@ def fit(
             loop.start_batches(augment, epoch)
             try:
                 metrics, calibration = loop.epoch(epoch, first if epoch == start else 0)
-            except RuntimeError as e:
+            except (RuntimeError, MemoryError) as e:
                 memory = out_of_memory(e)
                 if memory is None:
                     raise
@@ -839,6 +839,7 @@ class _Loop:
         """Epoch `epoch` from step `first` (> 0: resumed inside it): the method's pass, the steps, the
         evaluation, the log row and the epoch-end checkpoint; its metrics and calibration bins."""
         cfg, ctx, s, t0 = self.cfg, self.ctx, self.step, time.perf_counter()
+        renew_host_memory_cap()  # counts memory freed elsewhere since the last epoch
         self.model.train()
         if not first:
             epoch_start(self.hooks, epoch, self.model, self.data)

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -22,6 +23,7 @@ from conftest import run_cli
 from test_cli import wandb_records
 
 from runner.faults import Interrupted, StopSignals
+from runner.hardware import host_memory_available
 from runner.schema import TrainConfig
 from runner.train import CHECKPOINT, _follow_config, make_optimizer, make_scheduler
 
@@ -237,6 +239,57 @@ def test_running_out_of_memory_outside_the_steps_is_one_line(tmp_path):
         "runner: error: ran out of host memory (it tried to allocate 1073741824.00 GiB) outside the training "
         "steps; lower the network's size, or train.eval_batch_size for the passes over whole splits"
     )
+
+
+def test_host_memory_available_is_the_machines_or_the_tightest_cgroups(tmp_path):
+    proc, cgroups = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal: 16000000 kB\nMemAvailable: 9000000 kB\nSwapFree: 1000000 kB\n")
+    assert host_memory_available(proc, cgroups) == 10_000_000 * 1024  # no cgroup file: the machine's
+    (proc / "self/cgroup").write_text("0::/slurm/job_7/step_0\n")
+    job, step = cgroups / "slurm/job_7", cgroups / "slurm/job_7/step_0"
+    step.mkdir(parents=True)
+    (step / "memory.max").write_text("max\n")  # no limit of its own: its parent's holds
+    (job / "memory.max").write_text(f"{8 * 2**30}\n")
+    (job / "memory.current").write_text(f"{3 * 2**30}\n")
+    assert host_memory_available(proc, cgroups) == 5 * 2**30
+    (job / "memory.max").write_text(f"{64 * 2**30}\n")  # a limit above the machine's memory
+    assert host_memory_available(proc, cgroups) == 10_000_000 * 1024
+    assert host_memory_available(tmp_path / "elsewhere", cgroups) is None  # not Linux
+
+
+CAPPED = """
+import re, resource, sys, torch
+from runner.faults import out_of_memory
+from runner.hardware import cap_host_memory
+cap = cap_host_memory()
+if cap is None:
+    print(None, resource.getrlimit(resource.RLIMIT_DATA)[0])
+    sys.exit()
+held = int(re.search(r"VmData:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024
+tensors = []
+try:
+    while True:  # 1 GiB each, never touched: address space under the cap, no memory used
+        tensors.append(torch.empty(2**30, dtype=torch.uint8))
+except RuntimeError as e:
+    print(cap, held, len(tensors), out_of_memory(e))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_DATA and /proc are Linux's")
+def test_the_host_memory_cap_makes_outgrowing_it_an_allocation_error_unless_the_user_set_one():
+    out = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, timeout=120)
+    cap, held, allocated, memory = out.stdout.split(maxsplit=3)
+    # as many whole GiB as fit between what the process held and the cap (the loop's own bytes aside)
+    assert int(allocated) in (int(cap) - int(held)) // 2**30 - np.arange(2)
+    assert memory.startswith("host memory (it tried to allocate 1.00 GiB)")
+
+    def users_limit():
+        resource.setrlimit(resource.RLIMIT_DATA, (2**40, resource.RLIM_INFINITY))
+
+    out = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, timeout=120,
+                         preexec_fn=users_limit)  # fmt: skip
+    assert out.stdout.split() == ["None", str(2**40)]  # kept
 
 
 @pytest.mark.slow

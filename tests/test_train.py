@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -189,28 +190,28 @@ def test_fp16_logs_skipped_steps_and_the_scale_and_stops_when_it_underflows(tmp_
 
 class OutOfMemoryAt:
     """A loss that runs out of memory at one step of epoch 2: the device's error, as torch raises it on CUDA,
-    or a real failure of the CPU allocator (2^60 bytes, more than any address space holds)."""
+    or a real failure of the CPU allocator, torch's or numpy's (2^60 bytes, more than any address space)."""
 
     accumulate_ok = True
 
-    def __init__(self, device: bool):
-        self.device, self.steps = device, 0
+    def __init__(self, kind: str):
+        self.kind, self.steps = kind, 0
 
     def loss(self, model, x, y_soft, idx, epoch):
         self.steps += 1
         if epoch == 1 and self.steps == 18:  # 16 steps per epoch: epoch 2, step 2
-            if self.device:
+            if self.kind == "cuda":
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ...")
-            torch.empty(2**60, dtype=torch.uint8)
+            torch.empty(2**60, dtype=torch.uint8) if self.kind == "torch" else np.empty(2**60, np.uint8)
         return soft_cross_entropy(model(x), y_soft)
 
 
-@pytest.mark.parametrize("device", [True, False])
-def test_running_out_of_memory_names_the_batch_what_fits_and_keeps_the_checkpoint(tmp_path, device):
+@pytest.mark.parametrize("kind", ["cuda", "torch", "numpy"])
+def test_running_out_of_memory_names_the_batch_what_fits_and_keeps_the_checkpoint(tmp_path, kind):
     model_cfg, train_cfg, ctx = setup(tmp_path, "train.epochs=3", "train.batch_size=6")
     with pytest.raises(OutOfMemory) as stop:
-        fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx, OutOfMemoryAt(device))
-    memory = "CUDA memory (it tried to allocate 2.00 GiB)" if device else "host memory (it tried to allocate "
+        fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx, OutOfMemoryAt(kind))
+    memory = "CUDA memory (it tried to allocate 2.00 GiB)" if kind == "cuda" else "host memory (it tried to "
     assert str(stop.value).startswith(f"ran out of {memory}")
     assert str(stop.value).endswith(
         " in epoch 2 at train.batch_size=6; lower it, or keep the batch with train.accumulate=2 (half as "
