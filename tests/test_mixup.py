@@ -279,6 +279,17 @@ def test_puzzle_mix_transport_grid_and_adversarial_noise():
         puzzle_mix(x, y, s, grid=2, t_size=3)
 
 
+@pytest.mark.parametrize("size, as_authors", [(32, 4), (64, -1)])
+def test_puzzle_mix_t_size_0_transports_as_the_authors_at_each_image_side(size, as_authors):
+    """0: 4-px cells on CIFAR's 32 px (the README's CIFAR command), the cut's grid on 64 px (its
+    Tiny-ImageNet command) and above, where 4-px cells would be a 16 x 16 or finer transport grid."""
+    x, y = distinct_batch(5, B=4, size=size)
+    s = np.random.default_rng(5).random((4, size, size)) ** 8  # peaked, and free moves: blocks travel
+    mixes = {t: puzzle_mix(x, y, s, grid=4, t_size=t, t_eps=0.0, rng=1)[0] for t in (0, 4, -1)}
+    assert torch.equal(mixes[0], mixes[as_authors])
+    assert not torch.equal(mixes[4], mixes[-1])  # the two rules differ on these images
+
+
 def test_numpy_in_numpy_out_and_bad_input():
     x, y = distinct_batch(0)
     x_mix, y_mix = input_mixup(x.numpy(), y.numpy(), rng=0)

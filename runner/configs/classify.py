@@ -51,7 +51,8 @@ class CutMixConfig(InputMixupConfig):
 
 @dataclass
 class PuzzleMixConfig(InputMixupConfig):
-    """Defaults: the PuzzleMix README's CIFAR-100 command (its Tiny-ImageNet one: t_size=-1, clean_lam=1)."""
+    """Defaults: the PuzzleMix README's CIFAR-100 command (its Tiny-ImageNet one: clean_lam=1, t_size=-1,
+    which `t_size=0` picks there by itself)."""
 
     name: str = "puzzle_mix"
     beta: float = 1.2  # label smoothness (x 1 / (16 g))
@@ -62,7 +63,9 @@ class PuzzleMixConfig(InputMixupConfig):
     neigh_size: int = 4  # pixels pooled per seam sample
     transport: bool = True
     t_eps: float = 0.8  # transport distance cost
-    t_size: int = 4  # transport cells of this many pixels where finer than the cut's; -1: the cut's grid
+    # transport cells of this many pixels where finer than the cut's; -1: the cut's grid; 0: by the image
+    # side, as the authors (4 px on CIFAR's 32 px, the cut's grid on Tiny-ImageNet and ImageNet)
+    t_size: int = 0
     adv_p: float = 0.0  # probability of adversarial noise on x and on its partner (each, per batch)
     adv_eps: float = 10.0  # its L-inf radius, in /255 pixel units
 
@@ -75,8 +78,11 @@ class PuzzleMixConfig(InputMixupConfig):
         check_range("method.adv_p", self.adv_p, 0.0, 1.0)
         if self.grid != -1:
             check_range("method.grid", self.grid, 2)
-        if self.t_size != -1:
-            check_range("method.t_size", self.t_size, 1)
+        if self.t_size < -1:
+            raise ConfigError(
+                f"method.t_size={self.t_size}: a cell size in pixels >= 1, -1 (the cut's grid) or 0 (by the "
+                "image side)"
+            )
 
 
 @dataclass

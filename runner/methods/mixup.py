@@ -326,10 +326,12 @@ def puzzle_mix(
     {2, 4, 8, 16} (those dividing H and W) as the authors. The mask of each pair minimises
     `puzzle_costs` (alpha-beta swap: the squared label cost is not a metric); with `transport`, each
     image's blocks then move by `transport_plan` on the grid of `t_size`-pixel cells (-1, or a size
-    >= the cut's cells: the cut's grid) towards where it stays visible. With `noise` (B, C, H, W, raw
-    pixel units), x (adv_mask[0]) and the partner (adv_mask[1]) get it before the transport, clipped
-    to [0, 1] (the adversarial option). x~ = M x + (1 - M) x', y~ = mean(M) y + (1 - mean(M)) y'.
-    x is the network input; raw pixels are x * std + mean (per channel; None: x is raw).
+    >= the cut's cells: the cut's grid; 0: 4 px on images of at most 32 px, else the cut's grid, the
+    authors' choice on CIFAR, Tiny-ImageNet and ImageNet) towards where it stays visible. With `noise`
+    (B, C, H, W, raw pixel units), x (adv_mask[0]) and the partner (adv_mask[1]) get it before the
+    transport, clipped to [0, 1] (the adversarial option).
+    x~ = M x + (1 - M) x', y~ = mean(M) y + (1 - mean(M)) y'. x is the network input; raw pixels are
+    x * std + mean (per channel; None: x is raw).
     saliency_maps: (B, H, W) per-pixel saliency of x. Everything runs on x's device but the cut, by
     `method` (a `grid_cut` method; `solver` before, deprecated).
 
@@ -359,10 +361,12 @@ def puzzle_mix(
         grid = int(rng.choice(choices))
     if not (isinstance(grid, int) and grid >= 2 and H % grid == 0 and W % grid == 0):
         raise ValueError(f"grid={grid}: must be a divisor >= 2 of the image size {H}x{W}, or -1")
+    if t_size == 0:  # at 224 px, 4-px cells would make a 56 x 56 transport grid: 3136^2 costs per image
+        t_size = 4 if W <= 32 else -1
     finer = t_size != -1 and t_size < W // grid  # transport cells of t_size pixels, finer than the cut's
     t_grid = W // t_size if finer and t_size > 0 else grid
-    if transport and (t_size < -1 or t_size == 0 or (finer and (W % t_size or H % t_grid))):
-        raise ValueError(f"t_size={t_size}: the transport cells must tile the {H}x{W} image (or -1)")
+    if transport and (t_size < -1 or (finer and (W % t_size or H % t_grid))):
+        raise ValueError(f"t_size={t_size}: the transport cells must tile the {H}x{W} image (or -1, or 0)")
     s = torch.as_tensor(saliency_maps, device=x.device)
     if s.shape != (B, H, W):
         raise ValueError(f"saliency_maps: shape {tuple(s.shape)}, expected ({B}, {H}, {W})")
