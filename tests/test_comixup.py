@@ -838,11 +838,24 @@ def test_tiny_imagenet_and_imagenet_presets_compose_for_every_row():
         assert tiny["model"].name == "preactresnet18" and tiny["model"].stem_stride == 2
         assert (tiny["train"].epochs, tiny["train"].milestones, tiny["train"].lr) == (1200, [600, 900], 0.2)
         assert tiny["dataset"].name == "tiny_imagenet" and tiny["method"].loss == "bce"
+        # the PuzzleMix README's Tiny-ImageNet commands: baselines at alpha 0.2, Puzzle Mix with clean_lam 1
+        if method in ("input_mixup", "manifold_mixup", "cutmix"):
+            assert tiny["method"].alpha == 0.2
+        if method == "puzzle_mix":
+            assert (tiny["method"].clean_lam, tiny["method"].alpha, tiny["method"].t_size) == (1.0, 1.0, 0)
         imagenet = validate(_compose([f"+method={method}", "+experiment=comixup_imagenet"]))
         assert imagenet["model"].name == "resnet50" and imagenet["dataset"].name == "imagenet"
         assert imagenet["train"].epochs == 100 and imagenet["method"].loss == "ce"  # the ImageNet code's
         if method == "puzzle_mix":  # the ImageNet code's: transport on the cut's grid, not 56 x 56 cells
             assert (imagenet["method"].t_size, imagenet["method"].beta) == (-1, 1.5)
+
+
+def test_a_command_line_value_wins_over_the_tiny_presets_baseline_setting():
+    from runner.cli import _compose
+    from runner.schema import validate
+
+    args = ["+method=cutmix", "+experiment=comixup_tiny_imagenet", "method.alpha=0.5"]
+    assert validate(_compose(args))["method"].alpha == 0.5
 
 
 def test_erm_with_bce_trains_on_the_authors_loss():
