@@ -248,6 +248,8 @@ def host_memory_available(proc=Path("/proc"), cgroups=Path("/sys/fs/cgroup")) ->
 
 
 _memory_cap: int | None = None  # the RLIMIT_DATA soft limit this process set itself
+# ... and the one a runner process set, which its children inherit (a sweep's workers, a test's subprocesses)
+MEMORY_CAP_ENV = "RUNNER_MEMORY_CAP"
 
 
 def cap_host_memory() -> int | None:
@@ -262,7 +264,9 @@ def cap_host_memory() -> int | None:
 
     available = host_memory_available()
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    if available is None or sys.platform != "linux" or soft not in (resource.RLIM_INFINITY, _memory_cap):
+    # none yet, or one a runner set (this process, or one above it): not a limit the user chose
+    renewable = soft in (resource.RLIM_INFINITY, _memory_cap) or str(soft) == os.environ.get(MEMORY_CAP_ENV)
+    if available is None or sys.platform != "linux" or not renewable:
         return None
     held = re.search(r"VmData:\s+(\d+) kB", Path("/proc/self/status").read_text())
     cap = 1024 * int(held[1]) + available
@@ -270,6 +274,7 @@ def cap_host_memory() -> int | None:
         cap = min(cap, hard)
     resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
     _memory_cap = cap
+    os.environ[MEMORY_CAP_ENV] = str(cap)
     log.debug("host memory: allocations capped at %.1f GB (held now + available)", cap / 1e9)
     return cap
 

@@ -23,7 +23,7 @@ from conftest import run_cli
 from test_cli import wandb_records
 
 from runner.faults import Interrupted, StopSignals
-from runner.hardware import host_memory_available
+from runner.hardware import MEMORY_CAP_ENV, host_memory_available
 from runner.schema import TrainConfig
 from runner.train import CHECKPOINT, _follow_config, make_optimizer, make_scheduler
 
@@ -276,20 +276,34 @@ except RuntimeError as e:
 """
 
 
+def run_capped(limit=None, set_by_runner=False) -> list[str]:
+    """CAPPED's output in a process that starts under RLIMIT_DATA `limit` (None: none), set by a runner
+    process above it (as the CLI marks its cap for its children) or else by the user."""
+    env = {k: v for k, v in os.environ.items() if k != MEMORY_CAP_ENV}
+    if set_by_runner and limit:
+        env[MEMORY_CAP_ENV] = str(limit)
+    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+
+    def start_under_limit():
+        resource.setrlimit(resource.RLIMIT_DATA, (limit or resource.RLIM_INFINITY, hard))
+
+    out = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, timeout=120, env=env,
+                         preexec_fn=start_under_limit)  # fmt: skip
+    return out.stdout.split(maxsplit=3)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_DATA and /proc are Linux's")
-def test_the_host_memory_cap_makes_outgrowing_it_an_allocation_error_unless_the_user_set_one():
-    out = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, timeout=120)
-    cap, held, allocated, memory = out.stdout.split(maxsplit=3)
+@pytest.mark.parametrize("inherited", [None, 2**40])
+def test_the_host_memory_cap_makes_outgrowing_it_an_allocation_error(inherited):
+    cap, held, allocated, memory = run_capped(inherited, set_by_runner=True)
     # as many whole GiB as fit between what the process held and the cap (the loop's own bytes aside)
     assert int(allocated) in (int(cap) - int(held)) // 2**30 - np.arange(2)
     assert memory.startswith("host memory (it tried to allocate 1.00 GiB)")
 
-    def users_limit():
-        resource.setrlimit(resource.RLIMIT_DATA, (2**40, resource.RLIM_INFINITY))
 
-    out = subprocess.run([sys.executable, "-c", CAPPED], capture_output=True, text=True, timeout=120,
-                         preexec_fn=users_limit)  # fmt: skip
-    assert out.stdout.split() == ["None", str(2**40)]  # kept
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_DATA and /proc are Linux's")
+def test_a_memory_limit_the_user_set_is_kept():
+    assert run_capped(2**40) == ["None", str(2**40)]
 
 
 @pytest.mark.slow
