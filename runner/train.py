@@ -820,6 +820,7 @@ class _Loop:
         self.train_s, self.carried_loss, self.history, self.best, self.signals = 0.0, 0.0, {}, None, None
         self.phases = Phases(cfg.phases) if cfg.phases else None
         self.batch_shape = None  # (batch size, image side) of the current training batches
+        self.stage = "training"  # of the current epoch: "pass" (the method's), "training" or "evaluation"
 
     def start_batches(self, augment: str, epoch: int) -> None:
         """The training batches for `epoch`: at its phase's batch size and image side (`train.phases`),
@@ -841,8 +842,10 @@ class _Loop:
         cfg, ctx, s, t0 = self.cfg, self.ctx, self.step, time.perf_counter()
         renew_host_memory_cap()  # counts memory freed elsewhere since the last epoch
         self.model.train()
+        self.stage = "pass"
         if not first:
             epoch_start(self.hooks, epoch, self.model, self.data)
+        self.stage = "training"
         t_pass = time.perf_counter() - t0
         self.sampler.set_epoch(epoch, start=first)
         steps = len(self.sampler)  # after set_epoch: a hook's sampler may vary it by epoch
@@ -856,6 +859,7 @@ class _Loop:
         train_loss = all_reduce_sum(loss_sum.reshape(1)).item() / (steps * ctx.world_size)
         metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": s.optimizer.param_groups[0]["lr"]}
         metrics.update(self._step_stats(scale))
+        self.stage = "evaluation"
         evaluated, calibration = self._evaluate(epoch)
         metrics.update(evaluated)
         if getattr(self.data.train, "bad_images", None) == "skip":  # files replaced in the epoch's passes
@@ -927,9 +931,16 @@ class _Loop:
             )
 
     def out_of_memory(self, epoch: int, memory: str) -> OutOfMemory:
-        """The one-line stop for running out of `memory` in `epoch`: the setting that sizes the step's
-        batch (a method's own, `hooks.batch_setting(epoch)`), what would make it fit, the checkpoint kept."""
+        """The one-line stop for running out of `memory` in `epoch`: where, the setting that sized the batch
+        (in training a method's own, `hooks.batch_setting(epoch)`), what would fit, the checkpoint kept."""
         cfg, ctx, batch = self.cfg, self.ctx, self.batch_shape[0]
+        kept = f"last good checkpoint: {self.state.last}"
+        if self.stage != "training":
+            if self.stage == "evaluation" and not hasattr(self.hooks, "evaluate"):
+                where = f"the evaluation at train.eval_batch_size={cfg.eval_batch_size}; lower it"
+            else:  # the method's own pass or evaluation, at batches of its own
+                where = "the method's evaluation" if self.stage == "evaluation" else "the method's pass"
+            return OutOfMemory(f"ran out of {memory} in epoch {epoch + 1}, in {where}; {kept}")
         key = f"train.phases.{self.phases.index(epoch)}.batch_size" if self.phases else "train.batch_size"
         own = getattr(self.hooks, "batch_setting", None)
         setting = own(epoch) if own else f"{key}={batch}"
@@ -939,10 +950,8 @@ class _Loop:
             fixes.append(f"keep the batch with train.accumulate={2 * cfg.accumulate} (half as many per pass)")
         if ctx.accelerator and ctx.precision == "fp32":
             fixes.append("use hardware.precision=bf16 (half the bytes per activation)")
-        return OutOfMemory(
-            f"ran out of {memory} in epoch {epoch + 1} at {setting}; {', or '.join(fixes)}; last good "
-            f"checkpoint: {self.state.last}"
-        )
+        advice = ", or ".join(fixes)
+        return OutOfMemory(f"ran out of {memory} in epoch {epoch + 1} at {setting}; {advice}; {kept}")
 
     def save_partial(self, epoch: int, steps_done: int, loss_sum: torch.Tensor, stop: bool) -> None:
         """A mid-epoch checkpoint (when due, or on a stop signal), then the stop if asked."""

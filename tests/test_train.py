@@ -218,3 +218,24 @@ def test_running_out_of_memory_names_the_batch_what_fits_and_keeps_the_checkpoin
         f"many per pass); last good checkpoint: {tmp_path / CHECKPOINT} (end of epoch 1)"
     )
     assert torch.load(tmp_path / CHECKPOINT, weights_only=False)["epoch"] == 0  # kept as it was
+
+
+class OutOfMemoryInEvaluation(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        if not self.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB. GPU 0 has ...")
+        return self.net(x)
+
+
+def test_running_out_of_memory_in_the_evaluation_names_its_batch(tmp_path):
+    model_cfg, train_cfg, ctx = setup(tmp_path, "train.epochs=2", "train.eval_batch_size=50")
+    with pytest.raises(OutOfMemory) as stop:
+        fit(OutOfMemoryInEvaluation(build_model(model_cfg, (4,), 3)), blobs(), train_cfg, ctx)
+    assert str(stop.value) == (
+        "ran out of CUDA memory (it tried to allocate 1.00 GiB) in epoch 1, in the evaluation at "
+        "train.eval_batch_size=50; lower it; last good checkpoint: none written yet"
+    )
