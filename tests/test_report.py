@@ -2,6 +2,7 @@
 as CSV and LaTeX."""
 
 import csv
+import gc
 import io
 import json
 import logging
@@ -10,15 +11,19 @@ import shutil
 import statistics
 import subprocess
 import sys
+import traceback
+import weakref
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from runner.cli import CONF_DIR, _compose
+from runner.faults import OutOfMemory
 from runner.report import (
     SweepSummary,
     build_report,
@@ -271,6 +276,31 @@ def test_callback_records_a_failed_job_and_logs_its_traceback(tmp_path, caplog):
     single = {"mode": RunMode.RUN, "runtime": {"output_dir": str(run_dir)}}
     SweepSummary().on_job_end(OmegaConf.create({"hydra": single}), failed)
     assert not (run_dir / "summary.json").exists() and len(caplog.records) == 1
+
+
+def test_a_failed_jobs_frames_let_go_of_its_tensors(tmp_path):
+    """Hydra keeps a failed job's exception until the sweep's batch ends; the next jobs need the memory."""
+
+    def train():
+        activations = torch.ones(1000)
+        held.append(weakref.ref(activations))
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+        except torch.OutOfMemoryError as e:
+            raise OutOfMemory("ran out of CUDA memory") from e
+
+    held = []
+    try:
+        train()
+    except OutOfMemory as e:
+        failed = JobReturn(status=JobStatus.FAILED, _return_value=e)
+    hydra = {"mode": RunMode.MULTIRUN, "job": {"num": 0}, "runtime": {"output_dir": str(tmp_path)}}
+    gc.collect()
+    assert held[0]() is not None  # the traceback's frame holds it
+    SweepSummary().on_job_end(OmegaConf.create({"hydra": hydra}), failed)
+    gc.collect()
+    assert held[0]() is None
+    assert "train" in "".join(traceback.format_exception(failed._return_value))  # the lines stay
 
 
 def test_a_pruned_trial_is_recorded_counted_and_listed_not_averaged(tmp_path, caplog):
