@@ -26,6 +26,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from runner.faults import OutOfMemory, out_of_memory
 from runner.schema import ConfigError
 
 # The tasks whose checkpoint is a classifier of the dataset's classes: the config's network, or the one
@@ -74,9 +75,16 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
     ctx = RunContext(device, run_dir, None, precision=hw.precision, channels_last=hw.channels_last,
                      num_workers=hw.num_workers)  # fmt: skip
     model.to(device)
-    metrics, _ = _evaluate_splits(model, data, ctx, cfg.train.eval_batch_size, cfg.train.ece_bins)
-    if "boxes" in data.meta:  # digits_canvas, ImageNet val with dataset.imagenet_boxes
-        metrics.update(canvas_metrics(model, data, ctx, batch_size=cfg.train.eval_batch_size))
+    batch_size = cfg.train.eval_batch_size
+    try:
+        metrics, _ = _evaluate_splits(model, data, ctx, batch_size, cfg.train.ece_bins)
+        if "boxes" in data.meta:  # digits_canvas, ImageNet val with dataset.imagenet_boxes
+            metrics.update(canvas_metrics(model, data, ctx, batch_size=batch_size))
+    except (RuntimeError, MemoryError) as e:
+        memory = out_of_memory(e)
+        if memory is None:
+            raise
+        raise OutOfMemory(f"ran out of {memory} at train.eval_batch_size={batch_size}; lower it") from e
     name = name or (re.sub(r"[^\w.=-]+", "_", "_".join(overrides)) if overrides else "test")
     out = {"checkpoint": str(path), "overrides": overrides, **metrics}
     (run_dir / f"eval-{name}.json").write_text(json.dumps(out, indent=2) + "\n")
@@ -91,9 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         out = evaluate_run(args.run_dir, args.overrides, args.name)
-    except ConfigError as e:
+    except (ConfigError, OutOfMemory) as e:
         print(f"runner-eval: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(2 if isinstance(e, ConfigError) else 1)
     shown = {k: v for k, v in out.items() if isinstance(v, float)}
     print(f"runner-eval {args.run_dir} ({out['checkpoint']}): "
           + "  ".join(f"{k}={v:.4f}" for k, v in shown.items()))  # fmt: skip

@@ -9,6 +9,8 @@ import pytest
 import torch
 from test_train import KillAt, blobs, setup
 
+import runner.evaluate_run
+import runner.train
 from runner.models import build_model
 from runner.schema import ConfigError
 from runner.train import CHECKPOINT, fit
@@ -124,7 +126,7 @@ def test_top_k_needs_a_validation_metric(tmp_path):
         fit(build_model(model_cfg, (4,), 3), data, train_cfg, ctx)
 
 
-def test_runner_eval_scores_the_best_checkpoint_again_and_on_other_data(cli, tmp_path):
+def test_runner_eval_scores_the_best_checkpoint_again_and_on_other_data(cli, tmp_path, monkeypatch, capsys):
     cli("logger=none", "train.epochs=4", "train.lr=2", "train.save_top_k=1", "hydra.run.dir=run")
     best = min(rows(tmp_path / "run"), key=lambda row: (-row["val/acc"], row["epoch"]))
     proc = evaluate(tmp_path / "run", check=True)
@@ -136,6 +138,17 @@ def test_runner_eval_scores_the_best_checkpoint_again_and_on_other_data(cli, tmp
     assert "does not fit cnn" in other.stderr
     evaluate(tmp_path / "run", "dataset.test_fraction=0.5", check=True)
     assert (tmp_path / "run" / "eval-dataset.test_fraction=0.5.json").exists()
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has ...")
+
+    monkeypatch.setattr(runner.train, "_evaluate_splits", out_of_memory)
+    with pytest.raises(SystemExit) as stop:
+        runner.evaluate_run.main([str(tmp_path / "run"), "train.eval_batch_size=512"])
+    assert stop.value.code == 1 and capsys.readouterr().err == (
+        "runner-eval: error: ran out of CUDA memory (it tried to allocate 3.00 GiB) at "
+        "train.eval_batch_size=512; lower it\n"
+    )
 
 
 def evaluate(run_dir, *args, check=False):
