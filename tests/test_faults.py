@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
@@ -296,8 +295,12 @@ def run_capped(limit=None, set_by_runner=False) -> list[str]:
 @pytest.mark.parametrize("inherited", [None, 2**40])
 def test_the_host_memory_cap_makes_outgrowing_it_an_allocation_error(inherited):
     cap, held, allocated, memory = run_capped(inherited, set_by_runner=True)
-    # as many whole GiB as fit between what the process held and the cap (the loop's own bytes aside)
-    assert int(allocated) in (int(cap) - int(held)) // 2**30 - np.arange(2)
+    room = (int(cap) - int(held)) // 2**30  # whole GiB between what the process held and the cap
+    assert int(allocated) <= room  # never past the cap
+    # Under overcommit's heuristic (mode 0, Linux's default) or "always" (1), untouched memory is not counted
+    # elsewhere, so the cap is what stops it (the loop's own bytes aside); strict accounting (2) stops sooner.
+    if Path("/proc/sys/vm/overcommit_memory").read_text().strip() != "2":
+        assert int(allocated) >= room - 1
     assert memory.startswith("host memory (it tried to allocate 1.00 GiB)")
 
 
