@@ -37,7 +37,7 @@ import runner.data  # noqa: F401  (registers the datasets and their schemas)
 import runner.hardware  # noqa: F401  (registers the resolvers of hardware=auto)
 from runner import configs, rundir
 from runner.data.files import UnreadableImage
-from runner.faults import CheckpointError, Diverged, Interrupted, OutOfMemory, out_of_memory
+from runner.faults import CheckpointError, Diverged, Interrupted, OutOfMemory, out_of_memory_stops
 from runner.schema import (
     OPTION_SCHEMAS,
     ConfigError,
@@ -457,16 +457,12 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
         cfg.seed,
         run_dir,
     )
-    try:
+    outside_fit = (  # `fit` names the batch itself
+        "ran out of {} outside the training steps; lower the network's size, or train.eval_batch_size for "
+        "the passes over whole splits"
+    )
+    with out_of_memory_stops(outside_fit.format):
         metrics = module.run(cfg, ctx)  # fills ctx.info (the model's parameter count) as it goes
-    except (RuntimeError, MemoryError) as e:  # out of memory outside `fit`, which names the batch itself
-        memory = out_of_memory(e)
-        if memory is None:
-            raise
-        raise OutOfMemory(
-            f"ran out of {memory} outside the training steps; lower the network's size, or "
-            "train.eval_batch_size for the passes over whole splits"
-        ) from e
     summary = {"name": cfg.name, "tags": list(cfg.logger.tags), **ctx.info, **metrics}
     summary["time/total_s"] = time.perf_counter() - t0
     metric = main_metric(cfg, module.METRIC)[0]  # the task's, or the preset's headline (`metric:`)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from runner.faults import OutOfMemory, out_of_memory
+from runner.faults import OutOfMemory, out_of_memory_stops
 from runner.schema import ConfigError
 
 # The tasks whose checkpoint is a classifier of the dataset's classes: the config's network, or the one
@@ -76,15 +76,10 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
                      num_workers=hw.num_workers)  # fmt: skip
     model.to(device)
     batch_size = cfg.train.eval_batch_size
-    try:
+    with out_of_memory_stops(f"ran out of {{}} at train.eval_batch_size={batch_size}; lower it".format):
         metrics, _ = _evaluate_splits(model, data, ctx, batch_size, cfg.train.ece_bins)
         if "boxes" in data.meta:  # digits_canvas, ImageNet val with dataset.imagenet_boxes
             metrics.update(canvas_metrics(model, data, ctx, batch_size=batch_size))
-    except (RuntimeError, MemoryError) as e:
-        memory = out_of_memory(e)
-        if memory is None:
-            raise
-        raise OutOfMemory(f"ran out of {memory} at train.eval_batch_size={batch_size}; lower it") from e
     name = name or (re.sub(r"[^\w.=-]+", "_", "_".join(overrides)) if overrides else "test")
     out = {"checkpoint": str(path), "overrides": overrides, **metrics}
     (run_dir / f"eval-{name}.json").write_text(json.dumps(out, indent=2) + "\n")

@@ -7,6 +7,7 @@ what went wrong and where (exit 1).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -58,6 +59,19 @@ def out_of_memory(error: BaseException) -> str | None:
         return memory
     amount = f"{float(size[1]) / 2**30:.2f} GiB" if size[2] == "bytes" else f"{size[1]} {size[2]}"
     return f"{memory} (it tried to allocate {amount})"
+
+
+@contextlib.contextmanager
+def out_of_memory_stops(message):
+    """Within it, an out-of-memory error (`out_of_memory`) becomes `OutOfMemory(message(memory))`, the
+    one-line stop that says where and what to lower; every other error passes as it is."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as e:
+        memory = out_of_memory(e)
+        if memory is None:
+            raise
+        raise OutOfMemory(message(memory)) from e
 
 
 class StopSignals:

@@ -248,7 +248,7 @@ def host_memory_available(proc=Path("/proc"), cgroups=Path("/sys/fs/cgroup")) ->
 
 
 _memory_cap: int | None = None  # the RLIMIT_DATA soft limit this process set itself
-# ... and the one a runner process set, which its children inherit (a sweep's workers, a test's subprocesses)
+# the one a runner process set last, this one or one above it (a sweep's workers, a test's subprocesses)
 MEMORY_CAP_ENV = "RUNNER_MEMORY_CAP"
 
 
@@ -265,7 +265,7 @@ def cap_host_memory() -> int | None:
     available = host_memory_available()
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     # none yet, or one a runner set (this process, or one above it): not a limit the user chose
-    renewable = soft in (resource.RLIM_INFINITY, _memory_cap) or str(soft) == os.environ.get(MEMORY_CAP_ENV)
+    renewable = soft == resource.RLIM_INFINITY or str(soft) == os.environ.get(MEMORY_CAP_ENV)
     if available is None or sys.platform != "linux" or not renewable:
         return None
     held = re.search(r"VmData:\s+(\d+) kB", Path("/proc/self/status").read_text())

@@ -32,6 +32,7 @@ Progressive training (`train.phases`, `Phases`): each phase's epochs run at its 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -49,7 +50,7 @@ from tqdm import tqdm
 from runner.data import Data, Split
 from runner.data.files import UNREADABLE
 from runner.data.views import augment_crop_flip
-from runner.faults import CheckpointError, Diverged, OutOfMemory, StopSignals, out_of_memory
+from runner.faults import CheckpointError, Diverged, StopSignals, out_of_memory_stops
 from runner.hardware import RunContext, Stopwatch, all_reduce_sum, renew_host_memory_cap
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary, reliability_plot
 from runner.schema import ConfigError
@@ -672,13 +673,8 @@ def fit(
         for epoch in range(start, cfg.epochs):
             # after the resume: the data order is seeded by the restored RNG state
             loop.start_batches(augment, epoch)
-            try:
+            with out_of_memory_stops(functools.partial(loop.out_of_memory, epoch)):
                 metrics, calibration = loop.epoch(epoch, first if epoch == start else 0)
-            except (RuntimeError, MemoryError) as e:
-                memory = out_of_memory(e)
-                if memory is None:
-                    raise
-                raise loop.out_of_memory(epoch, memory) from e
             if loop.monitor.stopped:
                 break
     if loop.best is not None:  # the best epoch's weights and evaluation
@@ -930,9 +926,9 @@ class _Loop:
                 "hardware.precision=bf16 or lower train.lr"
             )
 
-    def out_of_memory(self, epoch: int, memory: str) -> OutOfMemory:
-        """The one-line stop for running out of `memory` in `epoch`: where, the setting that sized the batch
-        (in training a method's own, `hooks.batch_setting(epoch)`), what would fit, the checkpoint kept."""
+    def out_of_memory(self, epoch: int, memory: str) -> str:
+        """The one line for running out of `memory` in `epoch`: where, the setting that sized the batch (in
+        training a method's own, `hooks.batch_setting(epoch)`), what would fit, the checkpoint kept."""
         cfg, ctx, batch = self.cfg, self.ctx, self.batch_shape[0]
         kept = f"last good checkpoint: {self.state.last}"
         if self.stage != "training":
@@ -940,7 +936,7 @@ class _Loop:
                 where = f"the evaluation at train.eval_batch_size={cfg.eval_batch_size}; lower it"
             else:  # the method's own pass or evaluation, at batches of its own
                 where = "the method's evaluation" if self.stage == "evaluation" else "the method's pass"
-            return OutOfMemory(f"ran out of {memory} in epoch {epoch + 1}, in {where}; {kept}")
+            return f"ran out of {memory} in epoch {epoch + 1}, in {where}; {kept}"
         key = f"train.phases.{self.phases.index(epoch)}.batch_size" if self.phases else "train.batch_size"
         own = getattr(self.hooks, "batch_setting", None)
         setting = own(epoch) if own else f"{key}={batch}"
@@ -951,7 +947,7 @@ class _Loop:
         if ctx.accelerator and ctx.precision == "fp32":
             fixes.append("use hardware.precision=bf16 (half the bytes per activation)")
         advice = ", or ".join(fixes)
-        return OutOfMemory(f"ran out of {memory} in epoch {epoch + 1} at {setting}; {advice}; {kept}")
+        return f"ran out of {memory} in epoch {epoch + 1} at {setting}; {advice}; {kept}"
 
     def save_partial(self, epoch: int, steps_done: int, loss_sum: torch.Tensor, stop: bool) -> None:
         """A mid-epoch checkpoint (when due, or on a stop signal), then the stop if asked."""
