@@ -226,24 +226,33 @@ def setup(hw) -> tuple[torch.device, int, int]:
 
 def host_memory_available(proc=Path("/proc"), cgroups=Path("/sys/fs/cgroup")) -> int | None:
     """Bytes this process could still allocate before the kernel's OOM killer steps in: the machine's
-    available memory and free swap, or less where its cgroup (a container's or a Slurm job's; cgroup v2,
-    every ancestor's `memory.max`) sets a lower limit. None where /proc/meminfo cannot be read (not Linux)."""
+    available memory and free swap, or less where its cgroup (a container's or a Slurm job's) or one above
+    it sets a lower limit: cgroup v2's `memory.max`, or v1's `memory.limit_in_bytes` (older clusters'
+    Slurm), less what the group uses. None where /proc/meminfo cannot be read (not Linux)."""
     try:
         meminfo = (proc / "meminfo").read_text()
     except OSError:
         return None
     kb = {key: int(value) for key, value in re.findall(r"^(\w+):\s+(\d+) kB", meminfo, re.MULTILINE)}
     available = 1024 * (kb.get("MemAvailable", kb.get("MemFree", 0)) + kb.get("SwapFree", 0))
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        lines = (proc / "self/cgroup").read_text().splitlines()
-        group = cgroups / next(line[3:] for line in lines if line.startswith("0::")).strip("/")
-        for folder in (group, *group.parents):
-            if not folder.is_relative_to(cgroups):
-                break
-            limit = folder / "memory.max"
-            if limit.exists() and limit.read_text().strip() != "max":
-                used = int((folder / "memory.current").read_text())
-                available = min(available, int(limit.read_text()) - used)
+    with contextlib.suppress(OSError, ValueError):
+        for line in (proc / "self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if not controllers:  # v2: one hierarchy
+                root, limit_file, used_file = cgroups, "memory.max", "memory.current"
+            elif "memory" in controllers.split(","):  # v1: the memory controller's own hierarchy
+                root, limit_file, used_file = (
+                    cgroups / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+                )
+            else:
+                continue
+            group = root / path.strip("/")
+            for folder in (group, *group.parents):  # a container sees its own group as the root
+                if not folder.is_relative_to(root):
+                    break
+                limit = folder / limit_file
+                if limit.exists() and (value := limit.read_text().strip()) != "max":  # v1's "none" is huge
+                    available = min(available, int(value) - int((folder / used_file).read_text()))
     return max(available, 0)
 
 

@@ -255,6 +255,15 @@ def test_host_memory_available_is_the_machines_or_the_tightest_cgroups(tmp_path)
     (job / "memory.max").write_text(f"{64 * 2**30}\n")  # a limit above the machine's memory
     assert host_memory_available(proc, cgroups) == 10_000_000 * 1024
     assert host_memory_available(tmp_path / "elsewhere", cgroups) is None  # not Linux
+    # cgroup v1 (the memory controller's own tree); "no limit" is a number far above the machine's memory
+    (proc / "self/cgroup").write_text("5:cpuset,cpu:/slurm/job_8\n4:memory:/slurm/job_8/step_0\n")
+    job, step = cgroups / "memory/slurm/job_8", cgroups / "memory/slurm/job_8/step_0"
+    step.mkdir(parents=True)
+    (step / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (step / "memory.usage_in_bytes").write_text(f"{2**30}\n")
+    (job / "memory.limit_in_bytes").write_text(f"{4 * 2**30}\n")
+    (job / "memory.usage_in_bytes").write_text(f"{2**30}\n")
+    assert host_memory_available(proc, cgroups) == 3 * 2**30
 
 
 CAPPED = """
