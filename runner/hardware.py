@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import random
@@ -308,8 +309,12 @@ def describe(hw, device: torch.device) -> str:
 
 
 def teardown() -> None:
-    """Leave the process group, if this process joined one."""
+    """Leave the process group, if this process joined one. A DistributedDataParallel wrapper sits in a
+    reference cycle, so it outlives its run until the cycle collector runs; freed as the interpreter exits,
+    after the group, its reducer aborts the process (SIGABRT, "terminate called without an active
+    exception": 7 of 60 2-rank gloo runs of a small script here, 0 of 60 collecting first)."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
