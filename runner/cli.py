@@ -37,14 +37,7 @@ import runner.data  # noqa: F401  (registers the datasets and their schemas)
 import runner.hardware  # noqa: F401  (registers the resolvers of hardware=auto)
 from runner import configs, rundir
 from runner.data.files import UnreadableImage
-from runner.faults import (
-    CheckpointError,
-    Diverged,
-    Interrupted,
-    OutOfMemory,
-    out_of_memory_stops,
-    release_frames,
-)
+from runner.faults import CheckpointError, Diverged, Interrupted, OutOfMemory, out_of_memory_stops
 from runner.schema import (
     OPTION_SCHEMAS,
     ConfigError,
@@ -391,14 +384,12 @@ def _job(cfg: DictConfig) -> float | None:
         except (KeyboardInterrupt, Interrupted) as e:
             stop = signal.Signals(getattr(e, "signum", signal.SIGINT))
             print(f"runner: stopped by {stop.name}; resume with: {_resume_hint(hydra_cfg)}", file=sys.stderr)
-            release_frames(e)  # the exit holds `e`: its frames' model goes now, before `cleanup`
             sys.exit(128 + stop)
         # bad input, or a run gone wrong
         except (ConfigError, Diverged, CheckpointError, OutOfMemory, UnreadableImage) as e:
             if multirun:
                 raise  # the sweep goes on; SweepSummary lists the job as failed
             print(f"runner: error: {e}", file=sys.stderr)
-            release_frames(e)
             sys.exit(2 if isinstance(e, ConfigError) else 1)
 
 

@@ -13,7 +13,6 @@ import os
 import re
 import signal
 import threading
-import traceback
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +123,3 @@ class StopSignals:
         if callable(previous) and previous is not signal.default_int_handler:
             previous(self.signum, None)
         raise Interrupted(self.signum)
-
-
-def release_frames(error: BaseException | None) -> None:
-    """Clear the local variables of the frames in `error`'s traceback and its causes' (the lines stay), so
-    that the job's model and tensors can go while the error is still held: by Hydra until a sweep's batch
-    of jobs ends (a GPU's memory the next jobs need, after an out-of-memory stop), or by the exit that
-    reports it (a DDP wrapper freed only as the interpreter exits aborts the process: `hardware.teardown`)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
-        error = error.__cause__ or error.__context__

@@ -34,6 +34,7 @@ import operator
 import os
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +42,6 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from runner.faults import release_frames
 from runner.schema import ConfigError, main_metric
 
 log = logging.getLogger(__name__)
@@ -721,8 +721,19 @@ class SweepSummary(Callback):
                       exc_info=None if isinstance(error, ConfigError) else error)  # fmt: skip
             summary["error"] = f"{type(error).__name__}: {error}"  # what runner-report lists it by
         path.write_text(json.dumps(summary, indent=2) + "\n")
-        release_frames(error)
+        _release_frames(error)
 
+
+def _release_frames(error: BaseException | None) -> None:
+    """Clear the local variables of the frames in `error`'s traceback and its causes' (the lines stay).
+    Hydra holds a failed job's exception until the sweep's batch ends: its frames would keep the job's
+    model and tensors, a GPU's memory among them, while the next jobs run (after an out-of-memory stop,
+    into the same error)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 if __name__ == "__main__":
