@@ -639,7 +639,7 @@ def fit(
     if cfg.phases and getattr(hooks, "optimizer", None) is not None:
         raise ConfigError("train.phases set the lr of the config's optimizer; this method brings its own: "
                           "leave train.phases empty")  # fmt: skip
-    if cfg.accumulate > 1 and hooks is not None and not getattr(hooks, "accumulate_ok", False):
+    if cfg.accumulate > 1 and not _splits_batches(hooks):
         raise ConfigError(
             f"train.accumulate={cfg.accumulate}: this method needs each whole batch in one pass (its "
             "batch transform, loss or sampler sees the batch as one); use train.accumulate=1"
@@ -770,6 +770,12 @@ class Monitor:
         if self.best_epoch is None:
             return {}
         return {"best_epoch": self.best_epoch, f"best/{self.key}": self.best_value}
+
+
+def _splits_batches(hooks) -> bool:
+    """Whether `train.accumulate` may split a batch into micro-batches: plain training, or a method whose
+    batch transform, loss and sampler add up over them (`hooks.accumulate_ok`)."""
+    return hooks is None or getattr(hooks, "accumulate_ok", False)
 
 
 class _Loop:
@@ -941,8 +947,7 @@ class _Loop:
         own = getattr(self.hooks, "batch_setting", None)
         setting = own(epoch) if own else f"{key}={batch}"
         fixes = ["lower it"]
-        splits = self.hooks is None or getattr(self.hooks, "accumulate_ok", False)
-        if splits and batch % (2 * ctx.world_size * cfg.accumulate) == 0:
+        if _splits_batches(self.hooks) and batch % (2 * ctx.world_size * cfg.accumulate) == 0:
             fixes.append(f"keep the batch with train.accumulate={2 * cfg.accumulate} (half as many per pass)")
         if ctx.accelerator and ctx.precision == "fp32":
             fixes.append("use hardware.precision=bf16 (half the bytes per activation)")
