@@ -41,7 +41,8 @@ class OutOfMemory(RuntimeError):
 # torch's out-of-memory errors: a GPU's (torch.OutOfMemoryError), Apple's MPS and the CPU allocator's (a
 # RuntimeError each); numpy's and Python's are MemoryError. The kernel's OOM killer raises nothing: it ends
 # the process (`runner.hardware.cap_host_memory` makes a CPU run meet one of these first).
-_OUT_OF_MEMORY = ("DefaultCPUAllocator: can't allocate memory", "MPS backend out of memory")
+_CPU_OUT_OF_MEMORY = "DefaultCPUAllocator: can't allocate memory"
+_MPS_OUT_OF_MEMORY = "MPS backend out of memory"
 
 
 def out_of_memory(error: BaseException) -> str | None:
@@ -50,8 +51,8 @@ def out_of_memory(error: BaseException) -> str | None:
     import torch
 
     text = str(error)
-    host = isinstance(error, MemoryError) or _OUT_OF_MEMORY[0] in text
-    if not host and not isinstance(error, torch.OutOfMemoryError) and _OUT_OF_MEMORY[1] not in text:
+    host = isinstance(error, MemoryError) or _CPU_OUT_OF_MEMORY in text
+    if not host and not isinstance(error, torch.OutOfMemoryError) and _MPS_OUT_OF_MEMORY not in text:
         return None
     memory = "host memory" if host else f"{text.split()[0]} memory"  # CUDA, MPS, XPU
     size = re.search(r"allocate ([\d.]+) (\w+)", text)
