@@ -3,12 +3,11 @@
 preset's shape, a few steps at a small batch; the preset's network, method and precision)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from runner import device_tracking
 from runner.device_tracking import STAND_IN, DeviceTracker
 
 SHRUNK = ["logger=none", "dataset=fake", "dataset.like=cifar100", "dataset.train_size=256",
@@ -37,11 +36,10 @@ EPOCH_START_SYNCS = 100  # CSOT's allocation: the chunks solved as one batched p
 
 
 def _track(tmp_path, overrides) -> dict:
+    """`python -m runner.device_tracking` in this process (as `make bench-gpu` runs its rows): no imports
+    per run."""
     out = tmp_path / "counts.json"
-    args = [*SHRUNK, *overrides, f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run([sys.executable, "-m", "runner.device_tracking", *args, "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    device_tracking.main([*SHRUNK, *overrides, f"hydra.run.dir={tmp_path / 'run'}", "--json", str(out)])
     return json.loads(out.read_text())
 
 

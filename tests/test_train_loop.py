@@ -133,10 +133,12 @@ def test_runner_eval_scores_the_best_checkpoint_again_and_on_other_data(cli, tmp
     again = json.loads((tmp_path / "run" / "eval-test.json").read_text())
     assert again["checkpoint"].endswith("best.pt") and f"test/acc={best['test/acc']:.4f}" in proc.stdout
     assert again["test/acc"] == pytest.approx(best["test/acc"], abs=1e-12)
-    other = evaluate(tmp_path / "run", "model=cnn")
-    assert other.returncode == 2 and other.stderr.startswith("runner-eval: error: ")
-    assert "does not fit cnn" in other.stderr
-    evaluate(tmp_path / "run", "dataset.test_fraction=0.5", check=True)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:  # in this process from here on: no start-up per call
+        runner.evaluate_run.main([str(tmp_path / "run"), "model=cnn"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith("runner-eval: error: ") and "does not fit cnn" in err
+    runner.evaluate_run.main([str(tmp_path / "run"), "dataset.test_fraction=0.5"])
     assert (tmp_path / "run" / "eval-dataset.test_fraction=0.5.json").exists()
 
     def out_of_memory(*args):
