@@ -12,9 +12,9 @@ syncs per training step (CUDA: `torch.cuda.set_sync_debug_mode("warn")` warnings
 (`TARGETS`), fp32 against bf16, torch.compile and Co-Mixup's `method.lag` for `--variants` (default
 `VARIANT_PRESETS`), and DDP scaling when several GPUs are visible (torchrun).
 
-The runs share this process (`runner.cli.main`, no import per run), each in its own run dir. On CUDA the
-table and a JSON record go to benchmarks/results/<gpu>-<torch>-<commit>.{md,json}; without CUDA (and
-without --smoke) it prints one line and measures nothing.
+The runs share this process (`runner.cli.run_in_process`, no import per run), each in its own run dir. On
+CUDA the table and a JSON record go to benchmarks/results/<gpu>-<torch>-<commit>.{md,json}; without CUDA
+(and without --smoke) it prints one line and measures nothing.
 
     make bench-gpu                          # CUDA: every row, the targets, the variants, DDP
     make bench-gpu ARGS=--smoke             # every row for 2 steps (tests/test_bench_gpu.py runs it)
@@ -216,22 +216,18 @@ def _run_cli(args: list[str], run_dir: Path) -> list[dict]:
     RowError."""
     from runner import cli
 
-    saved, log = sys.argv, run_dir.with_suffix(".log")
-    sys.argv = ["runner", *args, f"hydra.run.dir={run_dir}", *QUIET]
+    log = run_dir.with_suffix(".log")
     try:  # HYDRA_FULL_ERROR: the job's exception itself, rather than Hydra's printed report and exit
         with (log.open("w") as out, contextlib.redirect_stdout(out), contextlib.redirect_stderr(out),
               mock.patch.dict(os.environ, HYDRA_FULL_ERROR="1")):  # fmt: skip
-            cli.main()
+            cli.run_in_process([*args, f"hydra.run.dir={run_dir}", *QUIET])
     except SystemExit as stop:  # the CLI's one-line errors: a bad config, a diverged run
-        if stop.code:
-            lines = [line.strip() for line in log.read_text().splitlines() if line.strip()]
-            raise RowError(lines[-1] if lines else f"exit status {stop.code}") from None
+        lines = [line.strip() for line in log.read_text().splitlines() if line.strip()]
+        raise RowError(lines[-1] if lines else f"exit status {stop.code}") from None
     except Exception as e:
         with log.open("a") as out:  # where it failed, for the record's log tail
             traceback.print_exc(file=out)
         raise RowError(_one_line(e)) from None
-    finally:
-        sys.argv = saved
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -590,5 +590,19 @@ def main() -> None:
         sys.exit(130)
 
 
+def run_in_process(args: list[str]) -> None:
+    """`runner ARGS` as a call, for tools that start several runs in one process (`make bench-gpu`, the
+    device-tracking harness): a finished run returns, a failed one raises its SystemExit, and sys.argv
+    is left as it was."""
+    saved, sys.argv = sys.argv, ["runner", *args]
+    try:
+        main()
+    except SystemExit as stop:
+        if stop.code:
+            raise
+    finally:
+        sys.argv = saved
+
+
 if __name__ == "__main__":
     main()

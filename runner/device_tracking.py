@@ -275,15 +275,8 @@ def main(argv: list[str] | None = None) -> None:
         del argv[i : i + 2]
     from runner import cli
 
-    saved, sys.argv = sys.argv, ["runner", *argv]
     with tracking() as tracker:
-        try:
-            cli.main()
-        except SystemExit as stop:
-            if stop.code:
-                raise
-        finally:  # a caller in this process (the budget tests) keeps its own
-            sys.argv = saved
+        cli.run_in_process(argv)
     report = tracker.report()
     if out is not None:
         out.write_text(json.dumps(report, indent=1))
