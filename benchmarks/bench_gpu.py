@@ -47,6 +47,9 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from omegaconf import OmegaConf
+
+from benchmarks.reference_step import host_marker_us, reference_step_ms
 
 PRESETS = (
     "comixup_cifar100_preactresnet18", "comixup_cifar100_wrn16_8", "comixup_cifar100_resnext29",
@@ -70,20 +73,28 @@ FAKE_LIKE = {"cifar10": "cifar10", "cifar100": "cifar100", "tiny_imagenet": "tin
 # a class-balanced hashing batch of the 10 classes is its whole training set: one step per epoch.
 SMOKE_LIKE, SMOKE_BATCH, SMOKE_SIDE = "cifar10", 10, 32
 STEPS = 50
+PROFILED_STEPS = 5  # of each fit's warm-up epoch, for the GPU's busy time per step
 # preset name prefix -> (what is bounded, the bound): the step time over the baseline's, or CSOT's
 # allocation (its solver seconds) as a share of the epoch's training time
 TARGETS = {"comixup_": ("step", 2.2), "dbot_": ("step", 1.2), "hier_hash_": ("step", 1.2),
            "csot_": ("allocation", 0.1)}  # fmt: skip
 VARIANT_PRESETS = ("comixup_cifar100_preactresnet18", "comixup_imagenet")
-VARIANTS = {"bf16": ["hardware.precision=bf16"], "compile": ["hardware.compile=true"],
-            "lag": ["method.lag=true"]}  # fmt: skip
+# Beside each variant preset's row (hardware=auto: on a recent GPU channels_last and the captured step):
+# today's fp32 eager step (NCHW, no graph), bf16, the whole step compiled, Co-Mixup's lag.
+VARIANTS = {"eager": ["hardware.cuda_graph=false", "hardware.channels_last=false"],
+            "bf16": ["hardware.precision=bf16"], "compile": ["hardware.compile=default"],
+            "lag": ["method.lag=true"], "graph": ["hardware.cuda_graph=true"]}  # fmt: skip
+FULL_KINDS = ("eager", "bf16", "compile", "lag")  # on CUDA hardware=auto's rows are the graph column
+REFERENCE_BOUND = 1.15  # the runner's baseline step over the hand-written one, same network and precision
+VARIANT_REFERENCE = {"bf16": {"precision": "bf16"}}  # a variant's reference step, where not the preset's
+AUTO_SPEEDUP = 2.0  # hardware=auto's step against fp32 eager's, for the first variant preset's baseline
 METHOD_VARIANTS = {"lag"}  # options of the method (Co-Mixup's cuts through the next step), not its baseline's
 DDP_PRESET = "comixup_imagenet"  # its batch of 448 splits over 2, 4 or 8 GPUs
 # In-process runs: no Hydra files or logging set-up of their own (a run's output goes to its log).
 LOG_TAIL = 40  # lines of a failed run's log kept in the record
 QUIET = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
-COLUMNS = ("preset", "method", "batch", "ms/step", "images/s", "peak GB", "reserved GB", "method share",
-           "syncs/step", "vs base")  # fmt: skip
+COLUMNS = ("preset", "method", "batch", "ms/step", "GPU busy ms", "host-bound", "images/s", "peak GB",
+           "reserved GB", "method share", "syncs/step", "vs base", "ref ms/step", "vs ref")  # fmt: skip
 
 
 class RowError(Exception):
@@ -111,6 +122,7 @@ class Row:
     pools: int = 1
     prefix: str = ""
     baseline: str | None = None
+    reference: dict | None = None  # the network, input shape, classes and precision of its reference step
     result: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -143,7 +155,7 @@ def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
     """The rows of `preset`, its baseline's first: the overrides of its runs on generated data."""
     from runner.cli import _compose
     from runner.configs.hashing import PER_KS
-    from runner.data.fake import SHAPES
+    from runner.data.fake import IN_MEMORY, SHAPES
     from runner.models import MIN_SIDE
 
     cfg = _compose([f"+experiment={preset}"])
@@ -153,8 +165,10 @@ def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
     if smoke:
         like, classes = SMOKE_LIKE, SHAPES[SMOKE_LIKE][0]
         side = max(SMOKE_SIDE, MIN_SIDE.get(cfg.model.name, 0))
+    in_memory = FAKE_LIKE[cfg.dataset.name] in IN_MEMORY  # the real dataset's data path, not the shape's
     args = [f"+experiment={preset}", "dataset=fake", f"dataset.like={like}", f"dataset.image_size={side}",
-            "train.epochs=2", "train.checkpoint=false", "train.progress=false", "logger=none"]  # fmt: skip
+            f"dataset.in_memory={str(in_memory).lower()}", "train.epochs=2", "train.checkpoint=false",
+            "train.progress=false", "logger=none"]  # fmt: skip
     if smoke and not torch.cuda.is_available():
         args += ["hardware=cpu"]
     args += [f"hardware.precision={cfg.hardware.precision}"]  # the preset's, whatever hardware runs it
@@ -177,8 +191,10 @@ def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
         test_size = 4 * n
     if cfg.train.get("phases"):  # the measured step is the preset's main phase: its batch and image side
         args += ["train.phases=[]"]
-    if cfg.model.pretrained == "required":  # no weights file here: random weights measure the same step
+    pretrained = cfg.model.pretrained
+    if pretrained == "required":  # no weights file here: random weights measure the same step
         args += ["model.pretrained=none"]
+        pretrained = "none"
     if task == "longtail":  # the loss needs every class's training count
         args += ["dataset.min_per_class=1"]
     if task == "noisy_labels":  # select from the first epoch on (the preset's warm-up epochs are plain CE)
@@ -196,6 +212,10 @@ def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
         return [base, ours]
     rows: list[Row] = []
     plain = _compose([f"+experiment={preset}", *BASELINES[task]]).method
+    # the hand-written step of the preset's network, batch and precision (`reference_step`)
+    model = {**OmegaConf.to_container(cfg.model), "pretrained": pretrained}
+    reference = {"model": model, "shape": (3, side, side), "classes": classes,
+                 "precision": cfg.hardware.precision}  # fmt: skip
     for extra, job in ((BASELINES[task], plain), ([], m)):
         own = list(extra)
         if "preview" in job:  # a mixup's first mixed batch as a picture: matplotlib, not training
@@ -207,7 +227,8 @@ def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
         name = job.name + (f" {job.selector}" if task == "covering" else "")
         prefix = "fit/" if task == "longtail" else ""  # longtail's fit is tagged "fit"
         baseline = rows[0].key if rows else None
-        rows.append(Row(preset, name, [*args, *own], batch, pools, prefix, baseline=baseline))
+        rows.append(Row(preset, name, [*args, *own], batch, pools, prefix, baseline=baseline,
+                        reference=None if rows else reference))  # fmt: skip
     return rows
 
 
@@ -246,9 +267,9 @@ def _syncs_per_step(tracker=None):
             return inner(s, loop, epoch, first)
         steps = len(loop.sampler) - first
         if tracker is not None:
-            before = tracker.counts["train"]["sync"]
+            before = tracker.train_syncs()
             out = inner(s, loop, epoch, first)
-            syncs = tracker.counts["train"]["sync"] - before
+            syncs = tracker.train_syncs() - before
         else:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -268,26 +289,77 @@ def _syncs_per_step(tracker=None):
         train.train_one_epoch = inner
 
 
-def _tracked_run(args: list[str], run_dir: Path) -> tuple[list[dict], dict | None, str | None]:
+@contextlib.contextmanager
+def _device_busy(trace: Path | None = None):
+    """The GPU's busy time per training step by fit tag: the kernels' and copies' time in the last
+    `PROFILED_STEPS` steps of each fit's warm-up (first) epoch, read by torch.profiler (their sum, not the
+    span: what the step would take were the host never late). With `trace`, those steps' Chrome trace
+    goes there (`<trace>-<tag>.json`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from runner import train
+
+    busy: dict[str, float] = {}
+    inner_epoch, inner_step = train.train_one_epoch, train.train_step
+    state = {"steps": None, "done": 0, "prof": None}
+
+    def epoch(s, loop, epoch, first):
+        if epoch != 0:
+            return inner_epoch(s, loop, epoch, first)
+        state.update(steps=len(loop.sampler) - first, done=0, prof=None)
+        try:
+            return inner_epoch(s, loop, epoch, first)
+        finally:
+            prof = state["prof"]
+            if prof is not None:
+                torch.cuda.synchronize()
+                prof.stop()
+                kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+                total_us = sum(e.self_device_time_total for e in kernels)
+                if total_us:  # none seen: kernels the profiler could not follow (a graph captured before it)
+                    busy[loop.tag or ""] = total_us / 1000 / state["profiled"]
+                if trace is not None:
+                    prof.export_chrome_trace(f"{trace}-{loop.tag or 'fit'}.json")
+            state["steps"] = None
+
+    def step(s, x, idx, epoch):
+        if state["steps"] is not None:
+            if state["done"] == max(state["steps"] - PROFILED_STEPS, 0):
+                torch.cuda.synchronize()
+                state["prof"] = profile(activities=[ProfilerActivity.CUDA])
+                state["prof"].start()
+                state["profiled"] = state["steps"] - state["done"]
+            state["done"] += 1
+        return inner_step(s, x, idx, epoch)
+
+    train.train_one_epoch, train.train_step = epoch, step
+    try:
+        yield busy
+    finally:
+        train.train_one_epoch, train.train_step = inner_epoch, inner_step
+
+
+def _tracked_run(args: list[str], run_dir: Path, trace: Path | None = None):
     """`_run_cli` with the syncs counted: (metrics rows, syncs per step by fit tag, and the CPU
-    tracking harness's error where the run failed under it but not without it)."""
+    tracking harness's error where the run failed under it but not without it); on CUDA also the GPU's
+    busy ms per step by fit tag (`_device_busy`, its trace to `trace`), else None."""
     if torch.cuda.is_available():
         gc.collect()  # the last run's blocks out of the allocator's cache: this run's reserved memory
         torch.cuda.empty_cache()
-        with _syncs_per_step() as syncs:
-            return _run_cli(args, run_dir), syncs, None
+        with _device_busy(trace) as busy, _syncs_per_step() as syncs:
+            return _run_cli(args, run_dir), syncs, None, busy
     try:
         from runner.device_tracking import tracking
 
         with tracking() as tracker, _syncs_per_step(tracker) as syncs:
-            return _run_cli(args, run_dir), syncs, None
+            return _run_cli(args, run_dir), syncs, None, None
     except Exception as e:  # the harness is new: a run that fails under it runs again without it
         harness_error = _one_line(e)
-    return _run_cli(args, run_dir.with_name(run_dir.name + "-untracked")), None, harness_error
+    return _run_cli(args, run_dir.with_name(run_dir.name + "-untracked")), None, harness_error, None
 
 
-def measure(row: Row, metrics: list[dict], syncs: dict | None) -> dict:
-    """The row's figures: the second epoch of its fit."""
+def measure(row: Row, metrics: list[dict], syncs: dict | None, busy: dict | None = None) -> dict:
+    """The row's figures: the second epoch of its fit (the GPU's busy time: the first's last steps)."""
     epoch = next((r for r in metrics if r.get(row.prefix + "epoch") == 2), None)
     if epoch is None:
         raise RowError(f"no second epoch of {row.prefix or 'the fit'} in metrics.jsonl")
@@ -297,21 +369,26 @@ def measure(row: Row, metrics: list[dict], syncs: dict | None) -> dict:
     out = {"step_ms": m["time/step_ms"], "images_s": 1000 * row.samples / m["time/step_ms"],
            "peak_gb": m.get("mem/peak_gb"), "reserved_gb": m.get("mem/reserved_gb"),
            "method_share": own_s / train_s,
-           "syncs_per_step": None if syncs is None else syncs.get(row.prefix.removesuffix("/"))}  # fmt: skip
+           "syncs_per_step": None if syncs is None else syncs.get(row.prefix.removesuffix("/")),
+           "device_ms": None if busy is None else busy.get(row.prefix.removesuffix("/"))}  # fmt: skip
+    if out["device_ms"] is not None:  # the share of the step the GPU waits for the host
+        out["host_bound"] = max(0.0, 1 - out["device_ms"] / out["step_ms"])
     if "select/solver_s" in m:  # CSOT's allocation
         out["allocation_share"] = m["select/solver_s"] / train_s
     return out
 
 
-def run_rows(rows: list[Row], tmp: Path, extra: tuple[str, ...] = ()) -> None:
-    """Run `rows` (a hashing preset's two in one run) with `extra` overrides into each `row.result`."""
+def run_rows(rows: list[Row], tmp: Path, extra: tuple[str, ...] = (), traces: Path | None = None) -> None:
+    """Run `rows` (a hashing preset's two in one run) with `extra` overrides into each `row.result`; with
+    `traces`, each run's profiled steps go there as Chrome traces."""
     runs: dict[tuple, list[Row]] = {}
     for row in rows:
         runs.setdefault(tuple(row.args), []).append(row)
     for args, group in runs.items():
         run_dir = tmp / f"run{len(list(tmp.glob('run*.log')))}"
         try:
-            metrics, syncs, harness_error = _tracked_run([*args, *extra], run_dir)
+            trace = None if traces is None else traces / f"trace-{group[0].preset}"
+            metrics, syncs, harness_error, busy = _tracked_run([*args, *extra], run_dir, trace)
         except RowError as e:  # the run's last lines go into the record: the tmp dir is removed
             logs = [d.with_suffix(".log") for d in (run_dir, run_dir.with_name(run_dir.name + "-untracked"))]
             log = [path for path in logs if path.exists()][-1]  # the retry's without the harness
@@ -321,11 +398,35 @@ def run_rows(rows: list[Row], tmp: Path, extra: tuple[str, ...] = ()) -> None:
             continue
         for row in group:
             try:
-                row.result = measure(row, metrics, syncs)
+                row.result = measure(row, metrics, syncs, busy)
             except Exception as e:
                 row.result = {"error": _one_line(e)}
             if harness_error:
                 row.result["syncs_error"] = harness_error
+
+
+def measure_reference(row: Row, steps: int, cache: dict) -> None:
+    """The hand-written step of `row.reference` (`reference_step_ms`) into `row.result["reference_ms"]`,
+    measured once per network, batch and precision; an error in the record, not the row."""
+    from runner.models import build_model
+
+    spec = row.reference
+    if spec is None or "error" in row.result:
+        return
+    key = json.dumps([spec, row.batch], sort_keys=True)
+    if key not in cache:
+        try:
+            model = build_model(OmegaConf.create(spec["model"]), tuple(spec["shape"]), spec["classes"])
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            cache[key] = reference_step_ms(model, row.batch, tuple(spec["shape"]), spec["classes"],
+                                           spec["precision"], steps, device)  # fmt: skip
+        except Exception as e:
+            cache[key] = None
+            row.result["reference_error"] = _one_line(e)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    row.result["reference_ms"] = cache[key]
 
 
 def _fmt(value, spec: str) -> str:
@@ -346,9 +447,12 @@ def table_line(row: Row, by_key: dict[str, Row]) -> str:
         return f"| {row.preset} | {row.method} | {row.batches} | error: {r['error']} |"
     ratio = _ratio(row, by_key.get(row.baseline))
     syncs = "n/a" if "syncs_error" in r else _fmt(r["syncs_per_step"], ".2f")
-    cells = [row.preset, row.method, row.batches, _fmt(r["step_ms"], ".1f"), _fmt(r["images_s"], ".0f"),
-             _fmt(r["peak_gb"], ".2f"), _fmt(r["reserved_gb"], ".2f"), _fmt(r["method_share"], ".1%"), syncs,
-             "-" if ratio is None else f"{ratio:.2f}x"]  # fmt: skip
+    ref = r.get("reference_ms")
+    cells = [row.preset, row.method, row.batches, _fmt(r["step_ms"], ".2f"), _fmt(r.get("device_ms"), ".2f"),
+             _fmt(r.get("host_bound"), ".0%"), _fmt(r["images_s"], ".0f"), _fmt(r["peak_gb"], ".2f"),
+             _fmt(r["reserved_gb"], ".2f"), _fmt(r["method_share"], ".1%"), syncs,
+             "-" if ratio is None else f"{ratio:.2f}x", _fmt(ref, ".2f"),
+             "-" if ref is None else f"{r['step_ms'] / ref:.2f}x"]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
 
 
@@ -375,12 +479,46 @@ def targets(rows: list[Row], by_key: dict[str, Row]) -> list[tuple[str, bool]]:
     return out
 
 
-def variants(rows: list[Row], tmp: Path, kinds=tuple(VARIANTS)) -> tuple[list[str], list[dict]]:
-    """fp32 against the `kinds` of `VARIANTS` (bf16, torch.compile, lag) for `rows`: table lines and
-    records (ms/step, speed-up over fp32 eager); no table without rows."""
+def speed_targets(rows: list[Row], records: list[dict]) -> list[tuple[str, bool]]:
+    """The GPU-speed targets: each baseline step within REFERENCE_BOUND of its reference step (as the
+    preset runs and in bf16); the first variant preset's baseline under hardware=auto at least
+    AUTO_SPEEDUP times fp32 eager's speed; bf16 and compile never slower than fp32 eager."""
+    out = []
+
+    def line(what: str, value: float | None, need: str, ok: bool) -> None:
+        shown = "n/a" if value is None else f"{value:.2f}x"
+        out.append((f"target {what}: measured {shown}, need {need} -> {'OK' if ok else 'MISS'}", ok))
+
+    by_variant = {(r["key"], r["variant"]): r for r in records}
+    for row in rows:
+        if row.reference is None or row.preset not in VARIANT_PRESETS[:1]:
+            continue
+        for name, result in (("as preset", row.result), ("bf16", by_variant.get((row.key, "bf16"), {}))):
+            ref = result.get("reference_ms")
+            ratio = None if ref is None or "step_ms" not in result else result["step_ms"] / ref
+            line(f"{row.key} ({name}) vs its reference step", ratio, f"<= {REFERENCE_BOUND}x",
+                 ratio is not None and ratio <= REFERENCE_BOUND)  # fmt: skip
+        eager = by_variant.get((row.key, "eager"), {}).get("step_ms")
+        speedup = None if eager is None or "step_ms" not in row.result else eager / row.result["step_ms"]
+        line(f"{row.key} hardware=auto vs fp32 eager", speedup, f">= {AUTO_SPEEDUP}x",
+             speedup is not None and speedup >= AUTO_SPEEDUP)  # fmt: skip
+    for (key, variant), r in by_variant.items():
+        eager = by_variant.get((key, "eager"), {}).get("step_ms")
+        if variant in ("bf16", "compile") and eager is not None and "step_ms" in r:
+            line(f"{key} {variant} vs fp32 eager (speed-up)", eager / r["step_ms"], ">= 1.00x",
+                 eager >= r["step_ms"])  # fmt: skip
+    return out
+
+
+def variants(rows: list[Row], tmp: Path, kinds=FULL_KINDS, steps: int = STEPS,
+             reference_cache: dict | None = None) -> tuple[list[str], list[dict]]:  # fmt: skip
+    """The rows as measured (the preset's hardware) against the `kinds` of `VARIANTS` (fp32 eager, bf16,
+    torch.compile, lag): table lines and records (ms/step, the row's speed over the variant's, and the
+    variant over its own precision's reference step); no table without rows."""
     if not rows:
         return [], []
-    head = ["preset", "method", "fp32 ms/step", *(f"{v} ms/step (speed-up)" for v in kinds)]
+    reference_cache = {} if reference_cache is None else reference_cache
+    head = ["preset", "method", "as preset ms/step", *(f"{v} ms/step (preset's speed-up)" for v in kinds)]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     print("\n".join(lines), flush=True)
     records = []
@@ -391,15 +529,17 @@ def variants(rows: list[Row], tmp: Path, kinds=tuple(VARIANTS)) -> tuple[list[st
             if variant in METHOD_VARIANTS and row.baseline is None:
                 cells.append("n/a (a method option)")
                 continue
-            twin = dataclasses.replace(row, result={})
+            reference = row.reference and {**row.reference, **VARIANT_REFERENCE.get(variant, {})}
+            twin = dataclasses.replace(row, result={}, reference=reference)
             run_rows([twin], tmp, tuple(extra))
+            measure_reference(twin, steps, reference_cache)
             records.append({"key": row.key, "variant": variant, **twin.result})
             if "error" in twin.result:
                 cells.append(f"error: {twin.result['error']}")
             else:
-                ms = twin.result["step_ms"]
+                ms, ref = twin.result["step_ms"], twin.result.get("reference_ms")
                 speedup = _fmt(row.result["step_ms"] / ms if "step_ms" in row.result else None, ".2f")
-                cells.append(f"{ms:.1f} ({speedup}x)")
+                cells.append(f"{ms:.2f} ({speedup}x)" + ("" if ref is None else f", {ms / ref:.2f}x ref"))
         lines.append("| " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
     return lines, records
@@ -442,20 +582,81 @@ def _record_name() -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", f"{device}-{torch.__version__}-{git or 'nogit'}")
 
 
+EPOCH_PRESETS = tuple(p for p in PRESETS if "cifar" in p)  # `--epoch`: the CIFAR-size presets
+SMOKE_KINDS = ("eager", "graph", "bf16")  # --smoke's variant columns (compile's CPU build takes minutes)
+
+
+def _overridden(args: list[str], changes: list[str]) -> list[str]:
+    """`args` with `changes` in place of their keys' earlier values (Hydra refuses a key twice)."""
+    keys = {change.split("=", 1)[0] for change in changes}
+    return [arg for arg in args if arg.split("=", 1)[0] not in keys] + changes
+
+
+def full_epochs(presets: list[str], tmp: Path, smoke: bool) -> list[str]:
+    """`--epoch`: one whole epoch of each preset's method row on generated data of the real dataset's
+    size (--smoke: 2 batches), its evaluation and its checkpoint; table lines of the epoch's, the
+    evaluation's and the checkpoint's seconds."""
+    from runner import train
+    from runner.cli import _compose
+    from runner.data.fake import SHAPES
+
+    head = ["preset", "method", "steps", "epoch s", "training s", "evaluation s", "checkpoint s", "ms/step"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    print("\n".join(lines), flush=True)
+    saves: list[float] = []
+    save = train.Resumable.save
+
+    def timed_save(self, *args, **kwargs):
+        start = time.perf_counter()
+        save(self, *args, **kwargs)
+        saves.append(time.perf_counter() - start)
+
+    train.Resumable.save = timed_save
+    try:
+        for preset in presets:
+            cfg = _compose([f"+experiment={preset}"])
+            n_train, n_test = SHAPES[FAKE_LIKE[cfg.dataset.name]][2:]
+            probe = plan(preset, smoke, 1)[-1]
+            steps = 2 if smoke else n_train // probe.batch
+            row = plan(preset, smoke, steps)[-1]
+            test_size = 64 if smoke else n_test
+            changes = ["train.epochs=1", "train.checkpoint=true", f"dataset.test_size={test_size}"]
+            if cfg.method.task == "hashing":  # by iterations: one pass of the training set for each fit
+                changes += [f"method.iters={steps}", f"method.base_iters={steps}"]
+            saves.clear()
+            run_dir = tmp / f"epoch-{preset}"
+            try:
+                metrics = _run_cli(_overridden(row.args, changes), run_dir)
+                m = next(r for r in metrics if r.get(row.prefix + "epoch") == 1)
+                m = {key.removeprefix(row.prefix): value for key, value in m.items()}
+                cells = [preset, row.method, str(steps), f"{m['time/epoch_s']:.1f}",
+                         f"{m['time/train_s'] + m['time/pass_s']:.1f}", _fmt(m.get("time/eval_s"), ".1f"),
+                         _fmt(saves[-1] if saves else None, ".2f"), f"{m['time/step_ms']:.1f}"]  # fmt: skip
+            except Exception as e:
+                cells = [preset, row.method, str(steps), f"error: {_one_line(e)}"]
+            lines.append("| " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+    finally:
+        train.Resumable.save = save
+    return lines
+
+
 def write_record(out: Path, name: str, full: bool, steps: int, lines: list[str], rows: list[Row],
                  checks: list[tuple[str, bool]], extra: list[str], variant_records: list[dict],
-                 summary: str) -> None:
+                 summary: str, host: dict) -> None:
     """`<out>/<name>.md` (the tables, targets, variants, DDP line) and `.json` (every row): rewritten after
     each preset, so that a run stopped part-way keeps the rows it measured."""
     notes = [f"syncs n/a for {row.key}: runner.device_tracking failed: {row.result['syncs_error']}"
              for row in rows if "syncs_error" in row.result]  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
-    text = [f"# bench_gpu {name}", "", *lines, "", *(t for t, _ in checks), *notes, *extra, "", summary, ""]
+    machine = f"{host['device']}, {host['cpus']} CPUs, host marker {host['host_marker_us']:.2f} us/torch.add"
+    text = [f"# bench_gpu {name}", "", machine, "", *lines, "", *(t for t, _ in checks), *notes, *extra, "",
+            summary, ""]  # fmt: skip
     (out / f"{name}.md").write_text("\n".join(text))
     record = {"name": name, "smoke": not full, "steps": steps, "summary": summary,
               "rows": [{"key": row.key, **dataclasses.asdict(row)} for row in rows],
               "targets": [{"line": t, "ok": met} for t, met in checks], "variants": variant_records,
-              "ddp": extra[-1] if extra else None}  # fmt: skip
+              "ddp": extra[-1] if full and extra else None, **host}  # fmt: skip
     (out / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -466,8 +667,12 @@ def main(argv: list[str] | None = None) -> bool | None:
     parser.add_argument("--only", nargs="+", default=[], help="the presets whose name contains one of these")
     parser.add_argument("--variants", nargs="*", default=list(VARIANT_PRESETS), metavar="PRESET",
                         help="presets also run in bf16 and compiled (none: skip; default %(default)s)")
-    parser.add_argument("--kinds", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+    parser.add_argument("--kinds", nargs="+", default=list(FULL_KINDS), choices=list(VARIANTS),
                         help="the variants' columns (default: %(default)s)")
+    parser.add_argument("--profile", action="store_true",
+                        help="each run's profiled steps as Chrome traces beside the record")
+    parser.add_argument("--epoch", action="store_true",
+                        help="one full epoch of each CIFAR-size preset (with --only: of those chosen)")
     parser.add_argument("--out", type=Path, help="where the record goes (default: results/, or a tmp dir)")
     opts = parser.parse_args([] if argv is None else argv)
     unknown = sorted(set(opts.variants) - set(PRESETS))
@@ -486,8 +691,11 @@ def main(argv: list[str] | None = None) -> bool | None:
     if not cuda:  # tiny batches on a shared CPU: threads that wait for each other lose 10x under load
         torch.set_num_threads(1)
     name = _record_name()
+    marker = host_marker_us()
+    device = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"bench_gpu{'' if full else ' --smoke'} {name}: 2 epochs of {steps} step(s) per run on generated "
-          "data, the second measured", flush=True)  # fmt: skip
+          f"data, the second measured; {device}, {os.cpu_count()} CPUs, host marker {marker:.2f} us per "
+          "torch.add", flush=True)  # fmt: skip
     lines = ["| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
     print("\n".join(lines), flush=True)
     rows: list[Row] = []
@@ -495,7 +703,11 @@ def main(argv: list[str] | None = None) -> bool | None:
     checks, extra, variant_records = [], [], []
 
     def record(summary: str) -> None:
-        write_record(out, name, full, steps, lines, rows, checks, extra, variant_records, summary)
+        host = {"device": device, "cpus": os.cpu_count(), "host_marker_us": marker}
+        write_record(out, name, full, steps, lines, rows, checks, extra, variant_records, summary, host)
+
+    references: dict = {}
+    traces = out if opts.profile else None
 
     try:
         with tempfile.TemporaryDirectory(prefix="bench_gpu-runs-") as tmp:
@@ -505,8 +717,9 @@ def main(argv: list[str] | None = None) -> bool | None:
                 except Exception as e:
                     planned = [Row(preset, "-", [], 0, result={"error": _one_line(e)})]
                 else:
-                    run_rows(planned, Path(tmp))
+                    run_rows(planned, Path(tmp), traces=traces)
                 for row in planned:
+                    measure_reference(row, steps, references)
                     rows.append(row)
                     by_key[row.key] = row
                     lines.append(table_line(row, by_key))
@@ -515,15 +728,28 @@ def main(argv: list[str] | None = None) -> bool | None:
             checks = targets(rows, by_key) if full else []
             for text, _ in checks:
                 print(text, flush=True)
+            print()
             if full:
-                print()
                 chosen = [row for row in rows if row.preset in opts.variants]
-                variant_lines, variant_records = variants(chosen, Path(tmp), opts.kinds)
+                kinds = opts.kinds
+            else:  # in miniature: the first variant preset's baseline, the columns a CPU builds quickly
+                chosen = [row for row in rows if row.preset in VARIANT_PRESETS[:1] and row.reference][:1]
+                kinds = SMOKE_KINDS
+            variant_lines, variant_records = variants(chosen, Path(tmp), kinds, steps, references)
+            speed = speed_targets(rows, variant_records) if full else []
+            for text, _ in speed:
+                print(text, flush=True)
+            checks += speed
+            extra = ["", *variant_lines] if variant_lines else []
+            if opts.epoch:
+                epoch_presets = [p for p in EPOCH_PRESETS if p in presets]
+                extra += ["", *full_epochs(epoch_presets, Path(tmp), not full)]
+            if full:
                 try:
                     ddp = ddp_scaling(rows, Path(tmp))
                 except Exception as e:  # the rows' record is written whatever happens here
                     ddp = f"DDP scaling: error: {_one_line(e)}"
-                extra = ["", *variant_lines, "", ddp] if variant_lines else ["", ddp]
+                extra += ["", ddp]
                 print(ddp)
     finally:
         torch.set_num_threads(threads)

@@ -439,6 +439,7 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
         precision=cfg.hardware.precision,
         channels_last=cfg.hardware.channels_last,
         compile=cfg.hardware.compile,
+        cuda_graph=cfg.hardware.cuda_graph,
         sync_bn=cfg.hardware.sync_bn,
         rank=rank,
         world_size=world_size,

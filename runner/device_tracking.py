@@ -3,7 +3,8 @@
 `DeviceTracker` is a `torch.overrides.TorchFunctionMode`: every tensor is "on the device" or "on the
 host", the tag following each op (device if any input is on the device; a factory's `device=`; `.to`,
 `.cpu()`), and the device is a stand-in (`STAND_IN`, a CPU device with an index, so that `tensor.device`
-and `device=` arguments still name it). Counted, per phase (`train`, `epoch_start`, `eval`, `other`):
+and `device=` arguments still name it). Counted, per phase (`train`, `captured`, `epoch_start`, `eval`,
+`other`):
 
     sync      an op that would block the host until the device is done: `item`, `tolist`,
               `float`/`int`/`bool` of a device tensor, a device -> host copy, `nonzero`, `unique`,
@@ -11,6 +12,8 @@ and `device=` arguments still name it). Counted, per phase (`train`, `epoch_star
               (`.to(device)` without `non_blocking=True`, `torch.tensor(data, device=...)`)
     mix       an op with device and host tensor inputs (a CUDA error; 0-dim host tensors are allowed)
     numpy     `.numpy()` of a device tensor (a CUDA error)
+    host      (in `captured`, what a CUDA graph replays) a tensor made on the host: its first value
+              would be replayed every step
 
 Tensors the tracker did not see made (autograd's gradients, module parameters) are on the device.
 `python -m runner.device_tracking OVERRIDES... [--json PATH]` runs the CLI under the tracker with the
@@ -32,6 +35,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 STAND_IN = torch.device("cpu", 0)
+CAPTURED = "captured"  # the phase of `train.captured_region`, what a CUDA graph replays
 TAG = "_on_device"  # the attribute that holds a tensor's tag (absent: made out of sight, so on the device)
 
 T = torch.Tensor
@@ -103,6 +107,7 @@ class DeviceTracker(TorchFunctionMode):
         self.sites: Counter = Counter()
         self.phase = "other"
         self.steps = 0
+        self.entered: Counter = Counter()  # calls of each wrapped phase (`tracking`)
 
     @contextlib.contextmanager
     def in_phase(self, name: str):
@@ -151,14 +156,25 @@ class DeviceTracker(TorchFunctionMode):
             if device is not None:
                 if func in _FROM_DATA and _is_stand_in(device) and not (tensors and on_device):
                     self.count("sync", f"{name}(host data, device=...)")
-                return _tag(out, _is_stand_in(device))
+                return self.made(out, _is_stand_in(device), name)
             if func in _FACTORIES and func not in _FROM_DATA:
-                return _tag(out, False)
+                return self.made(out, False, name)
         if tensors:
             _tag(out, bool(on_device))
         elif func in _FROM_DATA:
-            _tag(out, False)
+            self.made(out, False, name)
         return out
+
+    def made(self, out, on_device: bool, name: str):
+        """`out`, a tensor a factory made, tagged; one made on the host inside a captured region counted
+        (`host`): a CUDA graph would replay its first value."""
+        if not on_device and self.phase == CAPTURED:
+            self.count("host", name)
+        return _tag(out, on_device)
+
+    def train_syncs(self) -> int:
+        """The syncs of the training steps, a captured region's included."""
+        return sum(self.counts[phase]["sync"] for phase in ("train", CAPTURED) if phase in self.counts)
 
     def _to(self, func, args, kwargs, name):
         src, non_blocking = args[0], kwargs.get("non_blocking", False)
@@ -208,8 +224,9 @@ class DeviceTracker(TorchFunctionMode):
         steps = max(self.steps, 1)
         return {
             "steps": self.steps,
+            "entered": dict(self.entered),
             "counts": {phase: dict(c) for phase, c in self.counts.items()},
-            "syncs_per_step": self.counts["train"]["sync"] / steps,
+            "syncs_per_step": self.train_syncs() / steps,
             "sites": [f"{n} x {phase} {kind}: {what}" for (phase, kind, what), n in self.sites.most_common()],
         }
 
@@ -219,6 +236,7 @@ def _in_phase(tracker: DeviceTracker, name: str, fn, counts_step: bool = False):
     def wrapped(*args, **kwargs):
         if counts_step:
             tracker.steps += 1
+        tracker.entered[name] += 1
         with tracker.in_phase(name):
             return fn(*args, **kwargs)
 
@@ -237,6 +255,7 @@ def tracking():
         (hardware, "setup"): hardware.setup,
         (hardware, "is_accelerator"): hardware.is_accelerator,
         (train, "train_step"): train.train_step,
+        (train, "captured_region"): train.captured_region,
         (train, "train_one_epoch"): train.train_one_epoch,
         (train, "epoch_start"): train.epoch_start,
         (train, "evaluate_all"): train.evaluate_all,
@@ -249,12 +268,13 @@ def tracking():
         return STAND_IN, rank, world_size
 
     from_numpy = torch.from_numpy  # a factory the mode does not see: its tensors are host tensors
-    torch.from_numpy = lambda array: _tag(from_numpy(array), False)
+    torch.from_numpy = lambda array: tracker.made(from_numpy(array), False, "from_numpy")
     saved[(torch, "from_numpy")] = from_numpy
     hardware.setup = setup
     accelerated = saved[(hardware, "is_accelerator")]
     hardware.is_accelerator = lambda device: _is_stand_in(device) or accelerated(device)
     train.train_step = _in_phase(tracker, "train", train.train_step, counts_step=True)
+    train.captured_region = _in_phase(tracker, CAPTURED, train.captured_region)
     train.train_one_epoch = _in_phase(tracker, "train", train.train_one_epoch)
     train.epoch_start = _in_phase(tracker, "epoch_start", train.epoch_start)
     train.evaluate_all = _in_phase(tracker, "eval", train.evaluate_all)

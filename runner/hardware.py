@@ -36,6 +36,12 @@ def auto_precision(device: str) -> str:
     return "bf16" if device == "cuda" and torch.cuda.get_device_capability()[0] >= 8 else "fp32"
 
 
+def auto_fast_step(device: str) -> bool:
+    """hardware=auto's channels_last and whole-step CUDA graph on `device`: on where the GPU computes in
+    bf16 (compute capability 8 and later), the cards `make bench-gpu` measured them faster on; else off."""
+    return auto_precision(device) == "bf16"
+
+
 def auto_workers(device: str) -> int:
     """hardware=auto's DataLoader workers on `device`: on CUDA one per core this process may use but its
     own, at most 8 (gpu.yaml's; past that decoding outpaces the GPU); none on the CPU, whose cores train."""
@@ -48,6 +54,7 @@ def auto_workers(device: str) -> int:
 OmegaConf.register_new_resolver("auto.device", auto_device)
 OmegaConf.register_new_resolver("auto.precision", auto_precision)
 OmegaConf.register_new_resolver("auto.workers", auto_workers)
+OmegaConf.register_new_resolver("auto.fast_step", auto_fast_step)
 
 
 def is_accelerator(device: torch.device) -> bool:
@@ -105,7 +112,8 @@ class RunContext:
         return self.world_size > 1
 
     channels_last: bool = False  # image batches and conv weights in NHWC
-    compile: bool = False  # torch.compile the network's training forward
+    compile: str = "false"  # a torch.compile mode (schema.COMPILE_MODES) for the training step, or "false"
+    cuda_graph: bool = False  # replay a capturable training step as one CUDA graph (`train.GraphedStep`)
     sync_bn: bool = False  # under DDP, batch-norm statistics over the global batch
     info: dict = field(default_factory=dict)  # facts for summary.json (the model's parameter count)
 
@@ -148,11 +156,19 @@ class RunContext:
         """Loss scaling, on for fp16 only (bf16 has fp32's exponent range and needs none)."""
         return torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
 
-    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
+    @property
+    def fused_optimizer(self) -> bool:
+        """Whether optimizers run as fused kernels: on CUDA (one kernel for every parameter, a tensor lr
+        without a host read, so the step can be captured) and for a captured step anywhere (the CPU runs
+        it eagerly in the tests); a CPU run otherwise keeps foreach, its recorded numbers."""
+        return self.device.type == "cuda" or self.cuda_graph
+
+    def prepare(self, model: torch.nn.Module, compile_network: bool = True) -> torch.nn.Module:
         """Move `model` to the device (channels-last if asked; batch norm synchronised over CUDA ranks with
         `sync_bn`); return the network to train through: wrapped in DistributedDataParallel under DDP,
-        then compiled if asked (PyTorch's order: the compiled graph breaks at DDP's gradient buckets, so
-        their all-reduce overlaps the backward). Hooks keep using `model`."""
+        then compiled in `compile`'s mode if asked and `compile_network` (False: the caller compiles the
+        whole training step instead) (PyTorch's order: the compiled graph breaks at DDP's gradient
+        buckets, so their all-reduce overlaps the backward). Hooks keep using `model`."""
         model.to(self.device)
         if self.channels_last:
             model.to(memory_format=torch.channels_last)
@@ -168,7 +184,13 @@ class RunContext:
                 torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # the same parameters and buffers
             ids = [self.device.index] if self.device.type == "cuda" else None
             net = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-        return torch.compile(net) if self.compile else net
+        return self.compiled(net) if compile_network else net
+
+    def compiled(self, fn):
+        """`fn` (a network or a function) under torch.compile in `compile`'s mode; as it is at "false"."""
+        if self.compile == "false":
+            return fn
+        return torch.compile(fn, mode=None if self.compile == "default" else self.compile)
 
     def to_input(self, x: torch.Tensor) -> torch.Tensor:
         """A batch moved to the device, in the memory format the model expects."""

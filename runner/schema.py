@@ -175,13 +175,17 @@ def model_config(node: DictConfig) -> ModelConfig:
     return _to_schema(node, _group_schema("model", node.name), "model")
 
 
+COMPILE_MODES = ("false", "default", "reduce-overhead", "max-autotune")
+
+
 @dataclass
 class HardwareConfig:
     name: str = "cpu"
     device: str = "cpu"
     precision: str = "fp32"  # fp32 | fp16 (autocast + grad scaler) | bf16 (autocast, no scaler)
     channels_last: bool = False
-    compile: bool = False  # torch.compile of the model's training forward
+    compile: str = "false"  # false | default | reduce-overhead | max-autotune: torch.compile's mode
+    cuda_graph: bool = False  # replay a capturable training step as one CUDA graph
     sync_bn: bool = False  # under DDP: batch norm over the global batch (per-GPU batches below ~16)
     distributed: bool = False
     deterministic: bool = False
@@ -191,6 +195,10 @@ class HardwareConfig:
     def __post_init__(self):
         check_choice("hardware.device", self.device, ("cpu", "cuda"))
         check_choice("hardware.precision", self.precision, ("fp32", "fp16", "bf16"))
+        # YAML's false / true arrive as "False" / "True": off, and torch.compile's default mode
+        yaml_bools = {"False": "false", "True": "default", "true": "default"}
+        self.compile = yaml_bools.get(self.compile, self.compile)
+        check_choice("hardware.compile", self.compile, COMPILE_MODES)
         check_range("hardware.threads", self.threads, 0)
         check_range("hardware.num_workers", self.num_workers, 0)
 
@@ -245,7 +253,9 @@ class TrainConfig:
     # force resumes it even when the config differs from the run dir's config.yaml (see runner/rundir.py).
     resume: str = "auto"
     progress: bool = True  # false: no progress bar and no per-epoch lines (the metrics are still logged)
-    accumulate: int = 1  # micro-batches per optimizer step (train.batch_size stays the step's batch)
+    # micro-batches per optimizer step (train.batch_size stays the step's batch); auto: the fewest that fit
+    # the GPU, probed once at the start (`runner.train.micro_batches`)
+    accumulate: Any = 1
     clip_grad_norm: float = 0.0  # bound on the gradients' total norm (0: off); logs train/grad_norm
     ema: float = 0.0  # decay of an exponential moving average of the weights, evaluated beside them (0: off)
     eval_every: int = 1  # evaluate every this many epochs (and at the last)
@@ -270,7 +280,10 @@ class TrainConfig:
         check_range("train.gamma", self.gamma, 0.0, 1.0, lo_open=True)
         check_range("train.checkpoint_every_minutes", self.checkpoint_every_minutes, 0.0)
         check_choice("train.resume", self.resume, RESUME_MODES)
-        check_range("train.accumulate", self.accumulate, 1)
+        if self.accumulate != "auto":
+            if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int):
+                raise ConfigError(f"train.accumulate={self.accumulate!r}: give a whole number >= 1, or auto")
+            check_range("train.accumulate", self.accumulate, 1)
         check_range("train.clip_grad_norm", self.clip_grad_norm, 0.0)
         check_range("train.ema", self.ema, 0.0, 1.0, hi_open=True)
         check_range("train.eval_every", self.eval_every, 1)

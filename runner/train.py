@@ -83,13 +83,25 @@ def decay_groups(model) -> list[dict]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def make_optimizer(model, cfg):
+def make_optimizer(model, cfg, fused: bool = False):
+    """`train.optimizer` over `model`'s parameters; `fused`: one kernel for all of them (CUDA's fast path,
+    and a tensor lr without a host read, which a captured step needs)."""
     params = model.parameters() if cfg.bn_weight_decay else decay_groups(model)
+    kernel = {"fused": True} if fused else {}
     if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kernel)
     return torch.optim.SGD(
-        params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay
+        params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
+        **kernel,
     )
+
+
+def set_lr(group: dict, lr: float) -> None:
+    """An optimizer group's lr, written in place where it is a tensor (a captured step reads it there)."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
 
 
 def make_scheduler(optimizer, cfg):
@@ -145,7 +157,7 @@ class Phases:
     def set_lr(self, optimizer, epoch: int, step: int, steps: int) -> None:
         lr = self.lr(epoch, step, steps)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            set_lr(group, lr)
 
 
 def _on_device(split: Split, device: torch.device) -> torch.Tensor:
@@ -477,9 +489,19 @@ class Step:
     skipped: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None  # [sum, count]
     hook_net: torch.nn.Module | None = None  # what the transform runs its own passes (saliency) through
+    step_fn: object = None  # eager_step, or its torch.compile'd twin (set by _Loop)
+    graphed: GraphedStep | None = None  # the step captured as one CUDA graph (hardware.cuda_graph)
 
 
 def train_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
+    """One training step: replayed from its CUDA graph (`s.graphed`), or run by `s.step_fn` (`eager_step`,
+    compiled where asked); the batch's mean loss, on the device."""
+    if s.graphed is not None:
+        return s.graphed(x, idx, epoch)
+    return s.step_fn(s, x, idx, epoch)
+
+
+def eager_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
     """batch -> transform -> loss -> backward (per micro-batch) -> clip -> optimizer step -> EMA;
     returns the batch's mean loss, detached, on the device (nothing here waits for the device)."""
     s.optimizer.zero_grad(set_to_none=True)
@@ -505,6 +527,81 @@ def train_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch
     if s.ema is not None:
         s.ema.update_parameters(s.model)
     return total / s.accumulate
+
+
+def captured_region(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
+    """What `GraphedStep` captures: the step on its static inputs (`runner.device_tracking` counts what
+    runs here: no host read and no host-made tensor may, or the replays would repeat stale values)."""
+    return s.step_fn(s, x, idx, epoch)
+
+
+def not_capturable(s: Step, hooks) -> str | None:
+    """Why the step of this fit cannot be captured as one CUDA graph, or None when it can: every step
+    must run the same device work on the same memory, with no host read or host-made value inside."""
+    ctx = s.ctx
+    if ctx.distributed:
+        return "DDP's gradient buckets are not captured"
+    if s.scaler.is_enabled():
+        return "fp16 loss scaling skips steps on the host's word"
+    if s.ema is not None:
+        return "the weights' EMA reads its count on the host"
+    if ctx.compile == "reduce-overhead":
+        return "torch.compile's reduce-overhead mode captures graphs of its own"
+    if hooks is not None and not getattr(hooks, "capturable", False):
+        return f"the method's hooks ({type(hooks).__name__}) read the host or draw host randomness in a step"
+    if not all(group.get("fused") for group in s.optimizer.param_groups):
+        return "the method's optimizer is not fused (its lr would be read on the host)"
+    return None
+
+
+class GraphedStep:
+    """`captured_region` captured as one CUDA graph and replayed each step: one launch for the network's
+    forward, backward, loss and optimizer step, where the eager step launches hundreds from Python.
+
+    The batch is copied into static buffers before each replay; the lr lives in a tensor on the device
+    (`set_lr` and the schedulers write it in place), so the schedules hold. Each batch shape is first run
+    `WARMUP` times eagerly on a side stream (cuDNN's autotuning, the optimizer's lazy state), then
+    captured: a new shape (a training phase's) is captured anew. Off CUDA nothing is captured and the
+    same region runs eagerly, which is how the CPU tests follow it."""
+
+    WARMUP = 3
+
+    def __init__(self, s: Step):
+        self.s, self.cuda = s, s.ctx.device.type == "cuda"
+        for group in s.optimizer.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), device=s.ctx.device)
+        self.graph = self.pool = self.shape = None
+        self.warm: dict[tuple, int] = {}
+
+    def __call__(self, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
+        if not self.cuda:
+            return captured_region(self.s, x, idx, epoch)
+        shape = (x.shape, x.stride(), x.dtype, idx.shape)
+        if self.warm.get(shape, 0) < self.WARMUP:
+            self.warm[shape] = self.warm.get(shape, 0) + 1
+            side = torch.cuda.Stream(self.s.ctx.device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = captured_region(self.s, x, idx, epoch)
+            torch.cuda.current_stream().wait_stream(side)
+            return loss
+        if shape != self.shape:
+            self.capture(x, idx, epoch, shape)
+        else:
+            self.x.copy_(x, non_blocking=True)
+            self.idx.copy_(idx, non_blocking=True)
+        self.graph.replay()
+        return self.loss.clone()
+
+    def capture(self, x, idx, epoch: int, shape: tuple) -> None:
+        self.graph = None  # the last shape's graph: its memory back to the pool
+        self.x, self.idx, self.shape = x.clone(), idx.clone(), shape
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            self.loss = captured_region(self.s, self.x, self.idx, epoch)
+        self.pool = self.graph.pool()
+        log.info("training step captured as one CUDA graph (batch %s)", tuple(x.shape))
 
 
 def _loss(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
@@ -626,6 +723,8 @@ def fit(
     past its checkpoint. With `hooks.select = (key, "max" | "min")` the model is evaluated before the
     first epoch too, the weights of the best value of `key` are kept (in the checkpoint as well) and
     restored at the end, and the returned metrics are those of the restored model."""
+    if cfg.accumulate == "auto":
+        cfg.accumulate = micro_batches(model, data.input_shape, cfg, ctx, hooks)
     # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
     # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
     for key, size in [("train.batch_size", cfg.batch_size)] + [
@@ -772,6 +871,66 @@ class Monitor:
         return {"best_epoch": self.best_epoch, f"best/{self.key}": self.best_value}
 
 
+# train.accumulate=auto: the share of the GPU's memory a probe's forward and backward may peak at, leaving the
+# rest to what the probe lacks (the optimizer's state, a method's extra passes, the allocator's slack)
+PROBE_HEADROOM = 0.8
+
+
+def fits_in_memory(model, input_shape: tuple, batch: int, ctx: RunContext) -> tuple[bool, float]:
+    """Whether a forward and backward of `model` on `batch` random inputs peaks within PROBE_HEADROOM of the
+    GPU's memory, and that peak in GB; the model's weights and batch-norm statistics are left as they were.
+    Off CUDA there is nothing to measure: (True, 0)."""
+    if ctx.device.type != "cuda":
+        return True, 0.0
+    saved = {key: value.clone() for key, value in model.state_dict().items()}
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    try:
+        with ctx.autocast():
+            out = model(ctx.to_input(torch.randn(batch, *input_shape, device=ctx.device)))
+        out.float().sum().backward()
+        peak = torch.cuda.max_memory_allocated(ctx.device)
+        fits = peak <= PROBE_HEADROOM * torch.cuda.get_device_properties(ctx.device).total_memory
+    except torch.OutOfMemoryError:
+        peak, fits = torch.cuda.max_memory_allocated(ctx.device), False
+    finally:
+        out = None
+        model.zero_grad(set_to_none=True)
+        model.load_state_dict(saved)
+        torch.cuda.empty_cache()
+    return fits, peak / 2**30
+
+
+def micro_batches(model, input_shape: tuple, cfg, ctx: RunContext, hooks) -> int:
+    """train.accumulate=auto: the fewest micro-batches per step whose share of this rank's largest batch
+    (train.batch_size, or a phase's) fits the GPU (`fits_in_memory`), among those that divide every
+    batch; 1 off an accelerator. A method that needs its whole batch in one pass and does not fit stops
+    with one line naming what would (a smaller batch, or DDP over enough GPUs)."""
+    sizes = [cfg.batch_size] + [phase.batch_size for phase in cfg.phases]
+    if not ctx.accelerator:
+        return 1
+    model.to(ctx.device)
+    batch = max(sizes) // ctx.world_size
+    dividing = [k for k in range(1, batch + 1) if all(size % (ctx.world_size * k) == 0 for size in sizes)]
+    splits = _splits_batches(hooks)
+    for k in dividing:
+        fits, peak = fits_in_memory(model, input_shape, batch // k, ctx)
+        if fits and (splits or k == 1):
+            if ctx.is_main:
+                log.info("train.accumulate=auto: %d micro-batch%s of %d per step (a probe peaked at %.1f GB)",
+                         k, "es" if k > 1 else "", batch // k, peak)  # fmt: skip
+            return k
+        if fits:  # a method that cannot split: a share of k GPUs would fit
+            raise ConfigError(
+                f"train.accumulate=auto: a batch of {batch} does not fit this GPU and this method needs "
+                f"each whole batch in one pass; lower train.batch_size, or spread it with hardware=ddp over "
+                f"{k * ctx.world_size} GPUs (a share of {batch // k} fits)"
+            )
+    raise ConfigError(
+        f"train.accumulate=auto: not even {batch // dividing[-1]} input(s) per pass fit this GPU; lower "
+        "train.batch_size or the network's size, or use hardware.precision=bf16"
+    )
+
+
 def _splits_batches(hooks) -> bool:
     """Whether `train.accumulate` may split a batch into micro-batches: plain training, or a method whose
     batch transform, loss and sampler add up over them (`hooks.accumulate_ok`)."""
@@ -787,11 +946,13 @@ class _Loop:
         make_optimizers = getattr(hooks, "optimizer", None)
         self.warmup = make_optimizers is None  # the config's optimizer, schedule and warm-up
         if self.warmup:
-            optimizer = make_optimizer(model, cfg)
+            optimizer = make_optimizer(model, cfg, fused=ctx.fused_optimizer)
             scheduler, per_step = make_scheduler(optimizer, cfg), False
         else:
             optimizer, scheduler, per_step = make_optimizers(model)
-        net = ctx.prepare(model)
+        # torch.compile takes the whole step where the method's hooks run device work alone; else the network
+        whole_step = ctx.compile != "false" and (hooks is None or getattr(hooks, "capturable", False))
+        net = ctx.prepare(model, compile_network=not whole_step)
         ema = None
         if cfg.ema:  # on the device beside the model, buffers (batch-norm statistics) averaged too
             multi_avg_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema)
@@ -804,8 +965,15 @@ class _Loop:
             torch.zeros(2, device=ctx.device),
             # the transform's passes through the compiled network, but not through DDP (whose gradient
             # hooks expect one backward per forward): under DDP a compiled twin of the model
-            net if not ctx.distributed else torch.compile(model) if ctx.compile else model,
+            net if not ctx.distributed else ctx.compiled(model),
+            step_fn=ctx.compiled(eager_step) if whole_step else eager_step,
         )  # fmt: skip
+        if ctx.cuda_graph:
+            why = not_capturable(self.step, hooks)
+            if why is None:
+                self.step.graphed = GraphedStep(self.step)
+            elif ctx.is_main:
+                log.info("hardware.cuda_graph: the training step runs eagerly: %s", why)
         # The linear warm-up, per step: lr x (t + 1) / (W + 1) for steps t < W, times the epoch schedule
         # (both schedulers are multiplicative, so they compose); its state travels in the checkpoint.
         self.warmup_lr = None
@@ -859,11 +1027,14 @@ class _Loop:
         if not s.per_step:
             s.scheduler.step()
         train_loss = all_reduce_sum(loss_sum.reshape(1)).item() / (steps * ctx.world_size)
-        metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": s.optimizer.param_groups[0]["lr"]}
+        lr = float(s.optimizer.param_groups[0]["lr"])  # a tensor for a captured step
+        metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": lr}
         metrics.update(self._step_stats(scale))
         self.stage = "evaluation"
+        t_eval = time.perf_counter()
         evaluated, calibration = self._evaluate(epoch)
         metrics.update(evaluated)
+        metrics["time/eval_s"] = time.perf_counter() - t_eval
         if getattr(self.data.train, "bad_images", None) == "skip":  # files replaced in the epoch's passes
             skipped = torch.tensor([UNREADABLE.take()], device=ctx.device)
             metrics["data/bad_images"] = int(all_reduce_sum(skipped).item())
@@ -1009,14 +1180,16 @@ def _follow_config(optimizer, scheduler, cfg) -> None:
         reference.step()
     keys = ("base_lrs", "T_max", "eta_min", "milestones", "gamma")
     # group by group: under train.bn_weight_decay=false the second group has no weight decay
-    wanted = [{k: g[k] for k in stand_in.defaults if k != "lr"} | {"initial_lr": cfg.lr}
+    kernel_keys = ("lr", "fused", "foreach")  # the stand-in's kernels are not the config's to follow
+    wanted = [{k: g[k] for k in stand_in.defaults if k not in kernel_keys} | {"initial_lr": cfg.lr}
               for g in stand_in.param_groups]  # fmt: skip
     pairs = list(zip(optimizer.param_groups, wanted))
     same = all(g.get(k) == v for g, w in pairs for k, v in w.items())
     if same and all(scheduler.state_dict().get(k) == reference.state_dict().get(k) for k in keys):
         return
     for group, w in pairs:
-        group.update(w, lr=reference.get_last_lr()[0])
+        group.update(w)
+        set_lr(group, reference.get_last_lr()[0])
     scheduler.load_state_dict(reference.state_dict())
     log.info("resumed with the config's optimizer settings and schedule: lr %g at epoch %d",
              reference.get_last_lr()[0], epoch + 1)  # fmt: skip

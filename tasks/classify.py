@@ -40,9 +40,12 @@ def run(cfg, ctx) -> dict:
     add_val_boxes(data, cfg.dataset.imagenet_boxes)  # read before training: a bad file fails at once
     model = build_model(cfg.model, data.input_shape, data.num_classes)
     method = cfg.get("method")
-    if method is not None and method.name == "manifold_mixup" and cfg.hardware.compile:
+    if method is not None and method.name == "manifold_mixup" and cfg.hardware.compile != "false":
         # its forward hooks, added after the first compiled call, would be skipped by the compiled graph
-        raise ConfigError("method=manifold_mixup does not run with hardware.compile=true; set it to false")
+        raise ConfigError(
+            f"method=manifold_mixup does not run with hardware.compile={cfg.hardware.compile}; "
+            "set it to false"
+        )
     if method is not None and any(method.name == c.name for c in MIXUP):
         why = f"method={method.name} (it mixes inputs of a batch)"
         train = cfg.train

@@ -31,7 +31,7 @@ def _record(folder: Path) -> dict:
 
 def test_smoke_runs_every_preset_and_its_baseline_and_records_them_outside_the_repo(bench, tmp_path, capsys):
     before = sorted((ROOT / "benchmarks" / "results").iterdir())
-    ok = bench.main(["--smoke", "--out", str(tmp_path)])
+    ok = bench.main(["--smoke", "--epoch", "--out", str(tmp_path)])
     record = _record(tmp_path)
     rows = record["rows"]
     assert {row["key"]: row["result"]["error"] for row in rows if "error" in row["result"]} == {}
@@ -41,7 +41,18 @@ def test_smoke_runs_every_preset_and_its_baseline_and_records_them_outside_the_r
     assert all(row["baseline"] == rows[i - 1]["key"] for i, row in enumerate(rows) if i % 2)  # pairs
     printed = capsys.readouterr().out
     assert all(f"| {row['preset']} | {row['method']} |" in printed for row in rows)
-    assert (tmp_path / f"{record['name']}.md").read_text().count("\n| ") == 1 + len(rows)  # head, rows
+    md = (tmp_path / f"{record['name']}.md").read_text()
+    epochs = [line for line in md.splitlines() if line.startswith("| ") and line.endswith(" |")][-8:]
+    # the table's head and rows, the variants' head and row, the full epochs' head and rows
+    assert md.count("\n| ") == 1 + len(rows) + 2 + 1 + len(bench.EPOCH_PRESETS)
+    # the baselines' hand-written reference steps, the variants in miniature, one epoch of each CIFAR preset
+    assert all(row["result"]["reference_ms"] > 0 for row in rows if row["reference"])
+    assert sum(row["reference"] is not None for row in rows) == 11  # hashing's embedding nets have none
+    assert [v["variant"] for v in record["variants"]] == list(bench.SMOKE_KINDS)
+    assert all(v["step_ms"] > 0 and v["reference_ms"] > 0 for v in record["variants"])
+    assert [line.split(" | ")[0][2:] for line in epochs] == list(bench.EPOCH_PRESETS)
+    assert not any("error" in line for line in epochs), epochs
+    assert record["host_marker_us"] > 0
     assert sorted((ROOT / "benchmarks" / "results").iterdir()) == before
 
 
@@ -85,7 +96,7 @@ def test_variants_name_presets(bench, capsys):
 def test_variants_run_only_the_kinds_asked_and_no_method_option_on_a_baseline(bench, tmp_path, monkeypatch):
     ran = []
 
-    def run_rows(rows, tmp, extra):
+    def run_rows(rows, tmp, extra, traces=None):
         ran.append(extra)
         rows[0].result["step_ms"] = 5.0
 
@@ -94,8 +105,8 @@ def test_variants_run_only_the_kinds_asked_and_no_method_option_on_a_baseline(be
     method = bench.Row("p", "comixup", [], 8, baseline=base.key, result={"step_ms": 10.0})
     lines, records = bench.variants([base, method], tmp_path, ("lag",))
     assert ran == [tuple(bench.VARIANTS["lag"])]
-    assert lines[0] == "| preset | method | fp32 ms/step | lag ms/step (speed-up) |"
-    assert lines[2:] == ["| p | erm | 4.0 | n/a (a method option) |", "| p | comixup | 10.0 | 5.0 (2.00x) |"]
+    assert lines[0] == "| preset | method | as preset ms/step | lag ms/step (preset's speed-up) |"
+    assert lines[2:] == ["| p | erm | 4.0 | n/a (a method option) |", "| p | comixup | 10.0 | 5.00 (2.00x) |"]
     assert records == [{"key": "p comixup", "variant": "lag", "step_ms": 5.0}]
     assert bench.variants([], tmp_path, ("lag",)) == ([], [])
 
@@ -115,7 +126,7 @@ def test_a_run_the_tracking_harness_breaks_runs_again_without_it(bench, tmp_path
         f"syncs n/a for pwc_cifar10 {method}: {failed}" for method in ("pwc random", "pwc ctrans")
     ]
     (line,) = [line for line in lines if line.startswith("| pwc_cifar10 | pwc random |")]
-    assert line.endswith("| n/a | - |")
+    assert " | n/a | - | " in line  # syncs n/a, no baseline; then its reference step
     assert all(row["result"]["step_ms"] > 0 for row in _record(tmp_path)["rows"])
 
 

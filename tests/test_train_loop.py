@@ -195,7 +195,7 @@ class SeesTheNetwork:
 def test_the_transform_runs_through_the_compiled_network(tmp_path):
     hooks = SeesTheNetwork()
     model_cfg, train_cfg, ctx = setup(tmp_path, "train.epochs=1", "train.batch_size=50")
-    ctx.compile = True
+    ctx.compile = "default"
     fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx, hooks)
     assert hooks.seen == ["OptimizedModule"] * 2  # a saliency pass gets the compiled speed-up too
 

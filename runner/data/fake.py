@@ -1,6 +1,8 @@
-"""`dataset=fake`: random images of a real dataset's shape, generated on the fly (benchmarks, GPU smoke
-checks without files). `dataset.like` names the shape: classes, image side and split sizes. They take a
-file-backed split's path: uint8 images from DataLoader workers, normalised on the device by `decode`.
+"""`dataset=fake`: random images of a real dataset's shape (benchmarks, GPU smoke checks without files).
+`dataset.like` names the shape: classes, image side and split sizes. They take a file-backed split's path,
+uint8 images generated on the fly by DataLoader workers, or with `dataset.in_memory=true` CIFAR's: one
+uint8 tensor sliced on the device (`make bench-gpu` takes the real dataset's path); either way
+normalised on the device by `decode`.
 
     runner dataset=fake dataset.like=imagenet model=resnet50 hardware=gpu +debug=smoke
 """
@@ -12,11 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runner.data import Data, register_dataset
+from runner.data import Data, Split, register_dataset
 from runner.data.files import IMAGENET_STATS, normalized
 from runner.schema import DatasetConfig, check_choice, check_range
 
 # like -> (classes, image side, train size, test size) of the real dataset
+IN_MEMORY = ("cifar10", "cifar100")  # the real datasets a run holds in memory
 SHAPES = {
     "cifar10": (10, 32, 50_000, 10_000),
     "cifar100": (100, 32, 50_000, 10_000),
@@ -30,6 +33,7 @@ class FakeConfig(DatasetConfig):
     like: str = "cifar100"
     train_size: int = 0  # 0: the real dataset's
     test_size: int = 0
+    in_memory: bool = False  # one uint8 tensor sliced on the device, as CIFAR's real splits
 
     def __post_init__(self):
         super().__post_init__()
@@ -84,4 +88,13 @@ def fake(cfg, rng) -> Data:
     shape = (3, side, side)
     train = FakeSplit(np.arange(n_train), classes, shape, seed)
     test = FakeSplit(np.arange(n_train, n_train + n_test), classes, shape, seed)
+    if cfg.in_memory:
+        train, test = _in_memory(train), _in_memory(test)
     return Data(train, test.subset([]), test, classes, shape, meta={"normalize": IMAGENET_STATS})
+
+
+def _in_memory(split: FakeSplit) -> Split:
+    """The split's images generated at once into one uint8 tensor (CIFAR's in-memory layout)."""
+    g = torch.Generator().manual_seed(split.seed * 10_000_019 + int(split.ids[0]) if len(split) else 0)
+    x = torch.randint(0, 256, (len(split), *split.shape), generator=g, dtype=torch.uint8)
+    return Split(x, split.y, split.y_clean, *IMAGENET_STATS)

@@ -49,6 +49,7 @@ class TargetLoss:
     """The loss hook of plain training with `mixed_loss` of kind `kind` (ERM with the authors' BCE)."""
 
     accumulate_ok = True  # a per-sample loss: micro-batches add up to the batch
+    capturable = True  # device work alone, the same every step: a CUDA graph may replay it
 
     def __init__(self, kind: str):
         self.kind = kind
