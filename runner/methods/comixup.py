@@ -306,12 +306,14 @@ def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, sw
 
 
 @lru_cache(maxsize=1)
-def _grid_dp():
+def _native_dp():
+    """`grid_dp.c`'s two entry points, `grid_dp` (any grid MRF) and `label_step` (`_label_step`'s)."""
     lib = _native.load("grid_dp")
-    ptr, i32 = ct.c_void_p, ct.c_int
-    lib.grid_dp.argtypes = [i32, i32, i32, ptr, ptr, ptr, ct.c_long, ptr, ptr]
-    lib.grid_dp.restype = None
-    return lib.grid_dp
+    ptr, i32, f64, i64 = ct.c_void_p, ct.c_int, ct.c_double, ct.c_long
+    lib.grid_dp.argtypes = [i32, i32, i32, ptr, ptr, ptr, i32, i64, ptr, ptr]
+    lib.label_step.argtypes = [i32, i32, i32, ptr, ptr, i32, f64, f64, i64, ptr, ptr]
+    lib.grid_dp.restype = lib.label_step.restype = None
+    return lib
 
 
 def _exact_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int):
@@ -319,14 +321,13 @@ def _exact_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int):
     equation and pruning are in the source); grids whose DP would pass `_DP_MAX_WORK` go to `gco_swap`.
     unary (P, n, L) float (+inf = forbidden) -> labels (P, n)."""
     P, n, L = unary.shape
-    unary, pairwise = (np.require(a, np.float64, ["C", "W"]) for a in (unary, pairwise))  # W: `_data` needs it
-    weights = np.require(np.broadcast_to(edge_weight, (P, 2 * grid * (grid - 1))), np.float64, ["C", "W"])
+    per_edge = np.ndim(edge_weight) > 0
+    arrays = (np.require(a, np.float64, ["C", "W"]) for a in (unary, pairwise, np.atleast_1d(edge_weight)))
     labels, status = np.empty((P, n), np.intc), np.empty(P, np.intc)
-    args = (_data(a) for a in (unary, pairwise, weights))
-    _grid_dp()(P, grid, L, *args, _DP_MAX_WORK, _data(labels), _data(status))
+    _native_dp().grid_dp(P, grid, L, *map(_data, arrays), per_edge, _DP_MAX_WORK, _data(labels), _data(status))
     large = np.flatnonzero(status)
     if len(large):
-        w = edge_weight if np.ndim(edge_weight) == 0 else weights[large]
+        w = np.asarray(edge_weight)[large] if per_edge else edge_weight
         labels[large] = _gco_cut(unary[large], pairwise, w, grid, swap=True)
     return labels
 
@@ -467,7 +468,8 @@ def _label_step(U, counts, grid, beta_n, method, mixed, stats):
     cell (ties broken by index): replacing i by i' never raises unary nor smoothness cost, so a swap
     (or expansion) local minimum without i is one with i, and the global minimum is kept. On peaked
     saliency this leaves a handful of labels out of m and cuts the swap's O(L^2) pairs. Inputs lead
-    the unary's axes so that every reordering is one gather of whole rows.
+    the unary's axes so that every reordering is one gather of whole rows. `_native_label_step` is this
+    step with method "exact", in C.
     """
     a, m, n = U.shape
     rows = np.arange(a)[:, None]
@@ -501,6 +503,25 @@ def _label_step(U, counts, grid, beta_n, method, mixed, stats):
     stats["gc_calls"] += 1
     W = np.zeros((a, n, m))
     W[rows[:, :, None], np.arange(n)[:, None], order[:, None, :]] = vectors[labels]
+    return W
+
+
+def _native_label_step(U, counts, grid, beta_n, method, mixed, stats):
+    """`_label_step` with method "exact" in one call of `grid_dp.c`'s `label_step`: the same label slots,
+    dominance and costs, solved by its exact DP, with no numpy in between (a step's numpy work took longer than
+    its cut). The partitions whose DP would pass `_DP_MAX_WORK` take the numpy step with gco_swap, as
+    `_exact_cut` would give them."""
+    a, m, n = U.shape
+    U, counts = (np.require(x, np.float64, ["C", "W"]) for x in (U, counts))
+    W, status = np.empty((a, n, m)), np.empty(a, np.intc)
+    tic = time.perf_counter()
+    _native_dp().label_step(a, m, grid, _data(U), _data(counts), mixed, beta_n, _MIX_BONUS, _DP_MAX_WORK,
+                            _data(W), _data(status))  # fmt: skip
+    stats["gc_seconds"] += time.perf_counter() - tic
+    stats["gc_calls"] += 1
+    large = np.flatnonzero(status)
+    if len(large):
+        W[large] = _label_step(U[large], counts[large], grid, beta_n, "gco_swap", mixed, stats)
     return W
 
 
@@ -554,6 +575,7 @@ def _solve_partitions(s_grid, A, lam, z0, sizes, sweeps: _Sweeps, log=False):
     grid = math.isqrt(n)
     beta_n, gamma_n, eta_n, threshold = beta / n, gamma / n, eta / n, tau * n
     real = np.arange(m)[None, :] < sizes[:, None]
+    label_step = _native_label_step if method == "exact" else _label_step
     cost = np.where(
         real[:, None, :], -s_grid.transpose(0, 2, 1) - eta_n * np.log(lam + 1e-8)[:, None, :], 0.0
     )
@@ -581,7 +603,7 @@ def _solve_partitions(s_grid, A, lam, z0, sizes, sweeps: _Sweeps, log=False):
             u = 2.0 * gamma_n * _diversity_cost(A[act], others, threshold, thres_type)
             if R is not None:
                 u += gamma_n * R[act, j]
-            z_j = _label_step(unary_base[act] + u[:, :, None], o[act, j], grid, beta_n, method, mixed, stats)
+            z_j = label_step(unary_base[act] + u[:, :, None], o[act, j], grid, beta_n, method, mixed, stats)
             W[act, j] = z_j
             o_j = z_j.sum(1)
             total[act] += o_j - o[act, j]

@@ -15,11 +15,15 @@
 static long frontier_count(const int *counts, int site) { return site < 0 ? 1 : counts[site]; }
 
 /* One grid: grid x grid sites, `labels` labels; unary (n, labels) row-major, +inf forbidden; pairwise (labels,
- * labels); weights (2 g (g - 1)) in the order vertical edges row by row, then horizontal ones. Returns 0 and the
- * labels in out (n), or 1 when the DP would take more than max_work state updates (out untouched), or 2 when a
- * site has no finite label. */
-static int solve_grid(int grid, int labels, const double *unary, const double *pairwise, const double *weights,
-                      long max_work, int *out) {
+ * labels); weights (2 g (g - 1)) in the order vertical edges row by row, then horizontal ones, or one weight for
+ * all edges (per_edge 0). Returns 0 and the labels in out (n), or 1 when the DP would take more than max_work
+ * state updates (out untouched), or 2 when a site has no finite label. */
+static int solve_grid(int grid, int labels, const double *unary, const double *pairwise, const double *edge_weights,
+                      int per_edge, long max_work, int *out) {
+    int edges = 2 * grid * (grid - 1);
+    double uniform[edges > 0 ? edges : 1];
+    for (int e = 0; e < edges && !per_edge; e++) uniform[e] = edge_weights[0];
+    const double *weights = per_edge ? edge_weights : uniform;
     int n = grid * grid, vertical = grid * (grid - 1);
     double pmax = 0.0;
     for (int i = 0; i < labels * labels; i++) pmax = pairwise[i] > pmax ? pairwise[i] : pmax;
@@ -95,11 +99,87 @@ static int solve_grid(int grid, int labels, const double *unary, const double *p
     return 0;
 }
 
-/* `grids` independent grids: unary (grids, n, labels), weights (grids, E), out (grids, n), status (grids). */
+/* `grids` independent grids: unary (grids, n, labels), weights (grids, E) or one for all (per_edge 0), out
+ * (grids, n), status (grids) as solve_grid's. */
 void grid_dp(int grids, int grid, int labels, const double *unary, const double *pairwise, const double *weights,
-             long max_work, int *out, int *status) {
+             int per_edge, long max_work, int *out, int *status) {
     int n = grid * grid, edges = 2 * grid * (grid - 1);
     for (int p = 0; p < grids; p++)
-        status[p] = solve_grid(grid, labels, unary + (long)p * n * labels, pairwise, weights + (long)p * edges,
-                               max_work, out + (long)p * n);
+        status[p] = solve_grid(grid, labels, unary + (long)p * n * labels, pairwise,
+                               weights + (per_edge ? (long)p * edges : 0), per_edge, max_work, out + (long)p * n);
+}
+
+static const int BLEND_FIRST[3] = {0, 0, 1}, BLEND_SECOND[3] = {1, 2, 2}, PROTECTED_SLOTS[4] = {0, 0, 2, 3};
+
+/* `_label_step` of runner/methods/comixup.py with method "exact", for `grids` partitions of m inputs: the same
+ * slots (with `mixed`, inputs by decreasing count, stable, the blends of kept slots 0,1 / 0,2 / 1,2 after the
+ * one-hot labels, a blend only of inputs in use), the same dominance rule (slot i goes when some i' has
+ * U[i'] <= U[i] at every cell, ties to the lower slot, unless i is protected), the same costs, solved by
+ * solve_grid with one weight beta_n. unary (grids, m, n) per input and cell, counts (grids, m); writes the
+ * source weights W (grids, n, m) of the partitions with status 0 (status as solve_grid's). */
+void label_step(int grids, int m, int grid, const double *unary, const double *counts, int mixed, double beta_n,
+                double mix_bonus, long max_work, double *W, int *status) {
+    int n = grid * grid;
+    int order[m], kept[m], pair_a[m + 3], pair_b[m + 3], labels_out[n];
+    double costs[n * (m + 3)], pairwise[(m + 3) * (m + 3)];
+    for (int p = 0; p < grids; p++) {
+        const double *U = unary + (long)p * m * n, *count = counts + (long)p * m;
+        int used = 0, protect = 0, k = 0;
+        for (int i = 0; i < m; i++) order[i] = i;
+        if (mixed) {
+            for (int i = 1; i < m; i++)  /* insertion sort by decreasing count: stable */
+                for (int j = i; j > 0 && count[order[j]] > count[order[j - 1]]; j--) {
+                    int t = order[j]; order[j] = order[j - 1]; order[j - 1] = t;
+                }
+            for (int i = 0; i < m; i++) used += count[i] > 0;
+            protect = PROTECTED_SLOTS[used < 3 ? used : 3];
+        }
+        for (int s = 0; s < m; s++) {
+            int dominated = 0;
+            const double *us = U + (long)order[s] * n;
+            for (int t = 0; t < m && s >= protect && !dominated; t++) {
+                if (t == s) continue;
+                const double *ut = U + (long)order[t] * n;
+                int geq = 1, leq = 1;  /* us >= ut, ut >= us at every cell */
+                for (int c = 0; c < n; c++) { geq &= us[c] >= ut[c]; leq &= ut[c] >= us[c]; }
+                dominated = geq && (!leq || s > t);
+            }
+            if (!dominated) kept[k++] = order[s];
+        }
+        int blends = mixed && k > 1 ? (k >= 3 ? 3 : 1) : 0, labels = k + blends;
+        for (int l = 0; l < labels; l++) {  /* label l: inputs (a, b), one-hot where a == b */
+            pair_a[l] = l < k ? kept[l] : kept[BLEND_FIRST[l - k]];
+            pair_b[l] = l < k ? kept[l] : kept[BLEND_SECOND[l - k]];
+        }
+        for (int c = 0; c < n; c++)
+            for (int l = 0; l < labels; l++) {
+                double *cost = costs + c * labels + l;
+                if (l < k) *cost = U[(long)kept[l] * n + c];
+                else if (used > BLEND_SECOND[l - k])
+                    *cost = 0.5 * (U[(long)pair_a[l] * n + c] + U[(long)pair_b[l] * n + c]) - mix_bonus;
+                else *cost = INFINITY;
+            }
+        for (int l = 0; l < labels; l++)  /* 1/2 |v_l - v_l'|^2 of the label vectors */
+            for (int l2 = 0; l2 < labels; l2++) {
+                double v[4] = {0}, sq = 0.0;
+                int at[4] = {pair_a[l], pair_b[l], pair_a[l2], pair_b[l2]};
+                for (int i = 0; i < 4; i++)
+                    for (int j = 0; j < 4; j++)
+                        if (at[j] == at[i]) v[i] += (j < 2 ? 0.5 : -0.5);
+                for (int i = 0; i < 4; i++) {
+                    int first = 1;  /* each input once */
+                    for (int j = 0; j < i; j++) first &= at[j] != at[i];
+                    if (first) sq += v[i] * v[i];
+                }
+                pairwise[l * labels + l2] = 0.5 * sq;
+            }
+        status[p] = solve_grid(grid, labels, costs, pairwise, &beta_n, 0, max_work, labels_out);
+        if (status[p]) continue;
+        double *w = W + (long)p * n * m;
+        for (int i = 0; i < n * m; i++) w[i] = 0.0;
+        for (int c = 0; c < n; c++) {
+            w[c * m + pair_a[labels_out[c]]] += 0.5;
+            w[c * m + pair_b[labels_out[c]]] += 0.5;
+        }
+    }
 }
