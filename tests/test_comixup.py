@@ -247,6 +247,107 @@ def test_two_label_cut_is_exact_and_more_labels_never_beat_brute_force(method):
     assert exact >= 15  # a local minimum, but mostly the optimum on 3x3 grids
 
 
+# Float tolerance of the exact DP against brute force and gco: both sum the same <= 40 terms (16 unary, 24
+# edges) of magnitude <= 10 in float64 in different orders, so they differ by <= 40 * 10 * 2^-52 ~ 1e-13; the
+# swap's own energy is evaluated here in float64 too, so 1e-9 is slack that a wrong labeling (energy gaps of a
+# cost difference, >= 1e-4 here) cannot hide in.
+EXACT_TOL = 1e-9
+
+
+def test_exact_cut_is_the_brute_force_optimum_on_tiny_grids():
+    rng = np.random.default_rng(0)
+    for trial in range(150):
+        g, L = (2, int(rng.integers(2, 7))) if trial % 2 else (3, int(rng.integers(2, 5)))
+        unary = rng.normal(size=(2, g, g, L)) * rng.choice([0.1, 1.0, 5.0])
+        unary[rng.random(unary.shape) < 0.2] = np.inf
+        unary[..., 0] = np.where(np.isinf(unary).all(-1), 0.0, unary[..., 0])  # a label left at every site
+        pairwise = rng.random((L, L))
+        pairwise = pairwise + pairwise.T
+        np.fill_diagonal(pairwise, 0.0)
+        w = rng.uniform(0.0, 1.5, (2, 2 * g * (g - 1))) if trial % 3 else rng.uniform(0.1, 1.5)
+        labels, best = grid_cut(unary, pairwise, w, "exact"), grid_cut(unary, pairwise, w, "brute")
+        for p in range(2):
+            e = [labeling_energy_per_edge(lab[p], unary[p], pairwise, w if np.ndim(w) == 0 else w[p])
+                 for lab in (labels, best)]  # fmt: skip
+            assert e[0] == pytest.approx(e[1], abs=EXACT_TOL), (trial, p)
+
+
+def labeling_energy_per_edge(labels, unary, pairwise, w):
+    """`labeling_energy` with a weight per edge in `grid_cut`'s order (vertical edges, then horizontal)."""
+    g = unary.shape[0]
+    lab = labels.reshape(g, g)
+    w = np.broadcast_to(w, (2 * g * (g - 1),))
+    edges = np.concatenate([pairwise[lab[1:], lab[:-1]].ravel(), pairwise[lab[:, 1:], lab[:, :-1]].ravel()])
+    return unary.reshape(g * g, -1)[np.arange(g * g), lab.ravel()].sum() + (w * edges).sum()
+
+
+def comixup_cut(rng, m):
+    """A label step's MRF as `_label_step` builds it at the presets' shape (4x4 grid, beta_n = 0.32 / 16): the
+    negated pooled saliency of m inputs plus a modular diversity cost per input, and the three blends of the
+    first inputs (their costs the mean of their parents', pairwise 1/4 and 3/4)."""
+    s = blob_saliency(rng, m, size=16, sigma=rng.choice([1.5, 3.0]))
+    cost = -pool_saliency(s, 4).reshape(m, 16).T + rng.uniform(0, 0.2, m) * rng.choice([0.0, 1.0])
+    vectors, pairwise = cm._label_set(m, True)
+    return (cost @ vectors.T).reshape(4, 4, -1), pairwise, 0.32 / 16
+
+
+def test_exact_cut_never_costs_more_than_gco_swap_at_the_presets_shape():
+    rng = np.random.default_rng(0)
+    lower = 0
+    for trial in range(200):
+        unary, pairwise, w = comixup_cut(rng, int(rng.integers(2, 21)))
+        e_exact, e_swap = (labeling_energy(grid_cut(unary, pairwise, w, m), unary, pairwise, w)
+                           for m in ("exact", "gco_swap"))  # fmt: skip
+        assert e_exact <= e_swap + EXACT_TOL, trial
+        lower += e_exact < e_swap - EXACT_TOL
+    assert lower > 0  # the swap's local minima are not always global here, so the test can tell them apart
+
+
+def native_step_problem(rng):
+    """A random `_label_step` input: a partitions of m inputs on a g x g grid, with padding inputs (+inf),
+    exact ties between inputs (the dominance rule's tie-break) and counts with ties (the slot order's)."""
+    a, m, g = int(rng.integers(1, 4)), int(rng.integers(2, 9)), int(rng.integers(1, 5))
+    U = -rng.random((a, m, g * g)) * rng.choice([0.05, 0.3, 1.0]) + rng.random((a, m, 1)) * 0.1
+    if rng.random() < 0.3:
+        U[:, -1] = np.inf
+    if rng.random() < 0.3:
+        U[:, 1] = U[:, 0]
+    counts = rng.integers(0, 3, (a, m)) * rng.choice([0.5, 1.0])
+    return U, counts, g, 0.02 * rng.choice([1.0, 10.0]), bool(rng.random() < 0.6)
+
+
+def test_native_label_step_is_the_numpy_step_with_the_exact_cut():
+    rng = np.random.default_rng(1)
+    for trial in range(300):
+        U, counts, g, beta_n, mixed = native_step_problem(rng)
+        stats = {"gc_seconds": 0.0, "gc_calls": 0}
+        native = cm._native_label_step(U, counts, g, beta_n, "exact", mixed, stats)
+        assert np.array_equal(native, cm._label_step(U, counts, g, beta_n, "exact", mixed, stats)), trial
+
+
+def test_native_label_step_past_its_work_bound_is_the_swap_step(monkeypatch):
+    monkeypatch.setattr(cm, "_DP_MAX_WORK", 0)
+    rng = np.random.default_rng(2)
+    for trial in range(50):
+        U, counts, g, beta_n, mixed = native_step_problem(rng)
+        stats = {"gc_seconds": 0.0, "gc_calls": 0}
+        native = cm._native_label_step(U, counts, g, beta_n, "exact", mixed, stats)
+        assert np.array_equal(native, cm._label_step(U, counts, g, beta_n, "gco_swap", mixed, stats)), trial
+
+
+def test_a_missing_compiler_is_one_clear_error(monkeypatch, tmp_path):
+    from runner.methods import _native
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    _native.load.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="grid_dp.c: no C compiler"):
+            _native.load("grid_dp")
+    finally:
+        _native.load.cache_clear()
+
+
 # gco aborts the whole process (no exception) on a term past its limit or a forbidden label under
 # expansion, so this runs in a child: a regression fails the test instead of killing the suite.
 _CUT_LIMITS_CHILD = """
@@ -591,7 +692,7 @@ def test_defaults_match_the_paper():
         part=20,
         max_iter=4,
         set_resolve=True,
-        method="gco_swap",
+        method="exact",  # the one deviation: each label step's exact minimum, where the authors swap
     )
     assert {k: defaults[k] for k in paper} == paper
 
@@ -780,7 +881,7 @@ def test_method_configs_match_the_paper_defaults():
 
     cfg = _compose(["+method=comixup"])
     paper = dict(beta=0.32, gamma=1.0, eta=0.05, tau=0.83, thres_type="hard", alpha=2.0, omega=0.001)
-    paper |= dict(grid=4, part=20, n_iter=4, set_resolve=True, clean_lam=1.0, solver="gco_swap")
+    paper |= dict(grid=4, part=20, n_iter=4, set_resolve=True, clean_lam=1.0, solver="exact")  # see above
     assert {k: cfg.method[k] for k in paper} == paper
     from tasks.classify import METHODS
 

@@ -25,14 +25,15 @@ def _cache_dir() -> Path:
 
 @functools.cache
 def load(name: str) -> ct.CDLL:
-    """The compiled `runner/methods/<name>.c`; a missing compiler or a failed build is one RuntimeError line."""
+    """The compiled `runner/methods/<name>.c`; no compiler or a failed build is one RuntimeError line."""
     source = _HERE / f"{name}.c"
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{digest}.so"
     if not target.exists():
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        wanted = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]
+        compiler = next((found for name in wanted if (found := shutil.which(name))), None)
         if compiler is None:
-            raise RuntimeError(f"{source.name}: no C compiler found (cc, gcc or $CC) to build it")
+            raise RuntimeError(f"{source.name}: no C compiler found ({' or '.join(wanted)}) to build it")
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)

@@ -22,7 +22,9 @@ A = (1 - omega) I + omega * A_hat the compatibility matrix (`compatibility`). Th
 Minimisation is block-coordinate descent over outputs (paper Algorithm 1): for output j the
 diversity term is replaced by the modular cost u = 2 gamma' h(P_-j) (exact for "none", where it is
 the conditional of f up to a constant), leaving a Potts-like MRF on the grid with unary
-U[k,i] = c_k[i] - eta' log lambda_i + u_i + gamma' R[j,i], solved by an alpha-beta-swap graph cut.
+U[k,i] = c_k[i] - eta' log lambda_i + u_i + gamma' R[j,i], solved exactly (method "exact", the default: a
+DP over the grid's raster frontier in C, `grid_dp.c`, the whole step in one call; gco's swap on the rare grid
+where the DP would take longer) or by the authors' alpha-beta-swap graph cut (`gco_swap`, a local minimum).
 From the second sweep the label set of output j also holds the blends 1/2(e_a + e_b) of its most used
 inputs (the three-label extension); `set_resolve` adds the penalty R that separates outputs using the
 same input set before the last sweep. Labels are mixed by mask area: y_j = sum_i (o_j[i] / n) y_i.
@@ -87,8 +89,8 @@ _BLEND_FIRST, _BLEND_SECOND = np.array(_BLEND_SLOTS).T
 _PROTECTED_SLOTS = np.array([0, 0, 2, 3])  # [min(inputs in use, 3)]: the leading slots that blends need
 _MIX_BONUS = 5e-4  # favours a blend on ties, as the authors do
 _BRUTE_MAX_STATES = 2_000_000
-# The exact DP's largest grid, in state updates (`grid_dp.c`): about the time of gco's swap on that grid here
-# (measured: 1e4 updates ~ 10 us, a swap of 16 sites and 7 labels ~ 30 us); larger grids go to gco_swap.
+# The exact DP's largest grid, in state updates (`grid_dp.c`), where it costs about what gco's swap does: on
+# this CPU 5e4 updates (4x4, 5 labels, none pruned) took 37 us, gco's swap of that grid 33 us. Larger: gco.
 _DP_MAX_WORK = 30_000
 _GCO_RESOLUTION = 1e6  # energies go to gco as integers in units of 1e-6 (coarser only to meet the limits)
 _GCO_CHECKED_TERM = 10**7  # gco's GCO_MAX_ENERGYTERM: it aborts the process on a larger checked term
@@ -324,7 +326,8 @@ def _exact_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int):
     per_edge = np.ndim(edge_weight) > 0
     arrays = (np.require(a, np.float64, ["C", "W"]) for a in (unary, pairwise, np.atleast_1d(edge_weight)))
     labels, status = np.empty((P, n), np.intc), np.empty(P, np.intc)
-    _native_dp().grid_dp(P, grid, L, *map(_data, arrays), per_edge, _DP_MAX_WORK, _data(labels), _data(status))
+    out = (_data(labels), _data(status))
+    _native_dp().grid_dp(P, grid, L, *map(_data, arrays), per_edge, _DP_MAX_WORK, *out)
     large = np.flatnonzero(status)
     if len(large):
         w = np.asarray(edge_weight)[large] if per_edge else edge_weight
@@ -357,9 +360,11 @@ def grid_cut(unary, pairwise, smooth_weight, method: str = "gco_swap") -> np.nda
     unary: (g, g, L) or (P, g, g, L) for P independent grids (+inf forbids a label at a site);
     pairwise: (L, L) symmetric, zero diagonal (a metric for `gco_expansion`); smooth_weight: w >= 0,
     a scalar or (P, E) per edge (the g(g-1) vertical edges row by row, then the horizontal ones).
-    method (`solver` before, deprecated): `gco_swap` (alpha-beta swap, a local minimum; exact for
-    L = 2 up to the costs' integer resolution, 1e-6 or coarser near gco's limit), `gco_expansion`,
-    `brute` (exact, L^(g^2) <= 2e6). Returns labels of shape unary.shape[:-1].
+    method (`solver` before, deprecated): `exact` (the global minimum by a DP over the grid's raster
+    frontier, `grid_dp.c`, where that takes at most `_DP_MAX_WORK` state updates, else `gco_swap`), `gco_swap`
+    (alpha-beta swap, a local minimum; exact for L = 2 up to the costs' integer resolution, 1e-6 or coarser
+    near gco's limit), `gco_expansion`, `brute` (exact, L^(g^2) <= 2e6).
+    Returns labels of shape unary.shape[:-1].
     One cut, run by gco to its own fixed point: no iteration options, no log.
 
     >>> unary = np.zeros((2, 2, 2))
@@ -508,8 +513,8 @@ def _label_step(U, counts, grid, beta_n, method, mixed, stats):
 
 def _native_label_step(U, counts, grid, beta_n, method, mixed, stats):
     """`_label_step` with method "exact" in one call of `grid_dp.c`'s `label_step`: the same label slots,
-    dominance and costs, solved by its exact DP, with no numpy in between (a step's numpy work took longer than
-    its cut). The partitions whose DP would pass `_DP_MAX_WORK` take the numpy step with gco_swap, as
+    dominance and costs, solved by its exact DP, with no numpy in between (a step's numpy work took longer
+    than its cut). The partitions whose DP would pass `_DP_MAX_WORK` take the numpy step with gco_swap, as
     `_exact_cut` would give them."""
     a, m, n = U.shape
     U, counts = (np.require(x, np.float64, ["C", "W"]) for x in (U, counts))
@@ -726,7 +731,7 @@ def comixup(
     tol: float = 1e-6,
     set_resolve: bool = True,
     mixed_labels: bool = True,
-    method: str = "gco_swap",
+    method: str = "exact",
     rng=None,
     log: bool = False,
     with_masks: bool = True,
