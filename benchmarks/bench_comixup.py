@@ -1,5 +1,7 @@
 """Co-Mixup speed: mixing one CIFAR-shaped batch, the graph-cut share, and the training-step overhead;
-Puzzle Mix's mix of the same batch per grid size; the host's share of Co-Mixup on an ImageNet batch.
+Puzzle Mix's mix of the same batch per grid size; the host's share of Co-Mixup on an ImageNet batch; the
+host solve of each 32/64-px preset's batch, with the authors' swap (`solver=gco_swap`) beside the exact
+label steps (`solver=exact`, the default), in the same process.
 
 The batch is 100 x 3 x 32 x 32 with one Gaussian saliency blob per image (sigma 4 px at a random
 position), so outputs really mix (uniform random saliency makes every output a single source and is
@@ -48,6 +50,9 @@ from runner.models import build_model
 from runner.schema import to_node
 
 TARGET_S = 0.15  # the issue's bound for one batch on the 2-core CPU
+PARTITION_SPEEDUP = 2.0  # issue 37: one partition of the CIFAR preset's shape, exact steps against the swap
+SMALL_PRESETS = ("comixup_cifar100_preactresnet18", "comixup_cifar100_wrn16_8", "comixup_cifar100_resnext29",
+                 "comixup_tiny_imagenet")  # fmt: skip
 HOST_SHARE = 0.1  # the issue's bound on the host work per ImageNet batch, as a share of today's path
 B, C, H, W, K = 100, 3, 32, 32, 100
 
@@ -142,6 +147,40 @@ def host_work(repeats: int = 3) -> dict:
         "new": min(timed(new_path)[1] for _ in range(repeats)),
         "cuts": min(timed(lambda: _solve_partitions(*arrays, sweeps))[1] for _ in range(repeats)),
     }  # fmt: skip
+
+
+def preset_solves(preset: str, repeats: int = 5) -> dict:
+    """The host solve of one batch of `preset` (its batch, image size and method options; blob saliency as
+    `blob_batch`), per solver ("gco_swap", "exact"): CPU seconds, min of `repeats`, of the batch's partitions
+    solved together (in-process, the CPU path) and of one partition alone (a worker's call, the mean over the
+    batch's partitions), and the Co-Mixup objective f (the preset's clipping) each partition ends at."""
+    cfg = _compose(["+method=comixup", f"+experiment={preset}"])
+    options = {**_option_defaults(), **{k: cfg.method[CONFIG_KEYS.get(k, k)] for k in OPTIONS}}
+    batch, size = cfg.train.batch_size, cfg.dataset.get("image_size") or H
+    rng = np.random.default_rng(0)
+    y = torch.nn.functional.one_hot(torch.from_numpy(rng.integers(0, K, batch)), K).float()
+    s = torch.from_numpy(blob_saliency(rng, batch, size, sigma=4.0 * size / H).astype(np.float32))
+    summary = _batch_summary(y, s, options["grid"]).numpy()
+    shape = (options[k] for k in ("omega", "alpha", "grid", "part"))
+    arrays = _partitions(summary, *shape, np.random.default_rng(0))["arrays"]
+    partitions = len(arrays[-1])
+    out = {"batch": batch, "size": size, "partitions": partitions}
+    for solver in ("gco_swap", "exact"):
+        sweeps = _Sweeps(*({**options, "method": solver}[k] for k in _Sweeps._fields))
+
+        def one_at_a_time(sweeps=sweeps):
+            for p in range(partitions):
+                _solve_partitions(*(a[p : p + 1] for a in arrays), sweeps)
+
+        def together(sweeps=sweeps):
+            _solve_partitions(*arrays, sweeps)
+
+        out[solver] = {
+            "batch": min(timed(together)[1] for _ in range(repeats)),
+            "partition": min(timed(one_at_a_time)[1] for _ in range(repeats)) / partitions,
+            "f": _solve_partitions(*arrays, sweeps, log=True)[1]["trace"][-1],
+        }
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,6 +312,7 @@ def main() -> bool:
         pooled = {lag: step_times(*cnn, 5, workers=1, lag=lag)[1] for lag in (False, True)}
         resnet_vanilla, resnet_comix = step_times({"name": "preactresnet18"}, (3, 32, 32), 1)
         host = host_work()
+        solves = {preset: preset_solves(preset) for preset in SMALL_PRESETS}
     finally:
         torch.set_num_threads(threads)
 
@@ -300,6 +340,22 @@ def main() -> bool:
     print(f"  {'today: saliency, boxes, masks, labels on the host':56s} {host['old']:8.3f} s")
     print(f"  {'device path: partitions from one read, cell sources':56s} {host['new']:8.3f} s")
     print(f"  {'graph cuts, either path (in worker processes on CUDA)':56s} {host['cuts']:8.3f} s")
+    print("Host solve per batch of the 32/64-px presets, solver gco_swap -> exact (blob saliency; CPU ms, "
+          "min of 5; f: the objective each partition ends at, mean):")  # fmt: skip
+    for preset, r in solves.items():
+        old, new = r["gco_swap"], r["exact"]
+        df = new["f"] - old["f"]
+        print(f"  {preset:32s} batch {r['batch']} x {r['size']} px, {r['partitions']} partitions: batch "
+              f"{old['batch'] * 1e3:6.1f} -> {new['batch'] * 1e3:5.1f} ms, one partition "
+              f"{old['partition'] * 1e3:5.2f} -> {new['partition'] * 1e3:4.2f} ms "
+              f"(x{old['partition'] / new['partition']:.2f}); f "
+              f"{old['f'].mean():.3f} -> {new['f'].mean():.3f} (lower in {(df < 0).sum()}, higher in "
+              f"{(df > 0).sum()} of {len(df)})")  # fmt: skip
+    cifar = solves[SMALL_PRESETS[0]]
+    speedup = cifar["gco_swap"]["partition"] / cifar["exact"]["partition"]
+    part_ok = speedup >= PARTITION_SPEEDUP
+    print(f"  target one partition of {SMALL_PRESETS[0]}, exact steps vs the swap: measured x{speedup:.2f}, "
+          f"need >= x{PARTITION_SPEEDUP} -> {'OK' if part_ok else 'MISS'}")  # fmt: skip
     ok = mix_s <= TARGET_S
     print(f"  target mix one CIFAR-shaped batch (blob saliency): measured {mix_s:.3f} s, need <= {TARGET_S} s"
           f" -> {'OK' if ok else 'MISS'}")  # fmt: skip
@@ -308,7 +364,7 @@ def main() -> bool:
     print(f"  target host work per ImageNet batch besides the cuts, device path / today's: measured "
           f"{share:.3f} ({host['new']:.3f} s / {host['old']:.3f} s), need <= {HOST_SHARE} "
           f"-> {'OK' if host_ok else 'MISS'}")  # fmt: skip
-    return ok and host_ok
+    return ok and host_ok and part_ok
 
 
 if __name__ == "__main__":
