@@ -661,6 +661,8 @@ def test_auto_workers_one_per_partition_up_to_the_cores(monkeypatch):
     assert [cm.auto_workers(b, 20) for b in (1, 20, 21, 100, 1000)] == [1, 1, 2, 4, 4]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert cm.auto_workers(1000, 20) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # the rank's DataLoader processes take their cores first
+    assert [cm.auto_workers(1000, 20, loaders) for loaders in (0, 8, 15, 16, 40)] == [16, 8, 1, 1, 1]
 
 
 def test_auto_workers_start_a_pool_on_an_accelerator(monkeypatch):
@@ -671,9 +673,11 @@ def test_auto_workers_start_a_pool_on_an_accelerator(monkeypatch):
 
     monkeypatch.setattr(runner.hardware, "is_accelerator", lambda device: True)  # what the ctx is asked
     monkeypatch.setattr(mixup_training, "ComixupPool", lambda workers: ("pool", workers))
+    monkeypatch.setattr(cm, "usable_cores", lambda: 4)
     cfg = to_node(CoMixupConfig(part=4, preview=False))
-    hooks = mixup_training.MixupHooks(cfg, 5, RunContext(torch.device("cpu"), ROOT, tracker=None), seed=0)
-    assert hooks._comixup_pool(torch.zeros(9, 3, 8, 8)) == ("pool", cm.auto_workers(9, 4))
+    ctx = RunContext(torch.device("cpu"), ROOT, tracker=None, num_workers=2)
+    hooks = mixup_training.MixupHooks(cfg, 5, ctx, seed=0)
+    assert hooks._comixup_pool(torch.zeros(9, 3, 8, 8)) == ("pool", 2)  # 3 partitions, 4 cores less 2 loaders
 
 
 def test_defaults_match_the_paper():

@@ -63,8 +63,8 @@ class MixupHooks:
     normalize: the data's per-channel (mean, std), so that raw pixels are x * std + mean (Puzzle Mix's
     seam cost and adversarial noise live in raw pixels); None when x is raw.
     Co-Mixup's `workers`: 0 solves in-process, n > 0 in a pool of n processes, -1 (auto) one process
-    per partition of the first batch up to this rank's share of the CPU cores on an accelerator or with
-    `lag` (`auto_workers`), in-process on the CPU otherwise (there the weight backward would take the
+    per partition of the first batch up to this rank's share of the CPU cores, less its loader workers, on
+    an accelerator or with `lag` (`auto_workers`), in-process on the CPU otherwise (there the weight backward would take the
     cores the solvers need). With `lag`, `transform` returns the previous batch's mix, whose cuts the
     workers solved during this step's clean pass; the first step of a run (and of a resumed one) returns
     its clean batch.
@@ -135,7 +135,7 @@ class MixupHooks:
         """The Co-Mixup worker pool, or None to solve in-process (see the class docstring)."""
         if self.workers == -1:
             wanted = self.ctx.accelerator or self.cfg.lag
-            self.workers = auto_workers(len(x), self.cfg.part) if wanted else 0
+            self.workers = auto_workers(len(x), self.cfg.part, self.ctx.num_workers) if wanted else 0
         if self.workers > 0 and self.pool is None:
             self.pool = ComixupPool(self.workers)
         return self.pool

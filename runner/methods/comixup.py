@@ -902,11 +902,12 @@ def _to_device(host, device: torch.device, dtype: torch.dtype | None = None) -> 
     return t.to(device, non_blocking=True)
 
 
-def auto_workers(batch_size: int, part: int) -> int:
+def auto_workers(batch_size: int, part: int, loader_workers: int = 0) -> int:
     """Worker processes worth starting for batches of `batch_size`: one per partition
     (ceil(batch_size / part)), at most this rank's share of the CPU cores it may run on (the cores
-    divided by the ranks on this node, torchrun's LOCAL_WORLD_SIZE)."""
-    share = usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    divided by the ranks on this node, torchrun's LOCAL_WORLD_SIZE) less the rank's `loader_workers`
+    (DataLoader processes), which decode while the cuts run: 16 cores and 8 loader workers leave 8."""
+    share = usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - loader_workers
     return max(1, min(share, math.ceil(batch_size / part)))
 
 
