@@ -65,9 +65,9 @@ class MixupHooks:
     Co-Mixup's `workers`: 0 solves in-process, n > 0 in a pool of n processes, -1 (auto) one process
     per partition of the first batch up to this rank's share of the CPU cores, less its loader workers,
     on an accelerator or with `lag` (`auto_workers`), in-process on the CPU otherwise (there the weight
-    backward would take the cores the solvers need). With `lag`, `transform` returns the previous batch's mix, whose cuts the
-    workers solved during this step's clean pass; the first step of a run (and of a resumed one) returns
-    its clean batch.
+    backward would take the cores the solvers need). With `lag`, `transform` returns the previous batch's
+    mix, whose cuts the workers solved during this step's clean pass; the first step of a run (and of a
+    resumed one) returns its clean batch.
     """
 
     mid_epoch_resume = True  # on_epoch_start only arms the preview; the rng is in state_dict
