@@ -622,6 +622,77 @@ def test_pool_step_gives_the_in_process_step_exactly(overlap):
     assert hooks_step(workers=-1)[4].workers == 0  # auto on the CPU: in-process
 
 
+class Residual(torch.nn.Module):
+    """A residual net with in-place ReLUs after its layers and a frozen layer; `twice`: one layer called
+    twice."""
+
+    def __init__(self, twice=False):
+        super().__init__()
+        self.stem, self.conv = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.norm, self.head, self.twice = torch.nn.BatchNorm2d(4), torch.nn.Linear(4, 5), twice
+        self.frozen = torch.nn.Conv2d(4, 4, 1).requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.relu_(self.norm(self.stem(x)))
+        h = h + torch.relu_(self.conv(self.frozen(h)))
+        return self.head((self.conv(h) if self.twice else h).mean((2, 3)))
+
+
+@pytest.mark.parametrize("name", ["residual", "preactresnet18"])
+def test_weight_gradients_from_the_activation_gradients_are_a_backward(name):
+    from omegaconf import OmegaConf
+
+    from runner.hooks.mixup import ActivationGradients
+    from runner.models import build_model
+
+    torch.manual_seed(0)
+    model = Residual() if name == "residual" else build_model(OmegaConf.create({"name": name}), (3, 8, 8), 5)
+    x = torch.rand(6, 3, 8, 8, requires_grad=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with ActivationGradients(model) as taps:
+        loss = torch.nn.functional.cross_entropy(model(x), torch.arange(6) % 5)
+    (x_grad,) = torch.autograd.grad(loss, x, retain_graph=True)
+    expected = torch.autograd.grad(loss, params, retain_graph=True)
+    got = taps.weight_gradients(params)
+    assert got is not None
+    # The same float32 kernels on the same activation gradients, which the input-gradient backward formed
+    # as the full one does: equal up to the summation order of a kernel, if any (a rounding of 2^-24 per
+    # term, relative to the largest); 1e-5 relative also catches a missing or doubled path (O(1) changes).
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["outside a module call", "a module called twice"])
+def test_weight_gradients_need_each_trainable_parameter_in_one_recorded_call(case):
+    from runner.hooks.mixup import ActivationGradients
+
+    model = Residual(twice=case == "a module called twice")
+    extra = torch.nn.Parameter(torch.ones(5))
+    params = [p for p in model.parameters() if p.requires_grad] + [extra] * (case == "outside a module call")
+    with ActivationGradients(model) as taps:
+        loss = (model(torch.rand(2, 3, 8, 8, requires_grad=True)) * extra).sum()
+    loss.backward(inputs=params)
+    assert taps.weight_gradients(params) is None
+
+
+def test_kept_gradients_enter_as_the_surrogate_did():
+    from runner.hooks.mixup import _AddKept
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    kept = [torch.randn(3, 2), torch.randn(4)]
+    grads = []
+    for new in (True, False):
+        loss = sum((p**2).sum() for p in params)
+        if new:
+            loss = _AddKept.apply(loss, kept, *params)
+        else:  # the surrogate sum(p * g) of before
+            surrogate = sum((p * g).sum() for p, g in zip(params, kept))
+            loss = loss + (surrogate - surrogate.detach())
+        grads.append(torch.autograd.grad(loss * 1024.0, params))  # as the fp16 scaler scales it
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_lag_trains_each_batch_on_its_mix_one_step_later():
     """With lag, step t trains on batch t-1's mix (from step t-1's saliency; the in-process one, which the
     pool's equals), solved while step t ran its clean pass; the first step trains on its clean batch. Auto
