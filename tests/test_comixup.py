@@ -316,23 +316,17 @@ def native_step_problem(rng):
     return U, counts, g, 0.02 * rng.choice([1.0, 10.0]), bool(rng.random() < 0.6)
 
 
-def test_native_label_step_is_the_numpy_step_with_the_exact_cut():
+@pytest.mark.parametrize("bound, numpy_method", [(None, "exact"), (0, "gco_swap")])
+def test_native_label_step_is_the_numpy_step(monkeypatch, bound, numpy_method):
+    """With the exact cut; past its work bound (here every problem), with the swap."""
+    if bound is not None:
+        monkeypatch.setattr(cm, "_DP_MAX_WORK", bound)
     rng = np.random.default_rng(1)
-    for trial in range(300):
+    for trial in range(300 if bound is None else 50):
         U, counts, g, beta_n, mixed = native_step_problem(rng)
         stats = {"gc_seconds": 0.0, "gc_calls": 0}
         native = cm._native_label_step(U, counts, g, beta_n, "exact", mixed, stats)
-        assert np.array_equal(native, cm._label_step(U, counts, g, beta_n, "exact", mixed, stats)), trial
-
-
-def test_native_label_step_past_its_work_bound_is_the_swap_step(monkeypatch):
-    monkeypatch.setattr(cm, "_DP_MAX_WORK", 0)
-    rng = np.random.default_rng(2)
-    for trial in range(50):
-        U, counts, g, beta_n, mixed = native_step_problem(rng)
-        stats = {"gc_seconds": 0.0, "gc_calls": 0}
-        native = cm._native_label_step(U, counts, g, beta_n, "exact", mixed, stats)
-        assert np.array_equal(native, cm._label_step(U, counts, g, beta_n, "gco_swap", mixed, stats)), trial
+        assert np.array_equal(native, cm._label_step(U, counts, g, beta_n, numpy_method, mixed, stats)), trial
 
 
 def test_a_missing_compiler_is_one_clear_error(monkeypatch, tmp_path):
