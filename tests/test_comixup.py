@@ -656,16 +656,18 @@ def test_weight_gradients_from_the_activation_gradients_are_a_backward(name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["outside a module call", "a module called twice"])
+@pytest.mark.parametrize("case", ["outside a module call", "a module called twice", "unused by its call"])
 def test_weight_gradients_need_each_trainable_parameter_in_one_recorded_call(case):
     from runner.hooks.mixup import ActivationGradients
 
     model = Residual(twice=case == "a module called twice")
+    if case == "unused by its call":
+        model.head.spare = torch.nn.Parameter(torch.ones(5))
     extra = torch.nn.Parameter(torch.ones(5))
     params = [p for p in model.parameters() if p.requires_grad] + [extra] * (case == "outside a module call")
     with ActivationGradients(model) as taps:
         loss = (model(torch.rand(2, 3, 8, 8, requires_grad=True)) * extra).sum()
-    loss.backward(inputs=params)
+    loss.backward(inputs=params, retain_graph=True)
     assert taps.weight_gradients(params) is None
 
 

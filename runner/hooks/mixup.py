@@ -60,8 +60,9 @@ class ActivationGradients:
     which runs the layer's weight-gradient kernels only (the engine skips the edges that lead elsewhere).
     The edge is the output's node at the call, so an in-place op after the layer (ReLU(inplace=True))
     changes nothing. None (take a full backward) where a call's output is not one tensor in the graph, a
-    call got no gradient, or a trainable parameter is in no recorded call or in several (a module called
-    twice: the later call's backward would reach the earlier one's weights through its input).
+    call got no gradient or did not use one of its module's weights, or a trainable parameter is in no
+    recorded call or in several (a module called twice: the later call's backward would reach the earlier
+    one's weights through its input).
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -97,6 +98,8 @@ class ActivationGradients:
         grads = {}
         for own, edge, kept, _ in self._calls:
             layer = torch.autograd.grad(edge, own, kept[0], retain_graph=True, allow_unused=True)
+            if any(g is None for g in layer):  # a weight the call did not use may be used elsewhere
+                return None
             grads.update(zip(own, layer))
         return [grads[p] for p in params]
 
@@ -202,8 +205,10 @@ class MixupHooks:
         if self._clean is not None:  # add the kept clean-pass gradient and the clean loss's value
             value, pairs = self._clean
             self._clean = None
-            params, kept = zip(*pairs) if pairs else ((), ())
-            loss = _AddKept.apply(loss, list(kept), *params) + value
+            if pairs:
+                params, kept = zip(*pairs)
+                loss = _AddKept.apply(loss, list(kept), *params)
+            loss = loss + value
         return loss
 
     def _comixup_pool(self, x):
