@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from runner.cli import _compose
 from runner.configs.classify import CoMixupConfig
 from runner.hardware import RunContext
-from runner.hooks.mixup import MixupHooks
+from runner.hooks.mixup import ActivationGradients, MixupHooks
 from runner.methods.comixup import (
     CONFIG_KEYS,
     OPTIONS,
@@ -114,6 +114,29 @@ def step_times(model_cfg: dict, shape: tuple, repeats: int, **options) -> tuple[
     finally:
         if hooks.pool is not None:
             hooks.pool.close()
+
+
+def weight_gradient_times(model_cfg: dict, shape: tuple, batch: int, repeats: int) -> tuple[float, float]:
+    """(second backward, from the activation gradients) seconds, min of `repeats` alternating runs, of the
+    clean pass's weight gradient after its input-gradient backward: how `MixupHooks` took it with a pool and
+    `overlap` before issue 37, and how it takes it now (`ActivationGradients`)."""
+    torch.manual_seed(0)
+    model = build_model(OmegaConf.create(model_cfg), shape, 10)
+    params = [p for p in model.parameters() if p.requires_grad]
+    x, y = torch.rand(batch, *shape), torch.arange(batch) % 10
+
+    def weight_gradient(from_activations: bool) -> float:
+        x_grad = x.clone().requires_grad_(True)
+        with ActivationGradients(model) as taps:
+            loss = torch.nn.functional.cross_entropy(model(x_grad), y)
+        torch.autograd.grad(loss, x_grad, retain_graph=True)
+        tic = time.perf_counter()
+        grads = taps.weight_gradients(params) if from_activations else torch.autograd.grad(loss, params)
+        assert grads is not None
+        return time.perf_counter() - tic
+
+    runs = [(weight_gradient(False), weight_gradient(True)) for _ in range(repeats)]
+    return min(r[0] for r in runs), min(r[1] for r in runs)
 
 
 def host_work(repeats: int = 3) -> dict:
@@ -319,6 +342,9 @@ def main() -> bool:
         resnet_vanilla, resnet_comix = step_times({"name": "preactresnet18"}, (3, 32, 32), 1)
         host = host_work()
         solves = {preset: preset_solves(preset) for preset in SMALL_PRESETS}
+        weight_grads = {"cnn 16-32-64, batch 100, 1x24x24": weight_gradient_times(*cnn, 100, 5),
+                        "preactresnet18, batch 20, 3x32x32": weight_gradient_times(
+                            {"name": "preactresnet18"}, (3, 32, 32), 20, 3)}  # fmt: skip
     finally:
         torch.set_num_threads(threads)
 
@@ -346,6 +372,10 @@ def main() -> bool:
     print(f"  {'today: saliency, boxes, masks, labels on the host':56s} {host['old']:8.3f} s")
     print(f"  {'device path: partitions from one read, cell sources':56s} {host['new']:8.3f} s")
     print(f"  {'graph cuts, either path (in worker processes on CUDA)':56s} {host['cuts']:8.3f} s")
+    print("The clean pass's weight gradient after its input-gradient backward (min wall, alternating):")
+    for name, (second, taps) in weight_grads.items():
+        print(f"  {name:36s} second backward {second * 1e3:7.1f} ms   from the activation gradients "
+              f"{taps * 1e3:7.1f} ms (x{second / taps:.2f})")
     print("Host solve per batch of the 32/64-px presets, solver gco_swap -> exact (blob saliency; CPU ms, "
           "min of 5; f: the objective each partition of 10 batches ends at, mean):")  # fmt: skip
     for preset, r in solves.items():
