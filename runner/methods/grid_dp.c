@@ -21,7 +21,7 @@ static long frontier_count(const int *counts, int site) { return site < 0 ? 1 : 
 static int solve_grid(int grid, int labels, const double *unary, const double *pairwise, const double *edge_weights,
                       int per_edge, long max_work, int *out) {
     int edges = 2 * grid * (grid - 1);
-    double uniform[edges > 0 ? edges : 1];
+    double *uniform = malloc(sizeof(double) * (edges > 0 ? edges : 1));
     for (int e = 0; e < edges && !per_edge; e++) uniform[e] = edge_weights[0];
     const double *weights = per_edge ? edge_weights : uniform;
     int n = grid * grid, vertical = grid * (grid - 1);
@@ -52,7 +52,7 @@ static int solve_grid(int grid, int labels, const double *unary, const double *p
         widest = states > widest ? states : widest;
         if (work > max_work) status = 1;
     }
-    if (status) { free(cand); free(counts); return status; }
+    if (status) { free(cand); free(counts); free(uniform); return status; }
     double *cost = malloc(sizeof(double) * widest), *next = malloc(sizeof(double) * widest);
     int *back = malloc(sizeof(int) * stored);  /* per step and new state: the candidate of the site minimised out */
     long *back_at = malloc(sizeof(long) * n), *rest_sizes = malloc(sizeof(long) * n);
@@ -95,7 +95,7 @@ static int solve_grid(int grid, int labels, const double *unary, const double *p
         out[k] = cand[k * labels + idx % counts[k]];
         idx = back[back_at[k] + idx] * rest_sizes[k] + rest;
     }
-    free(cost); free(next); free(back); free(back_at); free(rest_sizes); free(cand); free(counts);
+    free(cost); free(next); free(back); free(back_at); free(rest_sizes); free(cand); free(counts); free(uniform);
     return 0;
 }
 
@@ -119,9 +119,10 @@ static const int BLEND_FIRST[3] = {0, 0, 1}, BLEND_SECOND[3] = {1, 2, 2}, PROTEC
  * source weights W (grids, n, m) of the partitions with status 0 (status as solve_grid's). */
 void label_step(int grids, int m, int grid, const double *unary, const double *counts, int mixed, double beta_n,
                 double mix_bonus, long max_work, double *W, int *status) {
-    int n = grid * grid;
-    int order[m], kept[m], pair_a[m + 3], pair_b[m + 3], labels_out[n];
-    double costs[n * (m + 3)], pairwise[(m + 3) * (m + 3)];
+    int n = grid * grid;  /* on the heap: a large partition's label set would not fit the stack */
+    int *order = malloc(sizeof(int) * m), *kept = malloc(sizeof(int) * m), *labels_out = malloc(sizeof(int) * n);
+    int *pair_a = malloc(sizeof(int) * (m + 3)), *pair_b = malloc(sizeof(int) * (m + 3));
+    double *costs = malloc(sizeof(double) * n * (m + 3)), *pairwise = malloc(sizeof(double) * (m + 3) * (m + 3));
     for (int p = 0; p < grids; p++) {
         const double *U = unary + (long)p * m * n, *count = counts + (long)p * m;
         int used = 0, protect = 0, k = 0;
@@ -182,4 +183,5 @@ void label_step(int grids, int m, int grid, const double *unary, const double *c
             w[c * m + pair_b[labels_out[c]]] += 0.5;
         }
     }
+    free(order); free(kept); free(labels_out); free(pair_a); free(pair_b); free(costs); free(pairwise);
 }
