@@ -517,15 +517,16 @@ def _native_label_step(U, counts, grid, beta_n, method, mixed, stats):
     than its cut). The partitions whose DP would pass `_DP_MAX_WORK` take the numpy step with gco_swap, as
     `_exact_cut` would give them."""
     a, m, n = U.shape
-    U, counts = (np.require(x, np.float64, ["C", "W"]) for x in (U, counts))
+    # the callers' arrays are fresh or views of their own, so writable for `_data` (np.require costs more)
+    U, counts = np.ascontiguousarray(U, np.float64), np.ascontiguousarray(counts, np.float64)
     W, status = np.empty((a, n, m)), np.empty(a, np.intc)
     tic = time.perf_counter()
     _native_dp().label_step(a, m, grid, _data(U), _data(counts), mixed, beta_n, _MIX_BONUS, _DP_MAX_WORK,
                             _data(W), _data(status))  # fmt: skip
     stats["gc_seconds"] += time.perf_counter() - tic
     stats["gc_calls"] += 1
-    large = np.flatnonzero(status)
-    if len(large):
+    if status.any():
+        large = np.flatnonzero(status)
         W[large] = _label_step(U[large], counts[large], grid, beta_n, "gco_swap", mixed, stats)
     return W
 
