@@ -365,7 +365,7 @@ def grid_cut(unary, pairwise, smooth_weight, method: str = "gco_swap") -> np.nda
     (alpha-beta swap, a local minimum; exact for L = 2 up to the costs' integer resolution, 1e-6 or coarser
     near gco's limit), `gco_expansion`, `brute` (exact, L^(g^2) <= 2e6).
     Returns labels of shape unary.shape[:-1].
-    One cut, run by gco to its own fixed point: no iteration options, no log.
+    One solve per grid (gco's runs to its own fixed point): no iteration options, no log.
 
     >>> unary = np.zeros((2, 2, 2))
     >>> unary[..., 1] = 1.0  # every cell prefers label 0 ...
