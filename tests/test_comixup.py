@@ -247,6 +247,101 @@ def test_two_label_cut_is_exact_and_more_labels_never_beat_brute_force(method):
     assert exact >= 15  # a local minimum, but mostly the optimum on 3x3 grids
 
 
+# Float tolerance of the exact DP against brute force and gco: both sum the same <= 40 terms (16 unary, 24
+# edges) of magnitude <= 10 in float64 in different orders, so they differ by <= 40 * 10 * 2^-52 ~ 1e-13; the
+# swap's own energy is evaluated here in float64 too, so 1e-9 is slack that a wrong labeling (energy gaps of a
+# cost difference, >= 1e-4 here) cannot hide in.
+EXACT_TOL = 1e-9
+
+
+def test_exact_cut_is_the_brute_force_optimum_on_tiny_grids():
+    rng = np.random.default_rng(0)
+    for trial in range(150):
+        g, L = (2, int(rng.integers(2, 7))) if trial % 2 else (3, int(rng.integers(2, 5)))
+        unary = rng.normal(size=(2, g, g, L)) * rng.choice([0.1, 1.0, 5.0])
+        unary[rng.random(unary.shape) < 0.2] = np.inf
+        unary[..., 0] = np.where(np.isinf(unary).all(-1), 0.0, unary[..., 0])  # a label left at every site
+        pairwise = rng.random((L, L))
+        pairwise = pairwise + pairwise.T
+        np.fill_diagonal(pairwise, 0.0)
+        w = rng.uniform(0.0, 1.5, (2, 2 * g * (g - 1))) if trial % 3 else rng.uniform(0.1, 1.5)
+        labels, best = grid_cut(unary, pairwise, w, "exact"), grid_cut(unary, pairwise, w, "brute")
+        for p in range(2):
+            e = [labeling_energy_per_edge(lab[p], unary[p], pairwise, w if np.ndim(w) == 0 else w[p])
+                 for lab in (labels, best)]  # fmt: skip
+            assert e[0] == pytest.approx(e[1], abs=EXACT_TOL), (trial, p)
+
+
+def labeling_energy_per_edge(labels, unary, pairwise, w):
+    """`labeling_energy` with a weight per edge in `grid_cut`'s order (vertical edges, then horizontal)."""
+    g = unary.shape[0]
+    lab = labels.reshape(g, g)
+    w = np.broadcast_to(w, (2 * g * (g - 1),))
+    edges = np.concatenate([pairwise[lab[1:], lab[:-1]].ravel(), pairwise[lab[:, 1:], lab[:, :-1]].ravel()])
+    return unary.reshape(g * g, -1)[np.arange(g * g), lab.ravel()].sum() + (w * edges).sum()
+
+
+def comixup_cut(rng, m):
+    """A label step's MRF as `_label_step` builds it at the presets' shape (4x4 grid, beta_n = 0.32 / 16): the
+    negated pooled saliency of m inputs plus a modular diversity cost per input, and the three blends of the
+    first inputs (their costs the mean of their parents', pairwise 1/4 and 3/4)."""
+    s = blob_saliency(rng, m, size=16, sigma=rng.choice([1.5, 3.0]))
+    cost = -pool_saliency(s, 4).reshape(m, 16).T + rng.uniform(0, 0.2, m) * rng.choice([0.0, 1.0])
+    vectors, pairwise = cm._label_set(m, True)
+    return (cost @ vectors.T).reshape(4, 4, -1), pairwise, 0.32 / 16
+
+
+def test_exact_cut_never_costs_more_than_gco_swap_at_the_presets_shape():
+    rng = np.random.default_rng(0)
+    lower = 0
+    for trial in range(200):
+        unary, pairwise, w = comixup_cut(rng, int(rng.integers(2, 21)))
+        e_exact, e_swap = (labeling_energy(grid_cut(unary, pairwise, w, m), unary, pairwise, w)
+                           for m in ("exact", "gco_swap"))  # fmt: skip
+        assert e_exact <= e_swap + EXACT_TOL, trial
+        lower += e_exact < e_swap - EXACT_TOL
+    assert lower > 0  # the swap's local minima are not always global here, so the test can tell them apart
+
+
+def native_step_problem(rng):
+    """A random `_label_step` input: a partitions of m inputs on a g x g grid, with padding inputs (+inf),
+    exact ties between inputs (the dominance rule's tie-break) and counts with ties (the slot order's)."""
+    a, m, g = int(rng.integers(1, 4)), int(rng.integers(2, 9)), int(rng.integers(1, 5))
+    U = -rng.random((a, m, g * g)) * rng.choice([0.05, 0.3, 1.0]) + rng.random((a, m, 1)) * 0.1
+    if rng.random() < 0.3:
+        U[:, -1] = np.inf
+    if rng.random() < 0.3:
+        U[:, 1] = U[:, 0]
+    counts = rng.integers(0, 3, (a, m)) * rng.choice([0.5, 1.0])
+    return U, counts, g, 0.02 * rng.choice([1.0, 10.0]), bool(rng.random() < 0.6)
+
+
+@pytest.mark.parametrize("bound, numpy_method", [(None, "exact"), (0, "gco_swap")])
+def test_native_label_step_is_the_numpy_step(monkeypatch, bound, numpy_method):
+    """With the exact cut; past its work bound (here every problem), with the swap."""
+    if bound is not None:
+        monkeypatch.setattr(cm, "_DP_MAX_WORK", bound)
+    rng = np.random.default_rng(1)
+    for trial in range(300 if bound is None else 50):
+        U, counts, g, beta_n, mixed = native_step_problem(rng)
+        stats = {"gc_seconds": 0.0, "gc_calls": 0}
+        native = cm._native_label_step(U, counts, g, beta_n, "exact", mixed, stats)
+        assert np.array_equal(native, cm._label_step(U, counts, g, beta_n, numpy_method, mixed, stats)), trial
+
+
+def test_a_missing_compiler_is_one_clear_error(monkeypatch, tmp_path):
+    from runner.methods import _native
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    _native.load.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="grid_dp.c: no C compiler"):
+            _native.load("grid_dp")
+    finally:
+        _native.load.cache_clear()
+
+
 # gco aborts the whole process (no exception) on a term past its limit or a forbidden label under
 # expansion, so this runs in a child: a regression fails the test instead of killing the suite.
 _CUT_LIMITS_CHILD = """
@@ -521,6 +616,79 @@ def test_pool_step_gives_the_in_process_step_exactly(overlap):
     assert hooks_step(workers=-1)[4].workers == 0  # auto on the CPU: in-process
 
 
+class Residual(torch.nn.Module):
+    """A residual net with in-place ReLUs after its layers and a frozen layer; `twice`: one layer called
+    twice."""
+
+    def __init__(self, twice=False):
+        super().__init__()
+        self.stem, self.conv = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.norm, self.head, self.twice = torch.nn.BatchNorm2d(4), torch.nn.Linear(4, 5), twice
+        self.frozen = torch.nn.Conv2d(4, 4, 1).requires_grad_(False)
+
+    def forward(self, x):
+        h = torch.relu_(self.norm(self.stem(x)))
+        h = h + torch.relu_(self.conv(self.frozen(h)))
+        return self.head((self.conv(h) if self.twice else h).mean((2, 3)))
+
+
+@pytest.mark.parametrize("name", ["residual", "preactresnet18"])
+def test_weight_gradients_from_the_activation_gradients_are_a_backward(name):
+    from omegaconf import OmegaConf
+
+    from runner.hooks.mixup import ActivationGradients
+    from runner.models import build_model
+
+    torch.manual_seed(0)
+    model = Residual() if name == "residual" else build_model(OmegaConf.create({"name": name}), (3, 8, 8), 5)
+    x = torch.rand(6, 3, 8, 8, requires_grad=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with ActivationGradients(model) as taps:
+        loss = torch.nn.functional.cross_entropy(model(x), torch.arange(6) % 5)
+    (x_grad,) = torch.autograd.grad(loss, x, retain_graph=True)
+    expected = torch.autograd.grad(loss, params, retain_graph=True)
+    got = taps.weight_gradients(params)
+    assert got is not None
+    # The same float32 kernels on the same activation gradients, which the input-gradient backward formed
+    # as the full one does: equal up to the summation order of a kernel, if any (a rounding of 2^-24 per
+    # term, relative to the largest); 1e-5 relative also catches a missing or doubled path (O(1) changes).
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["outside a module call", "a module called twice", "unused by its call"])
+def test_weight_gradients_need_each_trainable_parameter_in_one_recorded_call(case):
+    from runner.hooks.mixup import ActivationGradients
+
+    model = Residual(twice=case == "a module called twice")
+    if case == "unused by its call":
+        model.head.spare = torch.nn.Parameter(torch.ones(5))
+    extra = torch.nn.Parameter(torch.ones(5))
+    params = [p for p in model.parameters() if p.requires_grad] + [extra] * (case == "outside a module call")
+    with ActivationGradients(model) as taps:
+        loss = (model(torch.rand(2, 3, 8, 8, requires_grad=True)) * extra).sum()
+    loss.backward(inputs=params, retain_graph=True)
+    assert taps.weight_gradients(params) is None
+
+
+def test_kept_gradients_enter_as_the_surrogate_did():
+    from runner.hooks.mixup import _AddKept
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
+    kept = [torch.randn(3, 2), torch.randn(4)]
+    grads = []
+    for new in (True, False):
+        loss = sum((p**2).sum() for p in params)
+        if new:
+            loss = _AddKept.apply(loss, kept, *params)
+        else:  # the surrogate sum(p * g) of before
+            surrogate = sum((p * g).sum() for p, g in zip(params, kept))
+            loss = loss + (surrogate - surrogate.detach())
+        grads.append(torch.autograd.grad(loss * 1024.0, params))  # as the fp16 scaler scales it
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_lag_trains_each_batch_on_its_mix_one_step_later():
     """With lag, step t trains on batch t-1's mix (from step t-1's saliency; the in-process one, which the
     pool's equals), solved while step t ran its clean pass; the first step trains on its clean batch. Auto
@@ -560,6 +728,8 @@ def test_auto_workers_one_per_partition_up_to_the_cores(monkeypatch):
     assert [cm.auto_workers(b, 20) for b in (1, 20, 21, 100, 1000)] == [1, 1, 2, 4, 4]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert cm.auto_workers(1000, 20) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # the rank's DataLoader processes take their cores first
+    assert [cm.auto_workers(1000, 20, loaders) for loaders in (0, 8, 15, 16, 40)] == [16, 8, 1, 1, 1]
 
 
 def test_auto_workers_start_a_pool_on_an_accelerator(monkeypatch):
@@ -570,9 +740,11 @@ def test_auto_workers_start_a_pool_on_an_accelerator(monkeypatch):
 
     monkeypatch.setattr(runner.hardware, "is_accelerator", lambda device: True)  # what the ctx is asked
     monkeypatch.setattr(mixup_training, "ComixupPool", lambda workers: ("pool", workers))
+    monkeypatch.setattr(cm, "usable_cores", lambda: 4)
     cfg = to_node(CoMixupConfig(part=4, preview=False))
-    hooks = mixup_training.MixupHooks(cfg, 5, RunContext(torch.device("cpu"), ROOT, tracker=None), seed=0)
-    assert hooks._comixup_pool(torch.zeros(9, 3, 8, 8)) == ("pool", cm.auto_workers(9, 4))
+    ctx = RunContext(torch.device("cpu"), ROOT, tracker=None, num_workers=2)
+    hooks = mixup_training.MixupHooks(cfg, 5, ctx, seed=0)
+    assert hooks._comixup_pool(torch.zeros(9, 3, 8, 8)) == ("pool", 2)  # 3 partitions, 4 cores less 2 loaders
 
 
 def test_defaults_match_the_paper():
@@ -591,7 +763,7 @@ def test_defaults_match_the_paper():
         part=20,
         max_iter=4,
         set_resolve=True,
-        method="gco_swap",
+        method="exact",  # the one deviation: each label step's exact minimum, where the authors swap
     )
     assert {k: defaults[k] for k in paper} == paper
 
@@ -780,7 +952,7 @@ def test_method_configs_match_the_paper_defaults():
 
     cfg = _compose(["+method=comixup"])
     paper = dict(beta=0.32, gamma=1.0, eta=0.05, tau=0.83, thres_type="hard", alpha=2.0, omega=0.001)
-    paper |= dict(grid=4, part=20, n_iter=4, set_resolve=True, clean_lam=1.0, solver="gco_swap")
+    paper |= dict(grid=4, part=20, n_iter=4, set_resolve=True, clean_lam=1.0, solver="exact")  # see above
     assert {k: cfg.method[k] for k in paper} == paper
     from tasks.classify import METHODS
 

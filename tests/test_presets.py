@@ -96,7 +96,7 @@ def test_every_method_schema_names_its_task_and_checks_its_choices_by_type():
     [
         (
             ["+method=comixup", "method.solver=magic"],
-            "method.solver='magic' is not a valid choice; choose one of: gco_swap",
+            "method.solver='magic' is not a valid choice; choose one of: exact, gco_swap",
         ),
         (
             ["+experiment=csot_digits", "method.budget=soon"],

@@ -101,7 +101,7 @@ class CoMixupConfig(InputMixupConfig):
     n_iter: int = 4  # sweeps of the block-coordinate descent
     set_resolve: bool = True
     mixed_labels: bool = True  # half/half blends of two inputs from the second sweep
-    solver: Literal[SOLVERS] = "gco_swap"
+    solver: Literal[SOLVERS] = "exact"  # each label step's exact minimum; gco_swap: the authors' local one
     workers: int = -1  # -1: auto (CUDA, or lag: a process per partition up to the cores; CPU: in-process)
     # with workers: take the clean weight gradient while they solve (the activation gradients are computed
     # twice); false: one clean backward, then the solve (faster where the solve is shorter than that repeat)

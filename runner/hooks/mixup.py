@@ -10,18 +10,23 @@ One step, as in the Co-Mixup / Puzzle Mix code:
    eval-mode pass and no weight gradient is kept.
 2. mix the batch under no_grad. Co-Mixup with a `ComixupPool` (and `overlap`) splits the backward of
    step 1: the input gradient first, the partitions go to the workers, and the weight gradient is taken
-   while they solve (the same numbers as one backward; the activation gradients are computed twice).
+   while they solve (the same numbers as one backward). The input-gradient backward passes every layer's
+   activation gradient; `ActivationGradients` keeps those of the layers that own weights and forms the
+   weight gradients from them, layer by layer, rather than a second backward through the network.
    With `lag` the workers solve through the next step instead, which trains on this batch's mix;
 3. loss on the mixed batch: soft-target CE, or BCE(softmax(logits), y~) averaged over B*K (`bce`,
-   the authors' choice), plus the clean term.
+   the authors' choice), plus the clean term, whose kept weight gradient enters the mixed backward through
+   `_AddKept` (so that DDP averages it and the fp16 loss scale multiplies it, as the mixed gradient).
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from runner.methods.comixup import CONFIG_KEYS as COMIXUP_CONFIG_KEYS
 from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
@@ -45,6 +50,79 @@ def mixed_loss(logits: torch.Tensor, target: torch.Tensor, kind: str = "ce") -> 
     return -(target * log_p + (1 - target) * log_q).mean()
 
 
+class ActivationGradients:
+    """The weight gradients of a loss from the activation gradients that its input-gradient backward passes.
+
+    While installed (a context manager around the forward), every call of a module that owns parameters
+    records its output's gradient edge, with a hook that keeps the gradient the backward brings there. For a
+    parameter p used inside one such call c only, dL/dp = (d out_c / dp)^T g_c, with g_c the kept activation
+    gradient: `weight_gradients` evaluates it by one backward from the edge to the call's own parameters,
+    which runs the layer's weight-gradient kernels only (the engine skips the edges that lead elsewhere).
+    The edge is the output's node at the call, so an in-place op after the layer (ReLU(inplace=True))
+    changes nothing. None (take a full backward) where a call's output is not one tensor in the graph, a
+    call got no gradient or did not use one of its module's weights, or a trainable parameter is in no
+    recorded call or in several (a module called twice: the later call's backward would reach the earlier
+    one's weights through its input).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self._owners = [m for m in model.modules() if any(p.requires_grad for p in _own_parameters(m))]
+        self._calls, self._handles, self.complete = [], [], True
+
+    def __enter__(self):
+        self._handles = [m.register_forward_hook(self._record) for m in self._owners]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+
+    def _record(self, module, args, output):
+        if not (isinstance(output, torch.Tensor) and output.grad_fn is not None):
+            self.complete = False
+            return
+        kept = []
+        hook = output.grad_fn.register_prehook(lambda grads, i=output.output_nr: kept.append(grads[i]))
+        own = _own_parameters(module)
+        self._calls.append((own, get_gradient_edge(output), kept, hook))
+
+    def weight_gradients(self, params) -> list | None:
+        """After the input-gradient backward: d loss / d p for `params` (None where unused), or None."""
+        for *_, hook in self._calls:
+            hook.remove()
+        recorded = [p for own, *_ in self._calls for p in own]
+        if not self.complete or any(not kept or kept[0] is None for _, _, kept, _ in self._calls):
+            return None
+        if len(set(recorded)) < len(recorded) or not set(recorded).issuperset(params):
+            return None
+        grads = {}
+        for own, edge, kept, _ in self._calls:
+            layer = torch.autograd.grad(edge, own, kept[0], retain_graph=True, allow_unused=True)
+            if any(g is None for g in layer):  # a weight the call did not use may be used elsewhere
+                return None
+            grads.update(zip(own, layer))
+        return [grads[p] for p in params]
+
+
+def _own_parameters(module: torch.nn.Module) -> list:
+    return [p for p in module.parameters(recurse=False) if p.requires_grad]
+
+
+class _AddKept(torch.autograd.Function):
+    """Identity on the loss; its backward hands each parameter its kept gradient times the loss's incoming
+    gradient (1, or the fp16 loss scale), in one `torch._foreach_mul`: the surrogate sum(p * g) did the same
+    with about four kernels per parameter."""
+
+    @staticmethod
+    def forward(ctx, loss, kept, *params):
+        ctx.kept = kept
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, *torch._foreach_mul(ctx.kept, grad)
+
+
 class TargetLoss:
     """The loss hook of plain training with `mixed_loss` of kind `kind` (ERM with the authors' BCE)."""
 
@@ -64,11 +142,11 @@ class MixupHooks:
     normalize: the data's per-channel (mean, std), so that raw pixels are x * std + mean (Puzzle Mix's
     seam cost and adversarial noise live in raw pixels); None when x is raw.
     Co-Mixup's `workers`: 0 solves in-process, n > 0 in a pool of n processes, -1 (auto) one process
-    per partition of the first batch up to this rank's share of the CPU cores on an accelerator or with
-    `lag` (`auto_workers`), in-process on the CPU otherwise (there the weight backward would take the
-    cores the solvers need). With `lag`, `transform` returns the previous batch's mix, whose cuts the
-    workers solved during this step's clean pass; the first step of a run (and of a resumed one) returns
-    its clean batch.
+    per partition of the first batch up to this rank's share of the CPU cores, less its loader workers,
+    on an accelerator or with `lag` (`auto_workers`), in-process on the CPU otherwise (there the weight
+    backward would take the cores the solvers need). With `lag`, `transform` returns the previous batch's
+    mix, whose cuts the workers solved during this step's clean pass; the first step of a run (and of a
+    resumed one) returns its clean batch.
     """
 
     mid_epoch_resume = True  # on_epoch_start only arms the preview; the rng is in state_dict
@@ -125,18 +203,20 @@ class MixupHooks:
         else:
             logits = model(x)
         loss = mixed_loss(logits, y_soft, self.cfg.loss)
-        if self._clean is not None:  # add the kept clean-pass gradient: d/dp sum(p * g) = g
+        if self._clean is not None:  # add the kept clean-pass gradient and the clean loss's value
             value, pairs = self._clean
             self._clean = None
-            surrogate = sum((p * g).sum() for p, g in pairs)
-            loss = loss + (surrogate - surrogate.detach()) + value
+            if pairs:
+                params, kept = zip(*pairs)
+                loss = _AddKept.apply(loss, list(kept), *params)
+            loss = loss + value
         return loss
 
     def _comixup_pool(self, x):
         """The Co-Mixup worker pool, or None to solve in-process (see the class docstring)."""
         if self.workers == -1:
             wanted = self.ctx.accelerator or self.cfg.lag
-            self.workers = auto_workers(len(x), self.cfg.part) if wanted else 0
+            self.workers = auto_workers(len(x), self.cfg.part, self.ctx.num_workers) if wanted else 0
         if self.workers > 0 and self.pool is None:
             self.pool = ComixupPool(self.workers)
         return self.pool
@@ -156,7 +236,10 @@ class MixupHooks:
             model.eval()
         x = self._adversarial_start(x)
         x = x.detach().requires_grad_(needs_saliency)
-        with self.ctx.autocast():  # the precision of the step's own forward
+        # a compiled network would recompile on every change of its hooks: it takes the full backward
+        compiled = getattr(model, "_orig_mod", None) is not None
+        taps = ActivationGradients(model) if defer_weights and not compiled else None
+        with self.ctx.autocast(), taps or contextlib.nullcontext():  # the precision of the step's own forward
             ce = soft_cross_entropy(model(x), y_soft)
         wrt = [x] if needs_saliency else []
         if lam > 0:
@@ -164,7 +247,7 @@ class MixupHooks:
             clean = ce * (2 * lam / self.num_classes if self.cfg.loss == "bce" else lam)
             if defer_weights:
                 grads = torch.autograd.grad(clean, wrt, retain_graph=True)
-                self._deferred = (clean, params)
+                self._deferred = (clean, params, taps)
             else:
                 grads = torch.autograd.grad(clean, wrt + params, allow_unused=True)
                 self._keep_clean(clean, params, grads[len(wrt) :])
@@ -179,9 +262,12 @@ class MixupHooks:
 
     def _weight_backward(self):
         if self._deferred is not None:
-            clean, params = self._deferred
+            clean, params, taps = self._deferred
             self._deferred = None
-            self._keep_clean(clean, params, torch.autograd.grad(clean, params, allow_unused=True))
+            grads = taps.weight_gradients(params) if taps is not None else None
+            if grads is None:
+                grads = torch.autograd.grad(clean, params, allow_unused=True)
+            self._keep_clean(clean, params, grads)
 
     def _keep_clean(self, clean, params, grads):
         self._clean = (clean.detach(), [(p, g) for p, g in zip(params, grads) if g is not None])

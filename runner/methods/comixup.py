@@ -22,7 +22,9 @@ A = (1 - omega) I + omega * A_hat the compatibility matrix (`compatibility`). Th
 Minimisation is block-coordinate descent over outputs (paper Algorithm 1): for output j the
 diversity term is replaced by the modular cost u = 2 gamma' h(P_-j) (exact for "none", where it is
 the conditional of f up to a constant), leaving a Potts-like MRF on the grid with unary
-U[k,i] = c_k[i] - eta' log lambda_i + u_i + gamma' R[j,i], solved by an alpha-beta-swap graph cut.
+U[k,i] = c_k[i] - eta' log lambda_i + u_i + gamma' R[j,i], solved exactly (method "exact", the default: a
+DP over the grid's raster frontier in C, `grid_dp.c`, the whole step in one call; gco's swap on the rare grid
+where the DP would take longer) or by the authors' alpha-beta-swap graph cut (`gco_swap`, a local minimum).
 From the second sweep the label set of output j also holds the blends 1/2(e_a + e_b) of its most used
 inputs (the three-label extension); `set_resolve` adds the penalty R that separates outputs using the
 same input set before the last sweep. Labels are mixed by mask area: y_j = sum_i (o_j[i] / n) y_i.
@@ -56,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from gco import cgco
 
+from runner.methods import _native
 from runner.methods._common import renamed_kwargs, usable_cores
 
 __all__ = [
@@ -77,7 +80,7 @@ __all__ = [
 ]
 
 THRES_TYPES = ("hard", "soft", "none")
-SOLVERS = ("gco_swap", "gco_expansion", "brute")  # the values of `method=`
+SOLVERS = ("exact", "gco_swap", "gco_expansion", "brute")  # the values of `method=`
 RANDOM_GRIDS = (2, 4, 8, 16)  # grid=-1 draws one of these at every call (the authors' `m_block_num -1`)
 _RENAMED = {"n_iter": "max_iter", "solver": "method"}  # old keyword -> new, accepted one more release
 
@@ -86,6 +89,9 @@ _BLEND_FIRST, _BLEND_SECOND = np.array(_BLEND_SLOTS).T
 _PROTECTED_SLOTS = np.array([0, 0, 2, 3])  # [min(inputs in use, 3)]: the leading slots that blends need
 _MIX_BONUS = 5e-4  # favours a blend on ties, as the authors do
 _BRUTE_MAX_STATES = 2_000_000
+# The exact DP's largest grid, in state updates (`grid_dp.c`), where it costs about what gco's swap does: on
+# this CPU 5e4 updates (4x4, 5 labels, none pruned) took 37 us, gco's swap of that grid 33 us. Larger: gco.
+_DP_MAX_WORK = 30_000
 _GCO_RESOLUTION = 1e6  # energies go to gco as integers in units of 1e-6 (coarser only to meet the limits)
 _GCO_CHECKED_TERM = 10**7  # gco's GCO_MAX_ENERGYTERM: it aborts the process on a larger checked term
 _GCO_DATA_TERM = 1e8  # largest finite data term under swap, which gco does not check (int32 headroom)
@@ -301,6 +307,34 @@ def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, sw
     return labels.reshape(P, n)
 
 
+@lru_cache(maxsize=1)
+def _native_dp():
+    """`grid_dp.c`'s two entry points, `grid_dp` (any grid MRF) and `label_step` (`_label_step`'s)."""
+    lib = _native.load("grid_dp")
+    ptr, i32, f64, i64 = ct.c_void_p, ct.c_int, ct.c_double, ct.c_long
+    lib.grid_dp.argtypes = [i32, i32, i32, ptr, ptr, ptr, i32, i64, ptr, ptr]
+    lib.label_step.argtypes = [i32, i32, i32, ptr, ptr, i32, f64, f64, i64, ptr, ptr]
+    lib.grid_dp.restype = lib.label_step.restype = None
+    return lib
+
+
+def _exact_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int):
+    """The exact minimiser of each grid by `grid_dp.c`'s dynamic program over the raster-order frontier (its
+    equation and pruning are in the source); grids whose DP would pass `_DP_MAX_WORK` go to `gco_swap`.
+    unary (P, n, L) float (+inf = forbidden) -> labels (P, n)."""
+    P, n, L = unary.shape
+    per_edge = np.ndim(edge_weight) > 0
+    arrays = (np.require(a, np.float64, ["C", "W"]) for a in (unary, pairwise, np.atleast_1d(edge_weight)))
+    labels, status = np.empty((P, n), np.intc), np.empty(P, np.intc)
+    out = (_data(labels), _data(status))
+    _native_dp().grid_dp(P, grid, L, *map(_data, arrays), per_edge, _DP_MAX_WORK, *out)
+    large = np.flatnonzero(status)
+    if len(large):
+        w = np.asarray(edge_weight)[large] if per_edge else edge_weight
+        labels[large] = _gco_cut(unary[large], pairwise, w, grid, swap=True)
+    return labels
+
+
 def _brute_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int):
     """Exact minimiser by enumeration of all L^n labelings (tiny grids only)."""
     P, n, L = unary.shape
@@ -326,10 +360,12 @@ def grid_cut(unary, pairwise, smooth_weight, method: str = "gco_swap") -> np.nda
     unary: (g, g, L) or (P, g, g, L) for P independent grids (+inf forbids a label at a site);
     pairwise: (L, L) symmetric, zero diagonal (a metric for `gco_expansion`); smooth_weight: w >= 0,
     a scalar or (P, E) per edge (the g(g-1) vertical edges row by row, then the horizontal ones).
-    method (`solver` before, deprecated): `gco_swap` (alpha-beta swap, a local minimum; exact for
-    L = 2 up to the costs' integer resolution, 1e-6 or coarser near gco's limit), `gco_expansion`,
-    `brute` (exact, L^(g^2) <= 2e6). Returns labels of shape unary.shape[:-1].
-    One cut, run by gco to its own fixed point: no iteration options, no log.
+    method (`solver` before, deprecated): `exact` (the global minimum by a DP over the grid's raster
+    frontier, `grid_dp.c`, where that takes at most `_DP_MAX_WORK` state updates, else `gco_swap`), `gco_swap`
+    (alpha-beta swap, a local minimum; exact for L = 2 up to the costs' integer resolution, 1e-6 or coarser
+    near gco's limit), `gco_expansion`, `brute` (exact, L^(g^2) <= 2e6).
+    Returns labels of shape unary.shape[:-1].
+    One solve per grid (gco's runs to its own fixed point): no iteration options, no log.
 
     >>> unary = np.zeros((2, 2, 2))
     >>> unary[..., 1] = 1.0  # every cell prefers label 0 ...
@@ -378,6 +414,8 @@ def _cut(unary, pairwise, edge_weight, grid, method):
         return np.zeros(unary.shape[:2], np.intc)
     if method == "brute":
         return _brute_cut(unary, pairwise, edge_weight, grid)
+    if method == "exact":
+        return _exact_cut(unary, pairwise, edge_weight, grid)
     return _gco_cut(unary, pairwise, edge_weight, grid, swap=method == "gco_swap")
 
 
@@ -435,7 +473,8 @@ def _label_step(U, counts, grid, beta_n, method, mixed, stats):
     cell (ties broken by index): replacing i by i' never raises unary nor smoothness cost, so a swap
     (or expansion) local minimum without i is one with i, and the global minimum is kept. On peaked
     saliency this leaves a handful of labels out of m and cuts the swap's O(L^2) pairs. Inputs lead
-    the unary's axes so that every reordering is one gather of whole rows.
+    the unary's axes so that every reordering is one gather of whole rows. `_native_label_step` is this
+    step with method "exact", in C.
     """
     a, m, n = U.shape
     rows = np.arange(a)[:, None]
@@ -469,6 +508,26 @@ def _label_step(U, counts, grid, beta_n, method, mixed, stats):
     stats["gc_calls"] += 1
     W = np.zeros((a, n, m))
     W[rows[:, :, None], np.arange(n)[:, None], order[:, None, :]] = vectors[labels]
+    return W
+
+
+def _native_label_step(U, counts, grid, beta_n, method, mixed, stats):
+    """`_label_step` with method "exact" in one call of `grid_dp.c`'s `label_step`: the same label slots,
+    dominance and costs, solved by its exact DP, with no numpy in between (a step's numpy work took longer
+    than its cut). The partitions whose DP would pass `_DP_MAX_WORK` take the numpy step with gco_swap, as
+    `_exact_cut` would give them."""
+    a, m, n = U.shape
+    # the callers' arrays are fresh or views of their own, so writable for `_data` (np.require costs more)
+    U, counts = np.ascontiguousarray(U, np.float64), np.ascontiguousarray(counts, np.float64)
+    W, status = np.empty((a, n, m)), np.empty(a, np.intc)
+    tic = time.perf_counter()
+    _native_dp().label_step(a, m, grid, _data(U), _data(counts), mixed, beta_n, _MIX_BONUS, _DP_MAX_WORK,
+                            _data(W), _data(status))  # fmt: skip
+    stats["gc_seconds"] += time.perf_counter() - tic
+    stats["gc_calls"] += 1
+    if status.any():
+        large = np.flatnonzero(status)
+        W[large] = _label_step(U[large], counts[large], grid, beta_n, "gco_swap", mixed, stats)
     return W
 
 
@@ -522,6 +581,7 @@ def _solve_partitions(s_grid, A, lam, z0, sizes, sweeps: _Sweeps, log=False):
     grid = math.isqrt(n)
     beta_n, gamma_n, eta_n, threshold = beta / n, gamma / n, eta / n, tau * n
     real = np.arange(m)[None, :] < sizes[:, None]
+    label_step = _native_label_step if method == "exact" else _label_step
     cost = np.where(
         real[:, None, :], -s_grid.transpose(0, 2, 1) - eta_n * np.log(lam + 1e-8)[:, None, :], 0.0
     )
@@ -549,7 +609,7 @@ def _solve_partitions(s_grid, A, lam, z0, sizes, sweeps: _Sweeps, log=False):
             u = 2.0 * gamma_n * _diversity_cost(A[act], others, threshold, thres_type)
             if R is not None:
                 u += gamma_n * R[act, j]
-            z_j = _label_step(unary_base[act] + u[:, :, None], o[act, j], grid, beta_n, method, mixed, stats)
+            z_j = label_step(unary_base[act] + u[:, :, None], o[act, j], grid, beta_n, method, mixed, stats)
             W[act, j] = z_j
             o_j = z_j.sum(1)
             total[act] += o_j - o[act, j]
@@ -672,7 +732,7 @@ def comixup(
     tol: float = 1e-6,
     set_resolve: bool = True,
     mixed_labels: bool = True,
-    method: str = "gco_swap",
+    method: str = "exact",
     rng=None,
     log: bool = False,
     with_masks: bool = True,
@@ -843,11 +903,12 @@ def _to_device(host, device: torch.device, dtype: torch.dtype | None = None) -> 
     return t.to(device, non_blocking=True)
 
 
-def auto_workers(batch_size: int, part: int) -> int:
+def auto_workers(batch_size: int, part: int, loader_workers: int = 0) -> int:
     """Worker processes worth starting for batches of `batch_size`: one per partition
     (ceil(batch_size / part)), at most this rank's share of the CPU cores it may run on (the cores
-    divided by the ranks on this node, torchrun's LOCAL_WORLD_SIZE)."""
-    share = usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    divided by the ranks on this node, torchrun's LOCAL_WORLD_SIZE) less the rank's `loader_workers`
+    (DataLoader processes), which decode while the cuts run: 16 cores and 8 loader workers leave 8."""
+    share = usable_cores() // int(os.environ.get("LOCAL_WORLD_SIZE", 1)) - loader_workers
     return max(1, min(share, math.ceil(batch_size / part)))
 
 

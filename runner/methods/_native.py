@@ -1,0 +1,49 @@
+"""C kernels shipped as source next to this module, compiled on first use by the system's C compiler (`cc`, or
+$CC) into a per-user cache and loaded through ctypes, as gco's library is. The cache key is the source's hash,
+so an edited kernel is rebuilt; the build goes to a temporary name and is renamed, so processes that start
+together (a worker pool) never load a half-written library.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+_HERE = Path(__file__).parent
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "runner" / "native"
+
+
+@functools.cache
+def load(name: str) -> ct.CDLL:
+    """The compiled `runner/methods/<name>.c`; no compiler or a failed build is one RuntimeError line."""
+    source = _HERE / f"{name}.c"
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    target = _cache_dir() / f"{name}-{digest}.so"
+    if not target.exists():
+        wanted = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]
+        compiler = next((found for name in wanted if (found := shutil.which(name))), None)
+        if compiler is None:
+            raise RuntimeError(f"{source.name}: no C compiler found ({' or '.join(wanted)}) to build it")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            build = [compiler, "-O2", "-shared", "-fPIC", "-o", partial, str(source), "-lm"]
+            done = subprocess.run(build, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"{source.name}: `{' '.join(build)}` failed: {done.stderr.strip()[:500]}")
+            os.replace(partial, target)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+    return ct.CDLL(str(target))
