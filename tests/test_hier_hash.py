@@ -88,7 +88,7 @@ def test_hand_case(method):
     assert hh.code_energy([[1, 0], [0, 1]], unary, 0, 0.5) == pytest.approx(-1.2)
 
 
-@pytest.mark.parametrize("method", hh.SOLVERS)
+@pytest.mark.parametrize("method", hh.FLOW_SOLVERS)
 def test_flow_is_feasible_and_codes_binary(method):
     rng = np.random.default_rng(2)
     nc, d, s = 12, 9, 3
@@ -145,7 +145,7 @@ def test_bucket_load_bound_holds_at_every_minimizer():
         hh.bucket_load_bound(np.array([[0.0, np.nan]]), 1, 0.1)
 
 
-@pytest.mark.parametrize("method", hh.SOLVERS)
+@pytest.mark.parametrize("method", hh.FLOW_SOLVERS)
 def test_bundle_caps_keep_the_full_network_optimum(method):
     rng = np.random.default_rng(20)
     grew = 0

@@ -41,6 +41,7 @@ from runner.methods._common import integral_solution, renamed_kwargs
 __all__ = [
     "LOSSES",
     "SOLVERS",
+    "FLOW_SOLVERS",
     "FlowNetwork",
     "HashIndex",
     "assign_codes",
@@ -66,7 +67,12 @@ __all__ = [
     "triplet_semihard_loss",
 ]
 
-SOLVERS = ("networkx", "ortools", "highs")  # the values of `method=`
+FLOW_SOLVERS = ("networkx", "ortools", "highs")  # min-cost flow on the network of Theorem 1
+SOLVERS = (*FLOW_SOLVERS, "assignment")  # the values of `method=`
+# The assignment form's dense matrix grows with the units squared: past this many the flow is faster
+ASSIGNMENT_MAX_UNITS = 256
+_MAX_PAIRS = lambda u: u
+_CROWD = lambda u, d: 4 * -(-u // d) + 4
 LOSSES = ("triplet", "npairs")
 
 
@@ -308,6 +314,114 @@ def _flow_highs(net: FlowNetwork) -> np.ndarray:
     return integral_solution(res.x, "flow")  # totally unimodular constraints: a vertex is integral
 
 
+def _guessed_loads(unary, sparsity, beta, top) -> np.ndarray:
+    """A guess of each bucket's load at the optimum, for the slots to start with: the larger of the number
+    of classes with it among their ``s`` best (``top``, (nc, d) bool) and its load if every class had the
+    mean unaries (the ``nc * s`` best marginal values ``mean_p c_p[q] - j beta``, j < nc)."""
+    nc, d = unary.shape
+    value = unary.mean(0)[:, None] - beta * np.arange(nc)
+    best = np.argpartition(value.ravel(), -nc * sparsity)[-nc * sparsity :]
+    return np.maximum(np.bincount(best // nc, minlength=d), top.sum(0))
+
+
+def _slot_assignment(unary, sparsity, beta, group_of, load_bound, max_pairs):
+    r"""Exact minimizer of ``code_energy`` as a linear assignment of class units to bucket slots, for a level
+    whose sibling groups never share a bucket (``siblings_never_share``); None where more than ``max_pairs``
+    (group, bucket) pairs need a constraint.
+
+    Rows are the ``s`` units of each class p, columns the slots j = 0, 1, ... of each bucket q:
+
+    .. math:: C[(p, i), (q, j)] = -c_p[q] + \beta j
+
+    Slot costs increase in j, so a minimum assignment fills each bucket's cheapest slots and prices a load
+    y at :math:`\beta \binom{y}{2}`. Without siblings sharing a bucket, E is this assignment's cost, plus
+    the constraint that a group's units (a class's own included) take distinct buckets. That constraint
+    is added where it binds: a pair (r, q) gets a node of throughput one, a row and a column, that r's
+    units reach q's slots through (row unused: the node's own column, cost 0). Pairs are constrained
+    before the first solve where two members of a group share a best bucket, then wherever a solve put two
+    of a group's units in one bucket. With some pairs unconstrained the assignment is a relaxation, so the
+    first solution without a repeated pair is optimal. Bucket q starts with ``_guessed_loads + 2`` slots
+    (at most ``load_bound[q]``), doubled when all are taken: an untaken slot of q costs no more than the
+    ones left out, and no minimizer loads q beyond ``load_bound[q]`` (``bucket_load_bound``).
+    Returns (z, assignment cost, solves).
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    nc, d = unary.shape
+    unit_class = np.repeat(np.arange(nc), sparsity)
+    unit_group, unit_unary = group_of[unit_class], unary[unit_class]
+    n_units = len(unit_class)
+    order = np.argsort(-unary, axis=1)  # each class's buckets, best first
+    top = np.zeros((nc, d), dtype=bool)
+    top[np.arange(nc)[:, None], order[:, :sparsity]] = True
+    if top.sum(0).max() > _CROWD(n_units, d):
+        return None
+    caps = np.minimum(load_bound, _guessed_loads(unary, sparsity, beta, top) + 2)
+    if caps.sum() < n_units:
+        caps = load_bound
+    constrained = np.zeros((group_of.max() + 1, d), dtype=bool)
+    unit_best = order[unit_class, np.arange(n_units) % sparsity]  # unit i of a class: its i-th best bucket
+    repeated = (np.bincount(unit_group * d + unit_best, minlength=constrained.size) > 1).reshape(
+        constrained.shape
+    )
+    n_solves = 0
+    while True:
+        if repeated.any():
+            constrained |= _crowded_pairs(order, sparsity, group_of, repeated)
+            if constrained.sum() > max_pairs:
+                return None
+        n_solves += 1
+        slot_bucket = np.repeat(np.arange(d), caps)
+        slot_cost = beta * (np.arange(len(slot_bucket)) - np.repeat(np.cumsum(caps) - caps, caps))
+        cost = slot_cost - unit_unary[:, slot_bucket]
+        pair_group, pair_bucket = np.nonzero(constrained)
+        if len(pair_group):
+            cost = _with_pair_nodes(cost, unit_group, unit_unary, slot_bucket, slot_cost, constrained)
+        try:
+            rows, cols = linear_sum_assignment(cost)
+        except ValueError:  # too few slots for the constrained pairs: take the bound's
+            if (caps == load_bound).all():
+                raise
+            caps, repeated = load_bound, np.zeros_like(constrained)
+            continue
+        unit_bucket = np.r_[slot_bucket, pair_bucket][cols[:n_units]]
+        repeated = (np.bincount(unit_group * d + unit_bucket, minlength=constrained.size) > 1).reshape(
+            constrained.shape
+        )
+        load = np.bincount(unit_bucket, minlength=d)
+        filled = (load >= caps) & (caps < load_bound)
+        if not repeated.any() and not filled.any():
+            z = np.zeros((nc, d), dtype=np.int64)
+            z[unit_class, unit_bucket] = 1
+            return z, float(cost[rows, cols].sum()), n_solves
+        caps = np.where(filled, np.minimum(2 * caps, load_bound), caps)
+
+
+def _with_pair_nodes(cost, unit_group, unit_unary, slot_bucket, slot_cost, constrained):
+    """The units x slots ``cost`` with a node of throughput one per constrained (group r, bucket q): r's
+    units reach q's slots only through its column (cost -c_p[q]) and row (q's slot costs; its own column
+    at 0 when unused)."""
+    pair_group, pair_bucket = np.nonzero(constrained)
+    (n_units, n_slots), n_pairs = cost.shape, len(pair_group)
+    full = np.full((n_units + n_pairs, n_slots + n_pairs), np.inf)
+    full[:n_units, :n_slots] = np.where(constrained[unit_group][:, slot_bucket], np.inf, cost)
+    full[:n_units, n_slots:] = np.where(unit_group[:, None] == pair_group, -unit_unary[:, pair_bucket], np.inf)
+    full[n_units:, :n_slots] = np.where(slot_bucket == pair_bucket[:, None], slot_cost, np.inf)
+    full[n_units + np.arange(n_pairs), n_slots + np.arange(n_pairs)] = 0.0
+    return full
+
+
+def _crowded_pairs(order, sparsity, group_of, repeated):
+    """(group, bucket) pairs to constrain where the ``repeated`` pairs hold (or would hold) two units of one
+    group: those, and for each such group the ``g_r * s`` best buckets of each member (``order``: each
+    class's buckets, best first), which its units crowd next (one solve instead of one per bucket)."""
+    group_size = np.bincount(group_of)
+    best = np.argsort(order, axis=1) < (group_size * sparsity)[group_of, None]
+    crowded = np.zeros(repeated.shape, dtype=bool)
+    np.logical_or.at(crowded, group_of, best)
+    return repeated | (crowded & repeated.any(1, keepdims=True))
+
+
 def _solve_flow(net: FlowNetwork, method, cost_scale):
     """Per-arc optimal flow, its cost in energy units, and the integer cost scale used."""
     if method == "highs":
@@ -389,8 +503,21 @@ def assign_codes(
     if alpha == 0:
         groups = None  # without their penalty, siblings are classes like any other
     group_of, group_size = _sibling_groups(groups, nc)
-    bucket_caps = np.minimum(bucket_load_bound(unary, sparsity, beta, group_size.max()) + 1, nc)
-    never_share = siblings_never_share(unary, sparsity, alpha, beta, groups)
+    load_bound = bucket_load_bound(unary, sparsity, beta, group_size.max())
+    never_share = np.ones(nc, bool) if groups is None else siblings_never_share(unary, sparsity, alpha, beta, groups)
+    if method == "assignment":
+        solved = None
+        if never_share.all() and nc * sparsity <= ASSIGNMENT_MAX_UNITS:
+            solved = _slot_assignment(unary, sparsity, beta, group_of, load_bound, _MAX_PAIRS(nc * sparsity))
+        if solved is not None:
+            z, cost, n_solves = solved
+            if not log:
+                return z
+            energy = code_energy(z, unary, alpha, beta, groups)
+            info = {"n_iter": n_solves, "err": abs(cost - energy), "converged": True, "method": method}
+            return z, {**info, "energy": energy, "flow_cost": cost}
+        method = "ortools"  # siblings that may share, a large level, or many constrained pairs
+    bucket_caps = np.minimum(load_bound + 1, nc)
     load_factor, n_iter = 4, 0
     while True:
         n_iter += 1
@@ -412,7 +539,7 @@ def assign_codes(
     energy = code_energy(z, unary, alpha, beta, groups)
     diagnostics = {"flow": flow, "network": net, "load_factor": load_factor, "bucket_caps": bucket_caps,
                    "cost_scale": scale}  # fmt: skip
-    info = {"n_iter": n_iter, "err": abs(flow_cost - energy), "converged": True}  # exact: nothing to warn
+    info = {"n_iter": n_iter, "err": abs(flow_cost - energy), "converged": True, "method": method}
     return z, {**info, "energy": energy, "flow_cost": flow_cost, **diagnostics}
 
 
