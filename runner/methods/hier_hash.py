@@ -69,10 +69,9 @@ __all__ = [
 
 FLOW_SOLVERS = ("networkx", "ortools", "highs")  # min-cost flow on the network of Theorem 1
 SOLVERS = (*FLOW_SOLVERS, "assignment")  # the values of `method=`
-# The assignment form's dense matrix grows with the units squared: past this many the flow is faster
+# `method="assignment"` hands a level to OR-tools' flow past this many class units (nc * s): its dense
+# matrix and augmenting paths grow with the units squared (measured: benchmarks/bench_hier_hash.py)
 ASSIGNMENT_MAX_UNITS = 256
-_MAX_PAIRS = lambda u: u
-_CROWD = lambda u, d: 4 * -(-u // d) + 4
 LOSSES = ("triplet", "npairs")
 
 
@@ -314,20 +313,11 @@ def _flow_highs(net: FlowNetwork) -> np.ndarray:
     return integral_solution(res.x, "flow")  # totally unimodular constraints: a vertex is integral
 
 
-def _guessed_loads(unary, sparsity, beta, top) -> np.ndarray:
-    """A guess of each bucket's load at the optimum, for the slots to start with: the larger of the number
-    of classes with it among their ``s`` best (``top``, (nc, d) bool) and its load if every class had the
-    mean unaries (the ``nc * s`` best marginal values ``mean_p c_p[q] - j beta``, j < nc)."""
-    nc, d = unary.shape
-    value = unary.mean(0)[:, None] - beta * np.arange(nc)
-    best = np.argpartition(value.ravel(), -nc * sparsity)[-nc * sparsity :]
-    return np.maximum(np.bincount(best // nc, minlength=d), top.sum(0))
-
-
-def _slot_assignment(unary, sparsity, beta, group_of, load_bound, max_pairs):
+def _slot_assignment(unary, sparsity, beta, group_of, load_bound):
     r"""Exact minimizer of ``code_energy`` as a linear assignment of class units to bucket slots, for a level
-    whose sibling groups never share a bucket (``siblings_never_share``); None where more than ``max_pairs``
-    (group, bucket) pairs need a constraint.
+    whose sibling groups never share a bucket (``siblings_never_share``). None where the flow is the faster
+    solver: where more classes than four times the mean load plus four share a best bucket (augmenting
+    paths then cross most rows), or more (group, bucket) pairs than units need a constraint.
 
     Rows are the ``s`` units of each class p, columns the slots j = 0, 1, ... of each bucket q:
 
@@ -340,7 +330,7 @@ def _slot_assignment(unary, sparsity, beta, group_of, load_bound, max_pairs):
     units reach q's slots through (row unused: the node's own column, cost 0). Pairs are constrained
     before the first solve where two members of a group share a best bucket, then wherever a solve put two
     of a group's units in one bucket. With some pairs unconstrained the assignment is a relaxation, so the
-    first solution without a repeated pair is optimal. Bucket q starts with ``_guessed_loads + 2`` slots
+    first solution without a repeated pair is optimal. Bucket q starts with a few slots
     (at most ``load_bound[q]``), doubled when all are taken: an untaken slot of q costs no more than the
     ones left out, and no minimizer loads q beyond ``load_bound[q]`` (``bucket_load_bound``).
     Returns (z, assignment cost, solves).
@@ -354,9 +344,11 @@ def _slot_assignment(unary, sparsity, beta, group_of, load_bound, max_pairs):
     order = np.argsort(-unary, axis=1)  # each class's buckets, best first
     top = np.zeros((nc, d), dtype=bool)
     top[np.arange(nc)[:, None], order[:, :sparsity]] = True
-    if top.sum(0).max() > _CROWD(n_units, d):
+    mean_load = -(-n_units // d)
+    if top.sum(0).max() > 4 * mean_load + 4:
         return None
-    caps = np.minimum(load_bound, _guessed_loads(unary, sparsity, beta, top) + 2)
+    # slots to start with: two above the classes that rank the bucket among their s best, or the mean load
+    caps = np.minimum(load_bound, np.maximum(top.sum(0), mean_load) + 2)
     if caps.sum() < n_units:
         caps = load_bound
     constrained = np.zeros((group_of.max() + 1, d), dtype=bool)
@@ -368,7 +360,7 @@ def _slot_assignment(unary, sparsity, beta, group_of, load_bound, max_pairs):
     while True:
         if repeated.any():
             constrained |= _crowded_pairs(order, sparsity, group_of, repeated)
-            if constrained.sum() > max_pairs:
+            if constrained.sum() > n_units:
                 return None
         n_solves += 1
         slot_bucket = np.repeat(np.arange(d), caps)
@@ -405,7 +397,8 @@ def _with_pair_nodes(cost, unit_group, unit_unary, slot_bucket, slot_cost, const
     (n_units, n_slots), n_pairs = cost.shape, len(pair_group)
     full = np.full((n_units + n_pairs, n_slots + n_pairs), np.inf)
     full[:n_units, :n_slots] = np.where(constrained[unit_group][:, slot_bucket], np.inf, cost)
-    full[:n_units, n_slots:] = np.where(unit_group[:, None] == pair_group, -unit_unary[:, pair_bucket], np.inf)
+    own_group = unit_group[:, None] == pair_group
+    full[:n_units, n_slots:] = np.where(own_group, -unit_unary[:, pair_bucket], np.inf)
     full[n_units:, :n_slots] = np.where(slot_bucket == pair_bucket[:, None], slot_cost, np.inf)
     full[n_units + np.arange(n_pairs), n_slots + np.arange(n_pairs)] = 0.0
     return full
@@ -504,11 +497,13 @@ def assign_codes(
         groups = None  # without their penalty, siblings are classes like any other
     group_of, group_size = _sibling_groups(groups, nc)
     load_bound = bucket_load_bound(unary, sparsity, beta, group_size.max())
-    never_share = np.ones(nc, bool) if groups is None else siblings_never_share(unary, sparsity, alpha, beta, groups)
+    never_share = (  # without siblings (level 1) every class is a group of one, which never shares
+        np.ones(nc, bool) if groups is None else siblings_never_share(unary, sparsity, alpha, beta, groups)
+    )
     if method == "assignment":
         solved = None
         if never_share.all() and nc * sparsity <= ASSIGNMENT_MAX_UNITS:
-            solved = _slot_assignment(unary, sparsity, beta, group_of, load_bound, _MAX_PAIRS(nc * sparsity))
+            solved = _slot_assignment(unary, sparsity, beta, group_of, load_bound)
         if solved is not None:
             z, cost, n_solves = solved
             if not log:
