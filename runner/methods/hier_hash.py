@@ -69,9 +69,9 @@ __all__ = [
 
 FLOW_SOLVERS = ("networkx", "ortools", "highs")  # min-cost flow on the network of Theorem 1
 SOLVERS = (*FLOW_SOLVERS, "assignment")  # the values of `method=`
-# `method="assignment"` hands a level to OR-tools' flow past this many class units (nc * s): its dense
-# matrix and augmenting paths grow with the units squared (measured: benchmarks/bench_hier_hash.py)
-ASSIGNMENT_MAX_UNITS = 256
+# `method="assignment"` hands a level to OR-tools' flow past this many classes: its dense matrix and
+# augmenting paths grow with the classes squared
+ASSIGNMENT_MAX_CLASSES = 256
 LOSSES = ("triplet", "npairs")
 
 
@@ -313,62 +313,54 @@ def _flow_highs(net: FlowNetwork) -> np.ndarray:
     return integral_solution(res.x, "flow")  # totally unimodular constraints: a vertex is integral
 
 
-def _slot_assignment(unary, sparsity, beta, group_of, load_bound):
-    r"""Exact minimizer of ``code_energy`` as a linear assignment of class units to bucket slots, for a level
-    whose sibling groups never share a bucket (``siblings_never_share``). None where the flow is the faster
-    solver: where more classes than four times the mean load plus four share a best bucket (augmenting
-    paths then cross most rows), or more (group, bucket) pairs than units need a constraint.
+def _slot_assignment(unary, beta, group_of, load_bound):
+    r"""Exact minimizer of ``code_energy`` at one bucket per class (s = 1) as a linear assignment of classes
+    to bucket slots, for a level whose sibling groups never share a bucket (``siblings_never_share``).
 
-    Rows are the ``s`` units of each class p, columns the slots j = 0, 1, ... of each bucket q:
+    Rows are the classes p, columns the slots j = 0, 1, ... of each bucket q:
 
-    .. math:: C[(p, i), (q, j)] = -c_p[q] + \beta j
+    .. math:: C[p, (q, j)] = -c_p[q] + \beta j
 
     Slot costs increase in j, so a minimum assignment fills each bucket's cheapest slots and prices a load
-    y at :math:`\beta \binom{y}{2}`. Without siblings sharing a bucket, E is this assignment's cost, plus
-    the constraint that a group's units (a class's own included) take distinct buckets. That constraint
-    is added where it binds: a pair (r, q) gets a node of throughput one, a row and a column, that r's
-    units reach q's slots through (row unused: the node's own column, cost 0). Pairs are constrained
-    before the first solve where two members of a group share a best bucket, then wherever a solve put two
-    of a group's units in one bucket. With some pairs unconstrained the assignment is a relaxation, so the
-    first solution without a repeated pair is optimal. Bucket q starts with a few slots
-    (at most ``load_bound[q]``), doubled when all are taken: an untaken slot of q costs no more than the
-    ones left out, and no minimizer loads q beyond ``load_bound[q]`` (``bucket_load_bound``).
-    Returns (z, assignment cost, solves).
+    y at :math:`\beta \binom{y}{2}`: without siblings in one bucket, E is this assignment's cost. Where
+    siblings would meet, the pair (group r, bucket q) gets a node of throughput one, a row and a column,
+    through which r's classes reach q's slots (row unused: the node's own column, cost 0). Pairs are
+    constrained before the first solve where two siblings share a best bucket, then wherever a solve put
+    two siblings in one bucket; with some pairs unconstrained the assignment is a relaxation, so the first
+    solution without siblings in one bucket is optimal. Bucket q starts with two slots more than the
+    classes that prefer it (or the mean load), at most ``load_bound[q]``, doubled when all are taken: an
+    untaken slot of q costs no more than the ones left out, and no minimizer loads q beyond
+    ``load_bound[q]`` (``bucket_load_bound``).
+
+    Returns (z, assignment cost, solves), or None where the flow is the faster solver: more classes than
+    four times the mean load plus four share a best bucket (augmenting paths then cross most rows), or more
+    (group, bucket) pairs than classes need a node.
     """
     from scipy.optimize import linear_sum_assignment
 
     nc, d = unary.shape
-    unit_class = np.repeat(np.arange(nc), sparsity)
-    unit_group, unit_unary = group_of[unit_class], unary[unit_class]
-    n_units = len(unit_class)
-    order = np.argsort(-unary, axis=1)  # each class's buckets, best first
-    top = np.zeros((nc, d), dtype=bool)
-    top[np.arange(nc)[:, None], order[:, :sparsity]] = True
-    mean_load = -(-n_units // d)
-    if top.sum(0).max() > 4 * mean_load + 4:
+    best = unary.argmax(1)
+    best_count, mean_load = np.bincount(best, minlength=d), -(-nc // d)
+    if best_count.max() > 4 * mean_load + 4:
         return None
-    # slots to start with: two above the classes that rank the bucket among their s best, or the mean load
-    caps = np.minimum(load_bound, np.maximum(top.sum(0), mean_load) + 2)
-    if caps.sum() < n_units:
+    caps = np.minimum(load_bound, np.maximum(best_count, mean_load) + 2)
+    if caps.sum() < nc:
         caps = load_bound
     constrained = np.zeros((group_of.max() + 1, d), dtype=bool)
-    unit_best = order[unit_class, np.arange(n_units) % sparsity]  # unit i of a class: its i-th best bucket
-    repeated = (np.bincount(unit_group * d + unit_best, minlength=constrained.size) > 1).reshape(
-        constrained.shape
-    )
+    repeated = (np.bincount(group_of * d + best, minlength=constrained.size) > 1).reshape(constrained.shape)
     n_solves = 0
     while True:
         if repeated.any():
-            constrained |= _crowded_pairs(order, sparsity, group_of, repeated)
-            if constrained.sum() > n_units:
+            constrained |= _crowded_pairs(unary, group_of, repeated)
+            if constrained.sum() > nc:
                 return None
         n_solves += 1
         slot_bucket = np.repeat(np.arange(d), caps)
         slot_cost = beta * (np.arange(len(slot_bucket)) - np.repeat(np.cumsum(caps) - caps, caps))
-        cost = slot_cost - unit_unary[:, slot_bucket]
+        cost = slot_cost - unary[:, slot_bucket]
         pair_group, pair_bucket = np.nonzero(constrained)
         if len(pair_group):
-            cost = _with_pair_nodes(cost, unit_group, unit_unary, slot_bucket, slot_cost, constrained)
+            cost = _with_pair_nodes(cost, unary, group_of, slot_bucket, slot_cost, constrained)
         try:
             rows, cols = linear_sum_assignment(cost)
         except ValueError:  # too few slots for the constrained pairs: take the bound's
@@ -376,40 +368,38 @@ def _slot_assignment(unary, sparsity, beta, group_of, load_bound):
                 raise
             caps, repeated = load_bound, np.zeros_like(constrained)
             continue
-        unit_bucket = np.r_[slot_bucket, pair_bucket][cols[:n_units]]
-        repeated = (np.bincount(unit_group * d + unit_bucket, minlength=constrained.size) > 1).reshape(
+        bucket = np.r_[slot_bucket, pair_bucket][cols[:nc]]
+        repeated = (np.bincount(group_of * d + bucket, minlength=constrained.size) > 1).reshape(
             constrained.shape
         )
-        load = np.bincount(unit_bucket, minlength=d)
-        filled = (load >= caps) & (caps < load_bound)
+        filled = (np.bincount(bucket, minlength=d) >= caps) & (caps < load_bound)
         if not repeated.any() and not filled.any():
             z = np.zeros((nc, d), dtype=np.int64)
-            z[unit_class, unit_bucket] = 1
+            z[np.arange(nc), bucket] = 1
             return z, float(cost[rows, cols].sum()), n_solves
         caps = np.where(filled, np.minimum(2 * caps, load_bound), caps)
 
 
-def _with_pair_nodes(cost, unit_group, unit_unary, slot_bucket, slot_cost, constrained):
-    """The units x slots ``cost`` with a node of throughput one per constrained (group r, bucket q): r's
-    units reach q's slots only through its column (cost -c_p[q]) and row (q's slot costs; its own column
+def _with_pair_nodes(cost, unary, group_of, slot_bucket, slot_cost, constrained):
+    """The classes x slots ``cost`` with a node of throughput one per constrained (group r, bucket q): r's
+    classes reach q's slots only through its column (cost -c_p[q]) and row (q's slot costs; its own column
     at 0 when unused)."""
     pair_group, pair_bucket = np.nonzero(constrained)
-    (n_units, n_slots), n_pairs = cost.shape, len(pair_group)
-    full = np.full((n_units + n_pairs, n_slots + n_pairs), np.inf)
-    full[:n_units, :n_slots] = np.where(constrained[unit_group][:, slot_bucket], np.inf, cost)
-    own_group = unit_group[:, None] == pair_group
-    full[:n_units, n_slots:] = np.where(own_group, -unit_unary[:, pair_bucket], np.inf)
-    full[n_units:, :n_slots] = np.where(slot_bucket == pair_bucket[:, None], slot_cost, np.inf)
-    full[n_units + np.arange(n_pairs), n_slots + np.arange(n_pairs)] = 0.0
+    (nc, n_slots), n_pairs = cost.shape, len(pair_group)
+    full = np.full((nc + n_pairs, n_slots + n_pairs), np.inf)
+    full[:nc, :n_slots] = np.where(constrained[group_of][:, slot_bucket], np.inf, cost)
+    full[:nc, n_slots:] = np.where(group_of[:, None] == pair_group, -unary[:, pair_bucket], np.inf)
+    full[nc:, :n_slots] = np.where(slot_bucket == pair_bucket[:, None], slot_cost, np.inf)
+    full[nc + np.arange(n_pairs), n_slots + np.arange(n_pairs)] = 0.0
     return full
 
 
-def _crowded_pairs(order, sparsity, group_of, repeated):
-    """(group, bucket) pairs to constrain where the ``repeated`` pairs hold (or would hold) two units of one
-    group: those, and for each such group the ``g_r * s`` best buckets of each member (``order``: each
-    class's buckets, best first), which its units crowd next (one solve instead of one per bucket)."""
-    group_size = np.bincount(group_of)
-    best = np.argsort(order, axis=1) < (group_size * sparsity)[group_of, None]
+def _crowded_pairs(unary, group_of, repeated):
+    """(group, bucket) pairs to constrain where the ``repeated`` pairs hold (or would hold) two siblings:
+    those, and for each such group of g_r classes the g_r best buckets of each member, which its classes
+    crowd next (one solve instead of one per bucket)."""
+    rank = np.argsort(np.argsort(-unary, axis=1), axis=1)  # 0: the class's best bucket
+    best = rank < np.bincount(group_of)[group_of, None]
     crowded = np.zeros(repeated.shape, dtype=bool)
     np.logical_or.at(crowded, group_of, best)
     return repeated | (crowded & repeated.any(1, keepdims=True))
@@ -502,8 +492,8 @@ def assign_codes(
     )
     if method == "assignment":
         solved = None
-        if never_share.all() and nc * sparsity <= ASSIGNMENT_MAX_UNITS:
-            solved = _slot_assignment(unary, sparsity, beta, group_of, load_bound)
+        if sparsity == 1 and never_share.all() and nc <= ASSIGNMENT_MAX_CLASSES:
+            solved = _slot_assignment(unary, beta, group_of, load_bound)
         if solved is not None:
             z, cost, n_solves = solved
             if not log:
@@ -511,7 +501,7 @@ def assign_codes(
             energy = code_energy(z, unary, alpha, beta, groups)
             info = {"n_iter": n_solves, "err": abs(cost - energy), "converged": True, "method": method}
             return z, {**info, "energy": energy, "flow_cost": cost}
-        method = "ortools"  # siblings that may share, a large level, or many constrained pairs
+        method = "ortools"  # s > 1, siblings that may share, many classes, crowded buckets or many pairs
     bucket_caps = np.minimum(load_bound + 1, nc)
     load_factor, n_iter = 4, 0
     while True:
