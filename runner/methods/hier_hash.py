@@ -332,9 +332,9 @@ def _slot_assignment(unary, beta, group_of, load_bound):
     untaken slot of q costs no more than the ones left out, and no minimizer loads q beyond
     ``load_bound[q]`` (``bucket_load_bound``).
 
-    Returns (z, assignment cost, solves), or None where the flow is the faster solver: more classes than
-    four times the mean load plus four share a best bucket (augmenting paths then cross most rows), or more
-    (group, bucket) pairs than classes need a node.
+    Returns (z, assignment cost, solves, pair nodes), or None where the flow is the faster solver: more
+    classes than four times the mean load plus four share a best bucket (augmenting paths then cross most
+    rows), or more (group, bucket) pairs than classes need a node.
     """
     from scipy.optimize import linear_sum_assignment
 
@@ -376,7 +376,7 @@ def _slot_assignment(unary, beta, group_of, load_bound):
         if not repeated.any() and not filled.any():
             z = np.zeros((nc, d), dtype=np.int64)
             z[np.arange(nc), bucket] = 1
-            return z, float(cost[rows, cols].sum()), n_solves
+            return z, float(cost[rows, cols].sum()), n_solves, len(pair_group)
         caps = np.where(filled, np.minimum(2 * caps, load_bound), caps)
 
 
@@ -442,11 +442,14 @@ def assign_codes(
     groups : (nc,) int array, optional
         Sibling group id per class (equal ids = equal codes at all earlier levels); ``None`` means
         no siblings (level 1).
-    method : {"networkx", "ortools", "highs"}
-        The min-cost-flow algorithm (``backend`` before, deprecated). ``networkx``: network simplex
-        on a MultiDiGraph (the reference). ``ortools``: OR-tools' C++ cost-scaling min-cost flow
-        (fast). ``highs``: dual simplex on the arc LP with float costs (integral vertex by total
-        unimodularity, asserted).
+    method : {"networkx", "ortools", "highs", "assignment"}
+        The algorithm (``backend`` before, deprecated). ``networkx``: network simplex on a
+        MultiDiGraph (the reference). ``ortools``: OR-tools' C++ cost-scaling min-cost flow.
+        ``highs``: dual simplex on the arc LP with float costs (integral vertex by total
+        unimodularity, asserted). ``assignment``: scipy's ``linear_sum_assignment`` of classes to
+        bucket slots with float costs (``_slot_assignment``) at one bucket per class, up to
+        ``ASSIGNMENT_MAX_CLASSES`` classes, where siblings never share a bucket and the classes do not
+        crowd a few; OR-tools' flow elsewhere (the log's ``method`` says which ran).
     cost_scale : float, optional
         Integer backends solve with costs ``round(cost * cost_scale)``; the result is exactly
         optimal for those costs, i.e. within ``n_flow_arcs / cost_scale`` of the float optimum.
@@ -457,7 +460,9 @@ def assign_codes(
         ``converged`` (True: the solve is exact), ``energy``, ``flow_cost`` (in energy units),
         ``flow`` (per arc), ``network`` (the ``FlowNetwork`` last solved), ``load_factor`` (the caps of
         its sibling bundles that may share), ``bucket_caps`` (its bucket bundles' arcs, from
-        ``bucket_load_bound``), ``cost_scale``.
+        ``bucket_load_bound``), ``cost_scale``, ``method`` (the solver that ran). From the assignment:
+        ``n_iter`` (assignments solved), ``err``, ``converged``, ``energy``, ``flow_cost`` (the
+        assignment's cost), ``method``, ``pair_nodes`` (its sibling (group, bucket) nodes).
 
     Returns
     -------
@@ -477,12 +482,6 @@ def assign_codes(
         raise ValueError(f"cost_scale={cost_scale}: must be a positive finite number or None")
     unary, sparsity, alpha, beta, groups = _check_problem(unary, sparsity, alpha, beta, groups)
     nc, d = unary.shape
-    # Solve with few parallel arcs per bundle first: if no bundle is filled, the flow is also
-    # optimal for the full network (a negative residual cycle enters b_q, or t, by one arc only,
-    # and an unused kept arc of the same bundle costs no more). Else double the filled bundles. The
-    # buckets' bundles start one arc above their loads' bound, which no minimizer reaches. A sibling group
-    # that never shares a bucket (`siblings_never_share`) keeps one free arc per bundle: every minimizer
-    # is still a flow, and the arcs priced at alpha, which slow the solver most, are gone.
     if alpha == 0:
         groups = None  # without their penalty, siblings are classes like any other
     group_of, group_size = _sibling_groups(groups, nc)
@@ -495,13 +494,19 @@ def assign_codes(
         if sparsity == 1 and never_share.all() and nc <= ASSIGNMENT_MAX_CLASSES:
             solved = _slot_assignment(unary, beta, group_of, load_bound)
         if solved is not None:
-            z, cost, n_solves = solved
+            z, cost, n_solves, pair_nodes = solved
             if not log:
                 return z
             energy = code_energy(z, unary, alpha, beta, groups)
             info = {"n_iter": n_solves, "err": abs(cost - energy), "converged": True, "method": method}
-            return z, {**info, "energy": energy, "flow_cost": cost}
+            return z, {**info, "energy": energy, "flow_cost": cost, "pair_nodes": pair_nodes}
         method = "ortools"  # s > 1, siblings that may share, many classes, crowded buckets or many pairs
+    # Solve with few parallel arcs per bundle first: if no bundle is filled, the flow is also
+    # optimal for the full network (a negative residual cycle enters b_q, or t, by one arc only,
+    # and an unused kept arc of the same bundle costs no more). Else double the filled bundles. The
+    # buckets' bundles start one arc above their loads' bound, which no minimizer reaches. A sibling group
+    # that never shares a bucket (`siblings_never_share`) keeps one free arc per bundle: every minimizer
+    # is still a flow, and the arcs priced at alpha, which slow the solver most, are gone.
     bucket_caps = np.minimum(load_bound + 1, nc)
     load_factor, n_iter = 4, 0
     while True:
