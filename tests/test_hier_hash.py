@@ -260,8 +260,9 @@ def test_assignment_hands_the_flow_what_it_does_not_solve():
     rng = np.random.default_rng(26)
     unary, groups = rng.normal(size=(12, 8)), np.repeat(np.arange(4), 3)
     crowded = rng.normal(size=(24, 8)) + 10 * np.eye(8)[np.zeros(24, int)]  # all prefer bucket 0
-    for args in ((unary, 2, 100.0, 0.1, groups), (unary, 1, 0.5, 0.1, groups), (crowded, 1, 100.0, 0.1, None)):
-        z, log = hh.assign_codes(*args, method="assignment", log=True)  # s = 2; siblings may share; crowded
+    two_buckets, siblings_may_share = (unary, 2, 100.0, 0.1, groups), (unary, 1, 0.5, 0.1, groups)
+    for args in (two_buckets, siblings_may_share, (crowded, 1, 100.0, 0.1, None)):
+        z, log = hh.assign_codes(*args, method="assignment", log=True)
         assert log["method"] == "ortools"
         np.testing.assert_array_equal(z, hh.assign_codes(*args, method="ortools"))
     assert hh.assign_codes(unary, 1, 100.0, 0.1, groups, method="assignment", log=True)[1]["method"] == (
