@@ -327,23 +327,29 @@ def _slot_assignment(unary, beta, group_of, load_bound):
     through which r's classes reach q's slots (row unused: the node's own column, cost 0). Pairs are
     constrained before the first solve where two siblings share a best bucket, then wherever a solve put
     two siblings in one bucket; with some pairs unconstrained the assignment is a relaxation, so the first
-    solution without siblings in one bucket is optimal. Bucket q starts with two slots more than the
-    classes that prefer it (or the mean load), at most ``load_bound[q]``, doubled when all are taken: an
-    untaken slot of q costs no more than the ones left out, and no minimizer loads q beyond
-    ``load_bound[q]`` (``bucket_load_bound``).
+    solution without siblings in one bucket is optimal. Bucket q starts with a slot more than the classes
+    that prefer it (at most ``load_bound[q]``), doubled when all are taken: an untaken slot of q costs no
+    more than the ones left out, and no minimizer loads q beyond ``load_bound[q]`` (``bucket_load_bound``).
 
-    Returns (z, assignment cost, solves, pair nodes), or None where the flow is the faster solver: more
-    classes than four times the mean load plus four share a best bucket (augmenting paths then cross most
-    rows), or more (group, bucket) pairs than classes need a node.
+    Returns (z, assignment cost, solves, pair nodes), or None where the flow is the faster solver: a bucket
+    starts with more slots than four times the mean load plus four (classes crowd it: augmenting paths
+    then cross most rows), or more (group, bucket) pairs than classes need a node.
     """
     from scipy.optimize import linear_sum_assignment
 
     nc, d = unary.shape
     best = unary.argmax(1)
     best_count, mean_load = np.bincount(best, minlength=d), -(-nc // d)
-    if best_count.max() > 4 * mean_load + 4:
+    # slots to start with: one above the larger of the loads of the classes' best buckets before and after
+    # pricing each bucket's load at beta per class (or the mean load); the loads' bound where that is small
+    # or the classes crowd a few best buckets (the guess then falls short and costs a second solve)
+    priced_count = np.bincount((unary - beta * best_count).argmax(1), minlength=d)
+    caps = np.minimum(load_bound, np.maximum(np.maximum(best_count, priced_count), mean_load) + 1)
+    crowd = 4 * mean_load + 4
+    if load_bound.sum() <= 2 * nc or best_count.max() > crowd:
+        caps = load_bound
+    if caps.max() > crowd:
         return None
-    caps = np.minimum(load_bound, np.maximum(best_count, mean_load) + 2)
     if caps.sum() < nc:
         caps = load_bound
     constrained = np.zeros((group_of.max() + 1, d), dtype=bool)
