@@ -361,8 +361,7 @@ def _slot_assignment(unary, beta, group_of, load_bound):
             if constrained.sum() > nc:
                 return None
         n_solves += 1
-        slot_bucket = np.repeat(np.arange(d), caps)
-        slot_cost = beta * (np.arange(len(slot_bucket)) - np.repeat(np.cumsum(caps) - caps, caps))
+        slot_bucket, _, _, slot_cost = _convex_arcs(np.arange(d), np.arange(d), caps, beta)  # slot j: j beta
         cost = slot_cost - unary[:, slot_bucket]
         pair_group, pair_bucket = np.nonzero(constrained)
         if len(pair_group):
