@@ -358,7 +358,7 @@ def _slot_assignment(unary, beta, group_of, load_bound):
     while True:
         if repeated.any():
             constrained |= _crowded_pairs(unary, group_of, repeated)
-            if constrained.sum() > nc:
+            if constrained.sum() > (nc if n_solves else nc // 2):  # many before a solve: many after
                 return None
         n_solves += 1
         slot_bucket, _, _, slot_cost = _convex_arcs(np.arange(d), np.arange(d), caps, beta)  # slot j: j beta
