@@ -265,7 +265,8 @@ def test_assignment_hands_the_flow_what_it_does_not_solve():
         z, log = hh.assign_codes(*args, method="assignment", log=True)
         assert log["method"] == "ortools"
         np.testing.assert_array_equal(z, hh.assign_codes(*args, method="ortools"))
-    assert hh.assign_codes(unary, 1, 100.0, 0.1, groups, method="assignment", log=True)[1]["method"] == (
+    pairs = np.repeat(np.arange(6), 2)  # siblings in pairs: few (group, bucket) nodes
+    assert hh.assign_codes(unary, 1, 100.0, 0.1, pairs, method="assignment", log=True)[1]["method"] == (
         "assignment"
     )
 
