@@ -328,12 +328,14 @@ def _slot_assignment(unary, beta, group_of, load_bound):
     constrained before the first solve where two siblings share a best bucket, then wherever a solve put
     two siblings in one bucket; with some pairs unconstrained the assignment is a relaxation, so the first
     solution without siblings in one bucket is optimal. Bucket q starts with a slot more than the classes
-    that prefer it (at most ``load_bound[q]``), doubled when all are taken: an untaken slot of q costs no
-    more than the ones left out, and no minimizer loads q beyond ``load_bound[q]`` (``bucket_load_bound``).
+    that prefer it, or ``load_bound[q]`` (at most that), and doubles the slots when all are taken: an
+    untaken slot of q costs no more than the ones left out, and no minimizer loads q beyond
+    ``load_bound[q]`` (``bucket_load_bound``).
 
     Returns (z, assignment cost, solves, pair nodes), or None where the flow is the faster solver: a bucket
     starts with more slots than four times the mean load plus four (classes crowd it: augmenting paths
-    then cross most rows), or more (group, bucket) pairs than classes need a node.
+    then cross most rows), or more (group, bucket) pairs need a node than half the classes before the
+    first solve, or than the classes after it.
     """
     from scipy.optimize import linear_sum_assignment
 
@@ -346,12 +348,10 @@ def _slot_assignment(unary, beta, group_of, load_bound):
     priced_count = np.bincount((unary - beta * best_count).argmax(1), minlength=d)
     caps = np.minimum(load_bound, np.maximum(np.maximum(best_count, priced_count), mean_load) + 1)
     crowd = 4 * mean_load + 4
-    if load_bound.sum() <= 2 * nc or best_count.max() > crowd:
-        caps = load_bound
+    if load_bound.sum() <= 2 * nc or best_count.max() > crowd or caps.sum() < nc:
+        caps = load_bound  # (every minimizer's loads fit the bound, so its slots hold all classes)
     if caps.max() > crowd:
         return None
-    if caps.sum() < nc:
-        caps = load_bound
     constrained = np.zeros((group_of.max() + 1, d), dtype=bool)
     repeated = (np.bincount(group_of * d + best, minlength=constrained.size) > 1).reshape(constrained.shape)
     n_solves = 0
