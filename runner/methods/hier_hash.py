@@ -22,7 +22,8 @@ load at ``i*alpha`` (group layer) and ``j*beta`` (bucket layer).
 
 Arrays in, arrays out; no Hydra, no files. The numpy parts (flow, buckets, index, metrics) and the
 torch parts (losses) share nothing but shapes. The code solvers follow the convention of
-:mod:`runner.methods._common` (``method=`` picks the min-cost-flow algorithm).
+:mod:`runner.methods._common` (``method=`` picks the algorithm: a min-cost flow, or at one bucket per
+class the assignment of classes to bucket slots).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ from scipy.sparse import coo_matrix, csr_matrix
 from runner.methods._common import integral_solution, renamed_kwargs
 
 __all__ = [
+    "ASSIGNMENT_MAX_CLASSES",
+    "FLOW_SOLVERS",
     "LOSSES",
     "SOLVERS",
-    "FLOW_SOLVERS",
     "FlowNetwork",
     "HashIndex",
     "assign_codes",
