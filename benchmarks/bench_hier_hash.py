@@ -7,8 +7,9 @@ crowd a few buckets) solved within 2x of independent ones (the buckets' load bou
 Solver times are the min of 5 repeats (3 at nc = 512) in CPU seconds of this process: the solvers are
 single-threaded, so on an idle machine this is the wall time; on a shared box wall time also counts other
 jobs and is printed beside it.
-Also reports the share of the code assignment (k min-cost flows + label remap) in one training
-iteration, on this CPU.
+Also reports the host solve per batch of each CIFAR preset, OR-tools' flow (the path before
+`method="assignment"`) beside the assignment form on the same unaries (target: 3x at the preset's first ks),
+and the share of the code assignment (k levels + label remap) in one training iteration, on this CPU.
 """
 
 from __future__ import annotations
@@ -79,6 +80,69 @@ def crowding_ratio(rng) -> float:
     return seconds["shared preference"] / seconds["independent"]
 
 
+CIFAR_PRESETS = ("hier_hash_cifar100_npairs", "hier_hash_cifar100_triplet")
+# Class unaries as a batch gives them: independent across classes (two spreads), or sharing one preference
+# over the buckets, as a fresh hash head's outputs do (the class spread 0.05 on top of it)
+UNARY_KINDS = {
+    "independent 0.05": (0.05, 0.0),
+    "independent 0.5": (0.5, 0.0),
+    "shared preference": (0.05, 1.0),
+}
+DRAWS = 8  # batches per kind: the cascade's time varies with the unaries
+
+
+def cifar_cascades(rng) -> bool:
+    """The host solve of one batch of each CIFAR preset (its k-level cascade at each ks, its alpha and beta,
+    `classes_per_batch` classes): today's path (OR-tools' flow) beside `method="assignment"` on the same
+    unaries, CPU ms per cascade (min of 5 per batch, median over the batches). Checks that each level's
+    codes cost the same (they may differ on ties). Target: at the preset's first ks, the one its GPU rows
+    train, the assignment at least 3x faster for each kind of unaries."""
+    from runner.cli import _compose
+    from tasks.hashing import per_ks
+
+    ok = True
+    for preset in CIFAR_PRESETS:
+        m = _compose([f"+experiment={preset}"]).method
+        nc, d, k = m.classes_per_batch, m.d, m.k
+        print(f"  {preset}: {nc} classes, d={d}, k={k}, alpha={m.alpha}; ms/cascade, OR-tools -> assignment")
+        for i, ks in enumerate(m.ks):
+            beta = per_ks(m.beta, i)
+            cells, ratios = [], {}
+            for kind, (spread, shared) in UNARY_KINDS.items():
+                seconds = {"ortools": [], "assignment": []}
+                for _ in range(DRAWS):
+                    unary = spread * rng.normal(size=(k, nc, d)) + shared * rng.normal(size=(k, 1, d))
+                    for method in seconds:
+                        solve = partial(hh.cascade_codes, unary, ks, m.alpha, beta, method=method)
+                        seconds[method].append(best_time(solve, repeats=5)[0])
+                    check_same_cost(unary, ks, m.alpha, beta)
+                today, new = (np.median(seconds[method]) for method in ("ortools", "assignment"))
+                ratios[kind] = today / new
+                cells.append(f"{kind} {today * 1e3:.2f} -> {new * 1e3:.2f} ({ratios[kind]:.1f}x)")
+            print(f"    ks={ks} beta={beta}: " + " | ".join(cells))
+            if ks == m.ks[0]:
+                for kind, ratio in ratios.items():
+                    ok &= target(f"{preset} ks={ks} cascade, {kind}, OR-tools / assignment", f"{ratio:.1f}x",
+                                 ">= 3x", ratio >= 3)  # fmt: skip
+    return ok
+
+
+def check_same_cost(unary, ks, alpha, beta):
+    """Raise unless both methods' cascades cost the same at each level up to the first where their codes
+    differ (on ties; the levels after it have other sibling groups)."""
+    (codes, log), (other, other_log) = (
+        hh.cascade_codes(unary, ks, alpha, beta, method=m, log=True) for m in ("ortools", "assignment")
+    )
+    for level, (z, z_other) in enumerate(zip(codes, other)):
+        energies = log["levels"][level]["energy"], other_log["levels"][level]["energy"]
+        # each sums < 300 terms of size < 1e3 in float64, and OR-tools rounds costs at 2^-30 or finer:
+        # equal minima agree to 1e-6
+        if abs(energies[0] - energies[1]) > 1e-6:
+            raise AssertionError(f"level {level}: energies {energies} differ")
+        if not np.array_equal(z, z_other):
+            return
+
+
 def iteration_shares():
     """Code-assignment share of a training iteration (hash_training.hash_step), CPU wall time."""
     import torch
@@ -105,24 +169,26 @@ def iteration_shares():
             torch.get_num_threads(),
         ),
     ]
-    method = OmegaConf.create({"loss": "npairs", "alpha": ALPHA, "solver": "ortools", "cost_scale": None,
-                               "remap": True})  # fmt: skip
-    print("  training iteration (nc x 2 N-pairs, ortools), CPU wall time, mean after one warm-up iteration:")
+    print("  training iteration (nc x 2 N-pairs), CPU wall time, mean after one warm-up iteration:")
     default_threads = torch.get_num_threads()
     for name, model_cfg, shape, nc, d, k, ks, beta, iters, threads in settings:
-        torch.set_num_threads(threads)
-        torch.manual_seed(0)
-        net = EmbeddingNet(build_model(OmegaConf.create(model_cfg), shape, 100), d * k, init_std=0.01)
-        optimizer = torch.optim.Adam(net.parameters(), 1e-3)
-        x = torch.randn(nc * 2, *shape)
-        step = partial(hash_step, net, optimizer, x, nc=nc, m=2, k=k, d=d, ks=ks, method=method, beta=beta,
-                       margin=0.5, l2_reg=0.003, remap=True)  # fmt: skip
-        step()
-        start = time.perf_counter()
-        code_seconds = sum(step()[1] for _ in range(iters))
-        total, codes = (time.perf_counter() - start) / iters, code_seconds / iters
-        print(f"    {name}, nc={nc} d={d} k={k} ks={ks}, {threads} thread(s): step {total * 1e3:.1f} ms, "
-              f"codes {codes * 1e3:.1f} ms -> {100 * codes / total:.1f}%")  # fmt: skip
+        for solver in ("ortools", "assignment"):
+            method = OmegaConf.create({"loss": "npairs", "alpha": ALPHA, "solver": solver, "cost_scale": None,
+                                       "remap": True})  # fmt: skip
+            torch.set_num_threads(threads)
+            torch.manual_seed(0)
+            net = EmbeddingNet(build_model(OmegaConf.create(model_cfg), shape, 100), d * k, init_std=0.01)
+            optimizer = torch.optim.Adam(net.parameters(), 1e-3)
+            x = torch.randn(nc * 2, *shape)
+            step = partial(hash_step, net, optimizer, x, nc=nc, m=2, k=k, d=d, ks=ks, method=method,
+                           beta=beta, margin=0.5, l2_reg=0.003, remap=True)  # fmt: skip
+            step()
+            start = time.perf_counter()
+            code_seconds = sum(step()[1] for _ in range(iters))
+            total, codes = (time.perf_counter() - start) / iters, code_seconds / iters
+            share = f"codes {codes * 1e3:.2f} ms -> {100 * codes / total:.1f}%"
+            print(f"    {name}, nc={nc} d={d} k={k} ks={ks}, {threads} thread(s), {solver}: step "
+                  f"{total * 1e3:.1f} ms, {share}")  # fmt: skip
     torch.set_num_threads(default_threads)
 
 
@@ -142,6 +208,8 @@ def main() -> bool:
     ok &= target("ortools nc=d=512 (ks 1 and 2, worst)", f"{large:.3f} CPU s", "< 1 s", large < 1.0)
     crowded = crowding_ratio(rng)
     ok &= target("crowded / independent unaries, nc=d=512", f"{crowded:.2f}x", "<= 2x", crowded <= 2)
+    print("  host solve per batch of each CIFAR preset:")
+    ok &= cifar_cascades(rng)
     iteration_shares()
     return ok
 

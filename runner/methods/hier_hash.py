@@ -22,7 +22,8 @@ load at ``i*alpha`` (group layer) and ``j*beta`` (bucket layer).
 
 Arrays in, arrays out; no Hydra, no files. The numpy parts (flow, buckets, index, metrics) and the
 torch parts (losses) share nothing but shapes. The code solvers follow the convention of
-:mod:`runner.methods._common` (``method=`` picks the min-cost-flow algorithm).
+:mod:`runner.methods._common` (``method=`` picks the algorithm: a min-cost flow, or at one bucket per
+class the assignment of classes to bucket slots).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from scipy.sparse import coo_matrix, csr_matrix
 from runner.methods._common import integral_solution, renamed_kwargs
 
 __all__ = [
+    "ASSIGNMENT_MAX_CLASSES",
+    "FLOW_SOLVERS",
     "LOSSES",
     "SOLVERS",
     "FlowNetwork",
@@ -66,7 +69,11 @@ __all__ = [
     "triplet_semihard_loss",
 ]
 
-SOLVERS = ("networkx", "ortools", "highs")  # the values of `method=`
+FLOW_SOLVERS = ("networkx", "ortools", "highs")  # min-cost flow on the network of Theorem 1
+SOLVERS = (*FLOW_SOLVERS, "assignment")  # the values of `method=`
+# `method="assignment"` hands a level to OR-tools' flow past this many classes: its dense matrix and
+# augmenting paths grow with the classes squared
+ASSIGNMENT_MAX_CLASSES = 256
 LOSSES = ("triplet", "npairs")
 
 
@@ -308,6 +315,106 @@ def _flow_highs(net: FlowNetwork) -> np.ndarray:
     return integral_solution(res.x, "flow")  # totally unimodular constraints: a vertex is integral
 
 
+def _slot_assignment(unary, beta, group_of, load_bound):
+    r"""Exact minimizer of ``code_energy`` at one bucket per class (s = 1) as a linear assignment of classes
+    to bucket slots, for a level whose sibling groups never share a bucket (``siblings_never_share``).
+
+    Rows are the classes p, columns the slots j = 0, 1, ... of each bucket q:
+
+    .. math:: C[p, (q, j)] = -c_p[q] + \beta j
+
+    Slot costs increase in j, so a minimum assignment fills each bucket's cheapest slots and prices a load
+    y at :math:`\beta \binom{y}{2}`: without siblings in one bucket, E is this assignment's cost. Where
+    siblings would meet, the pair (group r, bucket q) gets a node of throughput one, a row and a column,
+    through which r's classes reach q's slots (row unused: the node's own column, cost 0). Pairs are
+    constrained before the first solve where two siblings share a best bucket, then wherever a solve put
+    two siblings in one bucket; with some pairs unconstrained the assignment is a relaxation, so the first
+    solution without siblings in one bucket is optimal. Bucket q starts with a slot more than the classes
+    that prefer it, or ``load_bound[q]`` (at most that), and doubles the slots when all are taken: an
+    untaken slot of q costs no more than the ones left out, and no minimizer loads q beyond
+    ``load_bound[q]`` (``bucket_load_bound``).
+
+    Returns (z, assignment cost, solves, pair nodes), or None where the flow is the faster solver: a bucket
+    starts with more slots than four times the mean load plus four, or as many classes share a best bucket
+    at more than 64 classes (classes crowd it: augmenting paths then cross most rows), or more (group,
+    bucket) pairs need a node than half the classes before the first solve, or than the classes after it.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    nc, d = unary.shape
+    best = unary.argmax(1)
+    best_count, mean_load = np.bincount(best, minlength=d), -(-nc // d)
+    # slots to start with: one above the larger of the loads of the classes' best buckets before and after
+    # pricing each bucket's load at beta per class (or the mean load); the loads' bound where that is small
+    # or the classes crowd a few best buckets (the guess then falls short and costs a second solve)
+    priced_count = np.bincount((unary - beta * best_count).argmax(1), minlength=d)
+    caps = np.minimum(load_bound, np.maximum(np.maximum(best_count, priced_count), mean_load) + 1)
+    crowd = 4 * mean_load + 4
+    crowded = best_count.max() > crowd
+    if crowded and nc > 64:  # its augmenting paths cross most rows: 0.6-0.8x OR-tools' at 100-256 classes
+        return None
+    if load_bound.sum() <= 2 * nc or crowded or caps.sum() < nc:
+        caps = load_bound  # (every minimizer's loads fit the bound, so its slots hold all classes)
+    if caps.max() > crowd:
+        return None
+    constrained = np.zeros((group_of.max() + 1, d), dtype=bool)
+    repeated = (np.bincount(group_of * d + best, minlength=constrained.size) > 1).reshape(constrained.shape)
+    n_solves = 0
+    while True:
+        if repeated.any():
+            constrained |= _crowded_pairs(unary, group_of, repeated)
+            if constrained.sum() > (nc if n_solves else nc // 2):  # many before a solve: many after
+                return None
+        n_solves += 1
+        slot_bucket, _, _, slot_cost = _convex_arcs(np.arange(d), np.arange(d), caps, beta)  # slot j: j beta
+        cost = slot_cost - unary[:, slot_bucket]
+        pair_group, pair_bucket = np.nonzero(constrained)
+        if len(pair_group):
+            cost = _with_pair_nodes(cost, unary, group_of, slot_bucket, slot_cost, constrained)
+        try:
+            rows, cols = linear_sum_assignment(cost)
+        except ValueError:  # too few slots for the constrained pairs: take the bound's
+            if (caps == load_bound).all():
+                raise
+            caps, repeated = load_bound, np.zeros_like(constrained)
+            continue
+        bucket = np.r_[slot_bucket, pair_bucket][cols[:nc]]
+        repeated = (np.bincount(group_of * d + bucket, minlength=constrained.size) > 1).reshape(
+            constrained.shape
+        )
+        filled = (np.bincount(bucket, minlength=d) >= caps) & (caps < load_bound)
+        if not repeated.any() and not filled.any():
+            z = np.zeros((nc, d), dtype=np.int64)
+            z[np.arange(nc), bucket] = 1
+            return z, float(cost[rows, cols].sum()), n_solves, len(pair_group)
+        caps = np.where(filled, np.minimum(2 * caps, load_bound), caps)
+
+
+def _with_pair_nodes(cost, unary, group_of, slot_bucket, slot_cost, constrained):
+    """The classes x slots ``cost`` with a node of throughput one per constrained (group r, bucket q): r's
+    classes reach q's slots only through its column (cost -c_p[q]) and row (q's slot costs; its own column
+    at 0 when unused)."""
+    pair_group, pair_bucket = np.nonzero(constrained)
+    (nc, n_slots), n_pairs = cost.shape, len(pair_group)
+    full = np.full((nc + n_pairs, n_slots + n_pairs), np.inf)
+    full[:nc, :n_slots] = np.where(constrained[group_of][:, slot_bucket], np.inf, cost)
+    full[:nc, n_slots:] = np.where(group_of[:, None] == pair_group, -unary[:, pair_bucket], np.inf)
+    full[nc:, :n_slots] = np.where(slot_bucket == pair_bucket[:, None], slot_cost, np.inf)
+    full[nc + np.arange(n_pairs), n_slots + np.arange(n_pairs)] = 0.0
+    return full
+
+
+def _crowded_pairs(unary, group_of, repeated):
+    """(group, bucket) pairs to constrain where the ``repeated`` pairs hold (or would hold) two siblings:
+    those, and for each such group of g_r classes the g_r best buckets of each member, which its classes
+    crowd next (one solve instead of one per bucket)."""
+    rank = np.argsort(np.argsort(-unary, axis=1), axis=1)  # 0: the class's best bucket
+    best = rank < np.bincount(group_of)[group_of, None]
+    crowded = np.zeros(repeated.shape, dtype=bool)
+    np.logical_or.at(crowded, group_of, best)
+    return repeated | (crowded & repeated.any(1, keepdims=True))
+
+
 def _solve_flow(net: FlowNetwork, method, cost_scale):
     """Per-arc optimal flow, its cost in energy units, and the integer cost scale used."""
     if method == "highs":
@@ -345,11 +452,14 @@ def assign_codes(
     groups : (nc,) int array, optional
         Sibling group id per class (equal ids = equal codes at all earlier levels); ``None`` means
         no siblings (level 1).
-    method : {"networkx", "ortools", "highs"}
-        The min-cost-flow algorithm (``backend`` before, deprecated). ``networkx``: network simplex
-        on a MultiDiGraph (the reference). ``ortools``: OR-tools' C++ cost-scaling min-cost flow
-        (fast). ``highs``: dual simplex on the arc LP with float costs (integral vertex by total
-        unimodularity, asserted).
+    method : {"networkx", "ortools", "highs", "assignment"}
+        The algorithm (``backend`` before, deprecated). ``networkx``: network simplex on a
+        MultiDiGraph (the reference). ``ortools``: OR-tools' C++ cost-scaling min-cost flow.
+        ``highs``: dual simplex on the arc LP with float costs (integral vertex by total
+        unimodularity, asserted). ``assignment``: scipy's ``linear_sum_assignment`` of classes to
+        bucket slots with float costs (``_slot_assignment``) at one bucket per class, up to
+        ``ASSIGNMENT_MAX_CLASSES`` classes, where siblings never share a bucket and the classes do not
+        crowd a few; OR-tools' flow elsewhere (the log's ``method`` says which ran).
     cost_scale : float, optional
         Integer backends solve with costs ``round(cost * cost_scale)``; the result is exactly
         optimal for those costs, i.e. within ``n_flow_arcs / cost_scale`` of the float optimum.
@@ -360,7 +470,9 @@ def assign_codes(
         ``converged`` (True: the solve is exact), ``energy``, ``flow_cost`` (in energy units),
         ``flow`` (per arc), ``network`` (the ``FlowNetwork`` last solved), ``load_factor`` (the caps of
         its sibling bundles that may share), ``bucket_caps`` (its bucket bundles' arcs, from
-        ``bucket_load_bound``), ``cost_scale``.
+        ``bucket_load_bound``), ``cost_scale``, ``method`` (the solver that ran). From the assignment:
+        ``n_iter`` (assignments solved), ``err``, ``converged``, ``energy``, ``flow_cost`` (the
+        assignment's cost), ``method``, ``pair_nodes`` (its sibling (group, bucket) nodes).
 
     Returns
     -------
@@ -380,17 +492,32 @@ def assign_codes(
         raise ValueError(f"cost_scale={cost_scale}: must be a positive finite number or None")
     unary, sparsity, alpha, beta, groups = _check_problem(unary, sparsity, alpha, beta, groups)
     nc, d = unary.shape
+    if alpha == 0:
+        groups = None  # without their penalty, siblings are classes like any other
+    group_of, group_size = _sibling_groups(groups, nc)
+    load_bound = bucket_load_bound(unary, sparsity, beta, group_size.max())
+    never_share = (  # without siblings (level 1) every class is a group of one, which never shares
+        np.ones(nc, bool) if groups is None else siblings_never_share(unary, sparsity, alpha, beta, groups)
+    )
+    if method == "assignment":
+        solved = None
+        if sparsity == 1 and never_share.all() and nc <= ASSIGNMENT_MAX_CLASSES:
+            solved = _slot_assignment(unary, beta, group_of, load_bound)
+        if solved is not None:
+            z, cost, n_solves, pair_nodes = solved
+            if not log:
+                return z
+            energy = code_energy(z, unary, alpha, beta, groups)
+            info = {"n_iter": n_solves, "err": abs(cost - energy), "converged": True, "method": method}
+            return z, {**info, "energy": energy, "flow_cost": cost, "pair_nodes": pair_nodes}
+        method = "ortools"  # s > 1, siblings that may share, many classes, crowded buckets or many pairs
     # Solve with few parallel arcs per bundle first: if no bundle is filled, the flow is also
     # optimal for the full network (a negative residual cycle enters b_q, or t, by one arc only,
     # and an unused kept arc of the same bundle costs no more). Else double the filled bundles. The
     # buckets' bundles start one arc above their loads' bound, which no minimizer reaches. A sibling group
     # that never shares a bucket (`siblings_never_share`) keeps one free arc per bundle: every minimizer
     # is still a flow, and the arcs priced at alpha, which slow the solver most, are gone.
-    if alpha == 0:
-        groups = None  # without their penalty, siblings are classes like any other
-    group_of, group_size = _sibling_groups(groups, nc)
-    bucket_caps = np.minimum(bucket_load_bound(unary, sparsity, beta, group_size.max()) + 1, nc)
-    never_share = siblings_never_share(unary, sparsity, alpha, beta, groups)
+    bucket_caps = np.minimum(load_bound + 1, nc)
     load_factor, n_iter = 4, 0
     while True:
         n_iter += 1
@@ -412,7 +539,7 @@ def assign_codes(
     energy = code_energy(z, unary, alpha, beta, groups)
     diagnostics = {"flow": flow, "network": net, "load_factor": load_factor, "bucket_caps": bucket_caps,
                    "cost_scale": scale}  # fmt: skip
-    info = {"n_iter": n_iter, "err": abs(flow_cost - energy), "converged": True}  # exact: nothing to warn
+    info = {"n_iter": n_iter, "err": abs(flow_cost - energy), "converged": True, "method": method}
     return z, {**info, "energy": energy, "flow_cost": flow_cost, **diagnostics}
 
 
