@@ -88,8 +88,9 @@ def make_optimizer(model, cfg, fused: bool = False):
     and a tensor lr without a host read, which a captured step needs)."""
     params = model.parameters() if cfg.bn_weight_decay else decay_groups(model)
     kernel = {"fused": True} if fused else {}
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kernel)
+    if cfg.optimizer == "adam":  # capturable: its step count stays on the device, as a graph needs
+        capturable = {"capturable": True} if fused else {}
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kernel, **capturable)
     return torch.optim.SGD(
         params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
         **kernel,
@@ -598,7 +599,8 @@ class GraphedStep:
         self.graph = None  # the last shape's graph: its memory back to the pool
         self.x, self.idx, self.shape = x.clone(), idx.clone(), shape
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        # thread_local: the DataLoader's pin-memory thread keeps calling CUDA while this thread captures
+        with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
             self.loss = captured_region(self.s, self.x, self.idx, epoch)
         self.pool = self.graph.pool()
         log.info("training step captured as one CUDA graph (batch %s)", tuple(x.shape))

@@ -28,14 +28,15 @@ def _fit(tmp_path, *overrides, graph=False, hooks=None, compile="false"):
     return model, rows
 
 
-@pytest.mark.parametrize("overrides", [SCHEDULES, [PHASES, "train.schedule=none"]],
-                         ids=["schedules", "phases"])
+@pytest.mark.parametrize("overrides", [SCHEDULES, [PHASES, "train.schedule=none"],
+                                       ["train.optimizer=adam", "train.lr=0.01", "train.schedule=cosine"]],
+                         ids=["schedules", "phases", "adam"])
 def test_the_graph_ready_step_follows_the_eager_trajectory(tmp_path, overrides):
     eager, eager_rows = _fit(tmp_path / "eager", *overrides)
     graphed, graphed_rows = _fit(tmp_path / "graph", *overrides, graph=True)
     # The lr schedules write the captured step's lr tensor in place: every epoch's lr is the eager one's.
     assert [r["lr"] for r in graphed_rows] == pytest.approx([r["lr"] for r in eager_rows], rel=1e-6)
-    # The fused SGD kernel applies the same update as foreach's in another order of float32 operations
+    # The fused SGD / Adam kernel applies the same update as foreach's in another order of float32 operations
     # (weight decay, momentum, Nesterov, the lr product: each a rounding of ~6e-8 relative), so a step
     # differs by a few ulp; over 4 epochs of 5-15 steps on separable blobs the training map contracts
     # rather than amplifies such noise, which leaves the losses within 1e-5 relative.
