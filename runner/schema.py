@@ -256,6 +256,9 @@ class TrainConfig:
     phases: list[PhaseConfig] = field(default_factory=list)
     bn_weight_decay: bool = True  # false: no weight decay on normalisation layers' and bias parameters
     ece_bins: int = 15  # equal-width confidence bins of the reported ECE (the Co-Mixup paper: 10)
+    # The model a fit ends with and tests: `last` (the last epoch's weights, or a method's own rule) or
+    # `best:<metric>` (the weights of the evaluation with the best value of that metric, restored).
+    select: str = "last"
 
     def __post_init__(self):
         check_range("train.epochs", self.epochs, 1)
@@ -277,6 +280,9 @@ class TrainConfig:
         check_range("train.save_top_k", self.save_top_k, 0)
         check_range("train.early_stop", self.early_stop, 0)
         check_range("train.ece_bins", self.ece_bins, 1)
+        if self.select != "last" and not (self.select.startswith("best:") and self.select[len("best:") :]):
+            choices = "last, best:<metric> (e.g. best:val/acc)"
+            raise ConfigError(f"train.select={self.select!r} is not an option; choices: {choices}")
         if self.phases:
             self._check_phases()
 

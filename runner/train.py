@@ -645,7 +645,7 @@ def fit(
             "batch transform, loss or sampler sees the batch as one); use train.accumulate=1"
         )
     loop = _Loop(model, data, cfg, ctx, hooks, tag)
-    s, select = loop.step, getattr(hooks, "select", None)
+    s, select = loop.step, loop.select
     resumed = loop.state.resume() if cfg.checkpoint else None
     start, first, extra = (0, 0, {}) if resumed is None else resumed
     if first is None:  # an epoch-end checkpoint
@@ -665,7 +665,10 @@ def fit(
         loop.best["state"] = {key: value.cpu() for key, value in loop.best["state"].items()}
     if select is not None and resumed is None:  # the initial weights stay unless training beats them
         evaluated, calibration = evaluate_all(model, data, ctx, cfg, hooks)
-        loop.best = _snapshot(model, evaluated, calibration, select)
+        if select[0] not in evaluated:
+            raise ConfigError(f"train.select=best:{select[0]}: this run does not report {select[0]}; "
+                              f"choices: {', '.join(f'best:{key}' for key in evaluated)}")  # fmt: skip
+        loop.best = _snapshot(model, evaluated, calibration, select, 0)
         _log(ctx, tag, {"epoch": 0, **evaluated}, -1)
     metrics: dict = {}
     calibration: dict = {}
@@ -683,9 +686,12 @@ def fit(
         calibration = loop.best["calibration"]
         log.info("%skept the weights of the best %s, %.4f", f"{tag}: " if tag else "", select[0],
                  loop.best["value"])  # fmt: skip
+        metrics |= {"tested_model": f"best:{select[0]}", "tested_epoch": loop.best.get("epoch")}
     elif not metrics:  # resumed a finished run: its last epoch's row, the model evaluated as it is
         evaluated, calibration = evaluate_all(model, data, ctx, cfg, hooks)
         metrics = {**extra.get("metrics", {}), **evaluated}
+    # which weights the metrics are of (runner-report names them); <key>_last: the last epoch's
+    metrics.setdefault("tested_model", "last")
     for key, values in loop.history.items():
         metrics.update(history_summary(values, key))
     metrics.update(loop.monitor.summary())
@@ -815,7 +821,8 @@ class _Loop:
         path = ctx.dir / CHECKPOINT if tag is None else ctx.dir / "checkpoints" / f"{tag}.pt"
         extra = {"ema": ema, "warmup_lr": self.warmup_lr}
         self.state = Resumable(path, ctx, model, optimizer, scheduler, self.step.scaler, hooks, extra)
-        self.monitor = Monitor(getattr(hooks, "select", None) or ("val/acc", "max"), cfg, path)
+        self.select = selection(cfg.select) or getattr(hooks, "select", None)
+        self.monitor = Monitor(self.select or ("val/acc", "max"), cfg, path)
         has_pass = getattr(hooks, "on_epoch_start", None) is not None
         self.mid_epoch = cfg.checkpoint and (not has_pass or getattr(hooks, "mid_epoch_resume", False))
         self.last_save = time.monotonic()
@@ -911,9 +918,9 @@ class _Loop:
         for key in HISTORY_KEYS:
             if key in evaluated:
                 self.history.setdefault(key, []).append(evaluated[key])
-        select = getattr(self.hooks, "select", None)
+        select = self.select
         if select is not None and _better(evaluated[select[0]], self.best, select[1]):
-            self.best = _snapshot(self.model, evaluated, calibration, select)
+            self.best = _snapshot(self.model, evaluated, calibration, select, epoch + 1)
         return evaluated, calibration
 
     def check(self, epoch: int, first_bad: float, scale: float) -> None:
@@ -972,9 +979,18 @@ def _better(value: float, best: dict | None, mode: str) -> bool:
     return best is None or (value > best["value"] if mode == "max" else value < best["value"])
 
 
-def _snapshot(model, evaluated: dict, calibration: dict, select) -> dict:
+def _snapshot(model, evaluated: dict, calibration: dict, select, epoch: int) -> dict:
     state = {key: value.detach().cpu().clone() for key, value in model.state_dict().items()}
-    return {"value": evaluated[select[0]], "state": state, "metrics": evaluated, "calibration": calibration}
+    return {"value": evaluated[select[0]], "state": state, "metrics": evaluated, "calibration": calibration,
+            "epoch": epoch}  # fmt: skip
+
+
+def selection(rule: str) -> tuple[str, str] | None:
+    """`train.select` as `(metric, "max" | "min")` (a loss or an ECE is minimised); None for `last`."""
+    if rule == "last":
+        return None
+    key = rule.removeprefix("best:")
+    return key, "min" if key.rsplit("/", 1)[-1] in ("loss", "ece") else "max"
 
 
 def _log(ctx: RunContext, tag: str | None, metrics: dict, epoch: int) -> None:

@@ -12,7 +12,7 @@ from runner.data import Data, split_of
 from runner.faults import Diverged, OutOfMemory
 from runner.hardware import RunContext
 from runner.models import build_model
-from runner.schema import validate
+from runner.schema import ConfigError, validate
 from runner.track import Tracker
 from runner.train import CHECKPOINT, augment_crop_flip, evaluate, fit, soft_cross_entropy
 
@@ -138,6 +138,44 @@ def test_select_restores_the_best_validation_weights_and_reports_them(tmp_path):
     again = fit(build_model(model_cfg, (4,), 3), data, train_cfg, ctx, SelectWorst())  # finished: resumed
     assert again["val/loss"] == best["val/loss"] and len(records) == 4
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4  # no row written twice
+
+
+class LearnThenUnlearn:
+    """Cross-entropy in the first epoch, its negative after (the accuracy falls), recording the weights each
+    epoch starts from: the best val/acc is epoch 1's, which the last epoch's weights are not."""
+
+    def __init__(self):
+        self.starts = {}
+
+    def on_epoch_start(self, epoch, model, data):
+        self.starts[epoch] = {key: value.clone() for key, value in model.state_dict().items()}
+
+    def loss(self, model, x, y_soft, idx, epoch):
+        return soft_cross_entropy(model(x), y_soft) * (1 if epoch == 0 else -1)
+
+
+def test_train_select_best_restores_that_epochs_weights_and_reports_the_last_ones_too(tmp_path):
+    model_cfg, train_cfg, ctx = setup(tmp_path, "train.epochs=3", "train.select=best:val/acc", "train.lr=0.5")
+    torch.manual_seed(0)
+    model, hooks = build_model(model_cfg, (4,), 3), LearnThenUnlearn()
+    metrics = fit(model, blobs(), train_cfg, ctx, hooks)
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert max(rows, key=lambda step: rows[step]["val/acc"]) == 0  # epoch 1 (tracker step 0) is the best
+    assert rows[2]["test/acc"] < rows[0]["test/acc"]
+    after_epoch_1 = hooks.starts[1]
+    assert all(torch.equal(value, after_epoch_1[key]) for key, value in model.state_dict().items())
+    assert metrics["tested_model"] == "best:val/acc" and metrics["tested_epoch"] == 1
+    assert metrics["test/acc"] == rows[0]["test/acc"] and metrics["test/acc_last"] == rows[2]["test/acc"]
+
+
+def test_train_select_last_keeps_the_last_weights_and_a_metric_the_run_lacks_is_refused(tmp_path):
+    _, metrics = train(tmp_path / "last", 2)
+    assert metrics["tested_model"] == "last" and metrics["test/acc"] == metrics["test/acc_last"]
+    model_cfg, train_cfg, ctx = setup(tmp_path, "train.select=best:val/top1")
+    with pytest.raises(ConfigError, match=r"train.select=best:val/top1: .* choices: best:val/acc, "):
+        fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx)
+    with pytest.raises(ConfigError, match=r"train.select='best' is not an option; choices: last, best:<m"):
+        setup(tmp_path, "train.select=best")
 
 
 def test_crop_flip_shifts_content_and_keeps_shape():
