@@ -304,6 +304,25 @@ def test_warmup_batch_is_weakly_augmented(tmp_path):
         assert loss.item() == pytest.approx(F.cross_entropy(model(x + 100.0), y).item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("warmup_penalty", [False, True])
+def test_the_warmup_confidence_penalty_is_added_under_method_warmup_penalty(tmp_path, warmup_penalty):
+    """DivideMix's Clothing1M warm-up: CE + mean sum_k p_k log p_k (the negative entropy), symmetric noise too."""
+    data = _toy()
+    hooks, model, _ = _hooks("csot", data, tmp_path, warmup_penalty=warmup_penalty)
+    hooks.views.weak = lambda x: x  # the loss of the batch itself
+    x, y = data.train.x[:8], data.train.y[:8]
+    loss = hooks.loss(model, x, F.one_hot(y, 4).float(), torch.arange(8), 0)
+    with torch.no_grad():
+        logits = model(x)
+        p = F.softmax(logits, dim=1)
+        negative_entropy = (p * p.log()).sum(1).mean().item()
+        expected = F.cross_entropy(logits, y).item() + (negative_entropy if warmup_penalty else 0.0)
+    assert negative_entropy < -0.1 and loss.item() == pytest.approx(expected, rel=1e-6)
+    from runner.cli import _compose
+
+    assert _compose(["+experiment=csot_clothing1m"]).method.warmup_penalty
+
+
 @pytest.mark.parametrize("loss", ["paper", "simple"])
 def test_each_step_takes_a_clean_batch_and_an_unlabeled_batch(tmp_path, loss):
     data = _toy(n=120)

@@ -49,6 +49,7 @@ class NoisyLabelConfig(MethodConfig):
     )
     stage_switch: Literal["data", "epoch", "never"] = "data"  # never: Table 4 (h)
     asym_penalty: bool = True  # warm-up: add mean sum p log p under asymmetric noise (DivideMix)
+    warmup_penalty: bool = False  # warm-up: add it whatever the noise (DivideMix's Clothing1M warm-up)
     gmm_threshold: float = 0.5  # small_loss selection
     strong_aug: Literal[POLICIES] = "autoaugment_cifar10"  # the strong view
     standardize: bool = False  # inputs to zero mean, unit variance per element (train statistics)
