@@ -235,6 +235,7 @@ class TrainConfig:
     weight_decay: float = 5e-4
     schedule: str = "cosine"
     warmup_epochs: int = 0  # linear learning-rate warm-up over these epochs, per step, from lr / (steps + 1)
+    cosine_delay: int = 0  # epochs at the initial lr before the cosine (over train.epochs) starts
     milestones: list[int] = field(default_factory=list)
     gamma: float = 0.1
     checkpoint: bool = True
@@ -270,6 +271,10 @@ class TrainConfig:
         check_range("train.weight_decay", self.weight_decay, 0.0)
         check_choice("train.schedule", self.schedule, ("cosine", "step", "none"))
         check_range("train.warmup_epochs", self.warmup_epochs, 0)
+        check_range("train.cosine_delay", self.cosine_delay, 0)
+        if self.cosine_delay and self.schedule != "cosine":
+            raise ConfigError(f"train.cosine_delay={self.cosine_delay} delays a cosine schedule; "
+                              f"train.schedule={self.schedule!r}: set train.cosine_delay=0")  # fmt: skip
         check_range("train.gamma", self.gamma, 0.0, 1.0, lo_open=True)
         check_range("train.checkpoint_every_minutes", self.checkpoint_every_minutes, 0.0)
         check_choice("train.resume", self.resume, RESUME_MODES)

@@ -94,7 +94,13 @@ def make_optimizer(model, cfg):
 
 def make_scheduler(optimizer, cfg):
     if cfg.schedule == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(cfg.epochs, 1))
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(cfg.epochs, 1))
+        if not cfg.cosine_delay:
+            return cosine
+        # the initial lr for `cosine_delay` epochs, then the same cosine from its start (the CSOT code
+        # creates its scheduler after the first epoch)
+        hold = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=cfg.cosine_delay)
+        return torch.optim.lr_scheduler.SequentialLR(optimizer, [hold, cosine], milestones=[cfg.cosine_delay])
     milestones = list(cfg.milestones) if cfg.schedule == "step" else []
     return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=cfg.gamma)
 
@@ -1023,7 +1029,8 @@ def _follow_config(optimizer, scheduler, cfg) -> None:
     for _ in range(epoch):
         stand_in.step()
         reference.step()
-    keys = ("base_lrs", "T_max", "eta_min", "milestones", "gamma")
+    # _schedulers: those train.cosine_delay chains (SequentialLR)
+    keys = ("base_lrs", "T_max", "eta_min", "milestones", "gamma", "_schedulers")
     # group by group: under train.bn_weight_decay=false the second group has no weight decay
     wanted = [{k: g[k] for k in stand_in.defaults if k != "lr"} | {"initial_lr": cfg.lr}
               for g in stand_in.param_groups]  # fmt: skip

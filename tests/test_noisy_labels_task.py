@@ -306,7 +306,7 @@ def test_warmup_batch_is_weakly_augmented(tmp_path):
 
 @pytest.mark.parametrize("warmup_penalty", [False, True])
 def test_the_warmup_confidence_penalty_is_added_under_method_warmup_penalty(tmp_path, warmup_penalty):
-    """DivideMix's Clothing1M warm-up: CE + mean sum_k p_k log p_k (the negative entropy), symmetric noise too."""
+    """DivideMix's Clothing1M warm-up: CE + mean sum_k p_k log p_k (the negative entropy), any noise."""
     data = _toy()
     hooks, model, _ = _hooks("csot", data, tmp_path, warmup_penalty=warmup_penalty)
     hooks.views.weak = lambda x: x  # the loss of the batch itself

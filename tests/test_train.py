@@ -1,6 +1,7 @@
 """The training loop: learning, checkpoints, resume after a kill, augmentation, evaluation."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -176,6 +177,39 @@ def test_train_select_last_keeps_the_last_weights_and_a_metric_the_run_lacks_is_
         fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx)
     with pytest.raises(ConfigError, match=r"train.select='best' is not an option; choices: last, best:<m"):
         setup(tmp_path, "train.select=best")
+
+
+def test_cosine_delay_is_the_csot_codes_scheduler_created_after_the_first_epoch_and_resumes():
+    from runner.schema import TrainConfig
+    from runner.train import _follow_config, make_optimizer, make_scheduler
+
+    def lrs(optimizer, scheduler, epochs):
+        out = []
+        for _ in range(epochs):
+            out.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step() if scheduler is not None else None
+        return out
+
+    cfg = TrainConfig(epochs=6, lr=0.02, cosine_delay=1)
+    optimizer = make_optimizer(torch.nn.Linear(2, 2), cfg)
+    ours = lrs(optimizer, make_scheduler(optimizer, cfg), 6)
+    theirs, code = [], torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.02, momentum=0.9)
+    scheduler = None  # main_cifar.py: CosineAnnealingLR(T_max=num_epochs) made at the end of epoch 0
+    for _ in range(6):
+        theirs += lrs(code, scheduler, 1)
+        scheduler = scheduler or torch.optim.lr_scheduler.CosineAnnealingLR(code, T_max=6, eta_min=0)
+    assert ours == pytest.approx(theirs, rel=1e-12) and ours[0] == ours[1] == 0.02 and ours[2] < 0.02
+    scheduler = make_scheduler(optimizer := make_optimizer(torch.nn.Linear(2, 2), cfg), cfg)
+    lrs(optimizer, scheduler, 3)
+    before = repr((optimizer.state_dict(), scheduler.state_dict()))
+    _follow_config(optimizer, scheduler, cfg)  # an unchanged config: an exact resume
+    assert repr((optimizer.state_dict(), scheduler.state_dict())) == before
+    _follow_config(optimizer, scheduler, TrainConfig(epochs=10, lr=0.02, cosine_delay=1))  # extended
+    expected = [0.01 * (1 + math.cos(math.pi * (epoch - 1) / 10)) for epoch in range(3, 10)]
+    assert lrs(optimizer, scheduler, 7) == pytest.approx(expected, rel=1e-9)
+    with pytest.raises(ConfigError, match=r"train.cosine_delay=1 delays a cosine schedule; train.sched"):
+        TrainConfig(schedule="step", cosine_delay=1)
 
 
 def test_crop_flip_shifts_content_and_keeps_shape():
