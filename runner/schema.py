@@ -65,6 +65,7 @@ class DatasetConfig:
     augment: str = "none"  # training augmentation: none | crop_flip | rrc_flip (RandomResizedCrop + flip)
     crop_pad: int = 4  # crop_flip: zero padding before the random crop
     image_size: int = 0  # file-backed images: the side after resizing/cropping (0: the dataset's default)
+    eval_resize: int = 0  # rrc_flip's evaluation view: resize to this side, then crop (0: image_size / 0.875)
     label_noise: LabelNoiseConfig = field(default_factory=LabelNoiseConfig)
     imbalance: float = 1.0
     max_train: int = 0  # at most this many training samples, a random subset (0: all); +debug=smoke sets it
@@ -82,6 +83,7 @@ class DatasetConfig:
         check_choice("dataset.augment", self.augment, ("none", "crop_flip", "rrc_flip"))
         check_range("dataset.crop_pad", self.crop_pad, 0)
         check_range("dataset.image_size", self.image_size, 0)
+        check_range("dataset.eval_resize", self.eval_resize, 0)
         check_range("dataset.max_train", self.max_train, 0)
         check_range("dataset.max_eval", self.max_eval, 0)
         check_range("dataset.min_per_class", self.min_per_class, 0)
