@@ -629,9 +629,10 @@ def fit(
 
     `tag` names one of several fits in a run: its checkpoint is `checkpoints/<tag>.pt`, its metrics rows
     carry `<tag>/<key>` (with `<tag>/epoch`, no tracker step), and a restart drops only its own rows
-    past its checkpoint. With `hooks.select = (key, "max" | "min")` the model is evaluated before the
-    first epoch too, the weights of the best value of `key` are kept (in the checkpoint as well) and
-    restored at the end, and the returned metrics are those of the restored model."""
+    past its checkpoint. With `train.select=best:<key>` (or, while it is `last`, `hooks.select = (key,
+    "max" | "min")`) the model is evaluated before the first epoch too, the weights of the best value of
+    `key` are kept (in the checkpoint as well) and restored at the end, and the returned metrics are those
+    of the restored model (`tested_model` says which; `<key>_last` are the last epoch's)."""
     # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
     # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
     for key, size in [("train.batch_size", cfg.batch_size)] + [
