@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 POLICIES = ("autoaugment_cifar10", "autoaugment_imagenet", "randaugment")
+WEAK_VIEWS = ("crop_flip", "rrc_flip")  # runner.data.views: the CSOT weak view of images
 # torchvision's op names; an image's op is its index here (Identity: nothing drawn, or not applied)
 _GEOMETRIC = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")
 OPS = ("Identity", *_GEOMETRIC, "Brightness", "Color", "Contrast", "Sharpness", "Posterize", "Solarize",

@@ -236,6 +236,9 @@ def markdown(report: Report, plots: list[Path] = ()) -> str:
     wall = [r.summary[WALL_KEY] for g in report.groups for r in g.runs if _is_number(r.summary.get(WALL_KEY))]
     if wall:
         lines[-1] += f" Wall time {sum(wall) / 60:.1f} min in all, {min(wall):.3g}-{max(wall):.3g} s per run."
+    tested = tested_models(report)
+    if tested:
+        lines[-1] += f" {tested}"
     if report.groups:
         lines += ["", *table(report)]
     paper = paper_table(report)
@@ -263,6 +266,20 @@ def markdown(report: Report, plots: list[Path] = ()) -> str:
     if plots:
         lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def tested_models(report: Report) -> str:
+    """Which weights the runs' numbers are of (their `tested_model`: `train.select`, or a method's own
+    rule), as a sentence; "" for runs that do not say."""
+    rules = sorted({str(r.summary["tested_model"]) for g in report.groups for r in g.runs
+                    if "tested_model" in r.summary})  # fmt: skip
+    if not rules:
+        return ""
+    named = [
+        "the last epoch's" if rule == "last" else f"the best epoch's by {rule.removeprefix('best:')} ({rule})"
+        for rule in rules
+    ]
+    return f"Tested model: {' and '.join(named)}; a `_last` column is the last epoch's."
 
 
 def table(report: Report) -> list[str]:

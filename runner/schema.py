@@ -65,6 +65,7 @@ class DatasetConfig:
     augment: str = "none"  # training augmentation: none | crop_flip | rrc_flip (RandomResizedCrop + flip)
     crop_pad: int = 4  # crop_flip: zero padding before the random crop
     image_size: int = 0  # file-backed images: the side after resizing/cropping (0: the dataset's default)
+    eval_resize: int = 0  # rrc_flip's evaluation view: resize to this side, then crop (0: image_size / 0.875)
     label_noise: LabelNoiseConfig = field(default_factory=LabelNoiseConfig)
     imbalance: float = 1.0
     max_train: int = 0  # at most this many training samples, a random subset (0: all); +debug=smoke sets it
@@ -82,6 +83,7 @@ class DatasetConfig:
         check_choice("dataset.augment", self.augment, ("none", "crop_flip", "rrc_flip"))
         check_range("dataset.crop_pad", self.crop_pad, 0)
         check_range("dataset.image_size", self.image_size, 0)
+        check_range("dataset.eval_resize", self.eval_resize, 0)
         check_range("dataset.max_train", self.max_train, 0)
         check_range("dataset.max_eval", self.max_eval, 0)
         check_range("dataset.min_per_class", self.min_per_class, 0)
@@ -243,6 +245,7 @@ class TrainConfig:
     weight_decay: float = 5e-4
     schedule: str = "cosine"
     warmup_epochs: int = 0  # linear learning-rate warm-up over these epochs, per step, from lr / (steps + 1)
+    cosine_delay: int = 0  # epochs at the initial lr before the cosine (over train.epochs) starts
     milestones: list[int] = field(default_factory=list)
     gamma: float = 0.1
     checkpoint: bool = True
@@ -266,6 +269,9 @@ class TrainConfig:
     phases: list[PhaseConfig] = field(default_factory=list)
     bn_weight_decay: bool = True  # false: no weight decay on normalisation layers' and bias parameters
     ece_bins: int = 15  # equal-width confidence bins of the reported ECE (the Co-Mixup paper: 10)
+    # The model a fit ends with and tests: `last` (the last epoch's weights, or a method's own rule) or
+    # `best:<metric>` (the weights of the evaluation with the best value of that metric, restored).
+    select: str = "last"
 
     def __post_init__(self):
         check_range("train.epochs", self.epochs, 1)
@@ -277,6 +283,10 @@ class TrainConfig:
         check_range("train.weight_decay", self.weight_decay, 0.0)
         check_choice("train.schedule", self.schedule, ("cosine", "step", "none"))
         check_range("train.warmup_epochs", self.warmup_epochs, 0)
+        check_range("train.cosine_delay", self.cosine_delay, 0)
+        if self.cosine_delay and self.schedule != "cosine":
+            raise ConfigError(f"train.cosine_delay={self.cosine_delay} delays a cosine schedule; "
+                              f"train.schedule={self.schedule!r}: set train.cosine_delay=0")  # fmt: skip
         check_range("train.gamma", self.gamma, 0.0, 1.0, lo_open=True)
         check_range("train.checkpoint_every_minutes", self.checkpoint_every_minutes, 0.0)
         check_choice("train.resume", self.resume, RESUME_MODES)
@@ -290,6 +300,9 @@ class TrainConfig:
         check_range("train.save_top_k", self.save_top_k, 0)
         check_range("train.early_stop", self.early_stop, 0)
         check_range("train.ece_bins", self.ece_bins, 1)
+        if self.select != "last" and not (self.select.startswith("best:") and self.select[len("best:") :]):
+            choices = "last, best:<metric> (e.g. best:val/acc)"
+            raise ConfigError(f"train.select={self.select!r} is not an option; choices: {choices}")
         if self.phases:
             self._check_phases()
 

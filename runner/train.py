@@ -107,7 +107,13 @@ def set_lr(group: dict, lr: float) -> None:
 
 def make_scheduler(optimizer, cfg):
     if cfg.schedule == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(cfg.epochs, 1))
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(cfg.epochs, 1))
+        if not cfg.cosine_delay:
+            return cosine
+        # the initial lr for `cosine_delay` epochs, then the same cosine from its start (the CSOT code
+        # creates its scheduler after the first epoch)
+        hold = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=cfg.cosine_delay)
+        return torch.optim.lr_scheduler.SequentialLR(optimizer, [hold, cosine], milestones=[cfg.cosine_delay])
     milestones = list(cfg.milestones) if cfg.schedule == "step" else []
     return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=cfg.gamma)
 
@@ -722,9 +728,10 @@ def fit(
 
     `tag` names one of several fits in a run: its checkpoint is `checkpoints/<tag>.pt`, its metrics rows
     carry `<tag>/<key>` (with `<tag>/epoch`, no tracker step), and a restart drops only its own rows
-    past its checkpoint. With `hooks.select = (key, "max" | "min")` the model is evaluated before the
-    first epoch too, the weights of the best value of `key` are kept (in the checkpoint as well) and
-    restored at the end, and the returned metrics are those of the restored model."""
+    past its checkpoint. With `train.select=best:<key>` (or, while it is `last`, `hooks.select = (key,
+    "max" | "min")`) the model is evaluated before the first epoch too, the weights of the best value of
+    `key` are kept (in the checkpoint as well) and restored at the end, and the returned metrics are those
+    of the restored model (`tested_model` says which; `<key>_last` are the last epoch's)."""
     if cfg.accumulate == "auto":
         cfg.accumulate = micro_batches(model, data.input_shape, cfg, ctx, hooks)
     # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
@@ -746,7 +753,7 @@ def fit(
             "batch transform, loss or sampler sees the batch as one); use train.accumulate=1"
         )
     loop = _Loop(model, data, cfg, ctx, hooks, tag)
-    s, select = loop.step, getattr(hooks, "select", None)
+    s, select = loop.step, loop.select
     resumed = loop.state.resume() if cfg.checkpoint else None
     start, first, extra = (0, 0, {}) if resumed is None else resumed
     if first is None:  # an epoch-end checkpoint
@@ -766,7 +773,10 @@ def fit(
         loop.best["state"] = {key: value.cpu() for key, value in loop.best["state"].items()}
     if select is not None and resumed is None:  # the initial weights stay unless training beats them
         evaluated, calibration = evaluate_all(model, data, ctx, cfg, hooks)
-        loop.best = _snapshot(model, evaluated, calibration, select)
+        if select[0] not in evaluated:
+            raise ConfigError(f"train.select=best:{select[0]}: this run does not report {select[0]}; "
+                              f"choices: {', '.join(f'best:{key}' for key in evaluated)}")  # fmt: skip
+        loop.best = _snapshot(model, evaluated, calibration, select, 0)
         _log(ctx, tag, {"epoch": 0, **evaluated}, -1)
     metrics: dict = {}
     calibration: dict = {}
@@ -784,9 +794,12 @@ def fit(
         calibration = loop.best["calibration"]
         log.info("%skept the weights of the best %s, %.4f", f"{tag}: " if tag else "", select[0],
                  loop.best["value"])  # fmt: skip
+        metrics |= {"tested_model": f"best:{select[0]}", "tested_epoch": loop.best.get("epoch")}
     elif not metrics:  # resumed a finished run: its last epoch's row, the model evaluated as it is
         evaluated, calibration = evaluate_all(model, data, ctx, cfg, hooks)
         metrics = {**extra.get("metrics", {}), **evaluated}
+    # which weights the metrics are of (runner-report names them); <key>_last: the last epoch's
+    metrics.setdefault("tested_model", "last")
     for key, values in loop.history.items():
         metrics.update(history_summary(values, key))
     metrics.update(loop.monitor.summary())
@@ -985,7 +998,8 @@ class _Loop:
         path = ctx.dir / CHECKPOINT if tag is None else ctx.dir / "checkpoints" / f"{tag}.pt"
         extra = {"ema": ema, "warmup_lr": self.warmup_lr}
         self.state = Resumable(path, ctx, model, optimizer, scheduler, self.step.scaler, hooks, extra)
-        self.monitor = Monitor(getattr(hooks, "select", None) or ("val/acc", "max"), cfg, path)
+        self.select = selection(cfg.select) or getattr(hooks, "select", None)
+        self.monitor = Monitor(self.select or ("val/acc", "max"), cfg, path)
         has_pass = getattr(hooks, "on_epoch_start", None) is not None
         self.mid_epoch = cfg.checkpoint and (not has_pass or getattr(hooks, "mid_epoch_resume", False))
         self.last_save = time.monotonic()
@@ -1084,9 +1098,9 @@ class _Loop:
         for key in HISTORY_KEYS:
             if key in evaluated:
                 self.history.setdefault(key, []).append(evaluated[key])
-        select = getattr(self.hooks, "select", None)
+        select = self.select
         if select is not None and _better(evaluated[select[0]], self.best, select[1]):
-            self.best = _snapshot(self.model, evaluated, calibration, select)
+            self.best = _snapshot(self.model, evaluated, calibration, select, epoch + 1)
         return evaluated, calibration
 
     def check(self, epoch: int, first_bad: float, scale: float) -> None:
@@ -1145,9 +1159,18 @@ def _better(value: float, best: dict | None, mode: str) -> bool:
     return best is None or (value > best["value"] if mode == "max" else value < best["value"])
 
 
-def _snapshot(model, evaluated: dict, calibration: dict, select) -> dict:
+def _snapshot(model, evaluated: dict, calibration: dict, select, epoch: int) -> dict:
     state = {key: value.detach().cpu().clone() for key, value in model.state_dict().items()}
-    return {"value": evaluated[select[0]], "state": state, "metrics": evaluated, "calibration": calibration}
+    return {"value": evaluated[select[0]], "state": state, "metrics": evaluated, "calibration": calibration,
+            "epoch": epoch}  # fmt: skip
+
+
+def selection(rule: str) -> tuple[str, str] | None:
+    """`train.select` as `(metric, "max" | "min")` (a loss or an ECE is minimised); None for `last`."""
+    if rule == "last":
+        return None
+    key = rule.removeprefix("best:")
+    return key, "min" if key.rsplit("/", 1)[-1] in ("loss", "ece") else "max"
 
 
 def _log(ctx: RunContext, tag: str | None, metrics: dict, epoch: int) -> None:
@@ -1180,7 +1203,8 @@ def _follow_config(optimizer, scheduler, cfg) -> None:
     for _ in range(epoch):
         stand_in.step()
         reference.step()
-    keys = ("base_lrs", "T_max", "eta_min", "milestones", "gamma")
+    # _schedulers: those train.cosine_delay chains (SequentialLR)
+    keys = ("base_lrs", "T_max", "eta_min", "milestones", "gamma", "_schedulers")
     # group by group: under train.bn_weight_decay=false the second group has no weight decay
     kernel_keys = ("lr", "fused", "foreach")  # the stand-in's kernels are not the config's to follow
     wanted = [{k: g[k] for k in stand_in.defaults if k not in kernel_keys} | {"initial_lr": cfg.lr}

@@ -20,6 +20,11 @@ Sets (`method.scenario`):
              (default 0.2; the digest's E1 has 0.3), A:B = 4:3 share the rest, plus a share `outliers`
              drawn uniformly from [-6, 10]^2. Dev: C has `dev_share`, A:B = 12:7 share the rest, no
              outliers. The missing pattern is mode C. The dataset config is not used.
+  normal2d   `n_app` and `n_dev` points drawn independently from the 2-D standard normal (the paper's
+             section 5.1, its Figs. 2-3); no missing pattern (`cover/missing_share` 0).
+
+With `method.optimum` the exact optimum S*_K (the MILP of Appendix A, HiGHS) is solved too and
+`cover/approx_ratio` = phi(S_K) / phi(S*_K), phi(S) = PW({}) - PW(S), is reported (Fig. 3).
 
 Features (`method.features`): `raw` flattened inputs; `net` the embeddings (`forward_features`) of
 `model`, trained here (`train` settings) on the train split with the missing class cut to `dev_share`
@@ -65,8 +70,8 @@ def smoke(cfg) -> None:
 
 
 def data_name(cfg) -> str:
-    """What a run covers, for its log lines: the 2-D mixture scenario leaves the dataset group unused."""
-    return "mixture2d" if cfg.method.scenario == "mixture2d" else cfg.dataset.name
+    """What a run covers, for its log lines: the 2-D scenarios leave the dataset group unused."""
+    return cfg.dataset.name if cfg.method.scenario == "dataset" else cfg.method.scenario
 
 
 def largest_remainder(weights, n: int) -> np.ndarray:
@@ -128,6 +133,11 @@ def build_sets(cfg, ctx):
     if m.scenario == "mixture2d":
         x_app, y_app, x_dev, y_dev = mixture2d_sets(m, np.random.default_rng(cfg.seed))
         return x_app, y_app, x_dev, y_dev, MISSING, lambda picks: None, ["A", "B", "C", "outlier"], None
+    if m.scenario == "normal2d":
+        rng = np.random.default_rng(cfg.seed)
+        x_app, x_dev = rng.normal(size=(m.n_app, 2)), rng.normal(size=(m.n_dev, 2))
+        labels_app, labels_dev = np.zeros(m.n_app, int), np.zeros(m.n_dev, int)  # one pattern, not missing
+        return x_app, labels_app, x_dev, labels_dev, -1, lambda picks: None, ["normal"], None
     from runner.data import load_data
     from runner.distributed_passes import decoded_inputs, predict_all, rows_of
 
@@ -221,6 +231,11 @@ def run(cfg, ctx) -> dict:
     }
     if m.scenario == "mixture2d":
         summary["cover/outlier_share"] = float(np.mean(picked == OUTLIER)) if m.k else 0.0
+    if m.optimum:
+        options = cover_options(m) | {"batch": 1}  # the MILP picks all K at once
+        best = float(cover(x_app, x_dev, m.k, "milp", **options, seed=cfg.seed).pw[-1])
+        summary["cover/pw_optimum"] = best
+        summary["cover/approx_ratio"] = (pw0 - pwk) / (pw0 - best) if pw0 > best else 1.0
     if m.plot:
         path = ctx.dir / "covering.png"
         title = (f"{m.selector}: {summary['cover/missing_share']:.0%} of {m.k} picks from "

@@ -121,7 +121,7 @@ def run(cfg, ctx) -> dict:
     file_backed = isinstance(data.train, FileSplit)  # normalised with the ImageNet statistics
     mean, std = CIFAR_STATS.get(cfg.dataset.name, IMAGENET_STATS if file_backed else (None, None))
     pad = data.meta.get("crop_pad", 4)
-    views = Views(data.input_shape, mean, std, pad, method.strong_aug)
+    views = Views(data.input_shape, mean, std, pad, method.strong_aug, method.weak_view)
     asymmetric = cfg.dataset.label_noise.kind == "asymmetric"
     hooks = NoisyLabelHooks(
         method, model, data, ctx, views, asymmetric, cfg.seed, cfg.train.batch_size, cfg.dataset.epoch_samples

@@ -109,6 +109,26 @@ def test_run_on_the_mixture_finds_mode_c(tmp_path):
     assert rand["cover/pw_final"] > s["cover/pw_final"]
 
 
+def test_the_optimality_preset_rates_a_selection_against_the_exact_optimum(tmp_path):
+    """Fig. 3 on a brute-forceable instance (N = 8, K = 3): the task's MILP optimum is the best PW over all
+    56 subsets (an independent reduced LP each); the ratio phi(S_K) / phi(S*_K) as defined, 1 for the MILP."""
+    from test_pwc import brute_force
+
+    small = ["+experiment=pwc_optimality", "method.n_app=8", "method.n_dev=8", "method.k=3", "seed=1"]
+    s = run_here(tmp_path, *small, "method.selector=random")
+    x_app, _, x_dev, *_ = build_sets(_compose([*small, "logger=none"]), None)
+    _, best = brute_force(x_app, x_dev, 3)
+    # HiGHS stops within mip_gap (1e-6) of the optimum, relative; the LPs agree to ~1e-12
+    assert s["cover/pw_optimum"] == pytest.approx(best, rel=1e-6)
+    phi = s["cover/pw_empty"] - s["cover/pw_final"]
+    assert s["cover/approx_ratio"] == pytest.approx(phi / (s["cover/pw_empty"] - best), rel=1e-5)
+    assert s["cover/approx_ratio"] < 1 and s["cover/missing_share"] == 0
+    milp = run_here(tmp_path, *small, "method.selector=milp")
+    assert milp["cover/approx_ratio"] == pytest.approx(1, rel=1e-5)
+    greedy = run_here(tmp_path, *small, "method.selector=greedy")["cover/approx_ratio"]
+    assert 1 - 1 / np.e <= greedy <= 1 + 1e-5  # the greedy guarantee of a monotone submodular phi
+
+
 def test_net_features_train_then_load_from_checkpoint(tmp_path):
     args = ["method.features=net", "method.n_app=60", "method.n_dev=60", "method.k=5", "train.epochs=1"]
     trained = run_here(tmp_path / "a", *args, "train.progress=false")

@@ -2,6 +2,8 @@
 dataset on a fixture in the imagenet32 layout, the VQ-train / VQ-test rows and the preset."""
 
 import pickle
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +14,9 @@ from omegaconf import OmegaConf
 from runner.cli import _compose
 from runner.data import load_data
 from runner.data.imagenet_split import TABLE5, imagenet_wnids, imagenetsplit_classes, wnid_of_name
+from runner.hardware import RunContext
 from runner.hooks.hier_hash import baseline_codes
+from runner.models import build_model
 from runner.schema import ConfigError, validate
 
 
@@ -122,6 +126,37 @@ def test_preset_is_the_paper_protocol():
     assert method.vq_fit == ["train", "test"]
     paper = OmegaConf.load("conf/experiment/hier_hash_imagenetsplit.yaml")["paper"]
     assert paper["test/p@1"]["value"] == 0.2146 and paper["hash/test/VQ-test-64/ks1/suf@1"]["value"] == 57.44
+
+
+@pytest.mark.parametrize("lr_backbone", [None, 0.0])
+def test_the_preset_fine_tunes_the_backbone_and_the_fc_only_ablation_freezes_it(monkeypatch, lr_backbone):
+    """The paper fine-tunes the base model (backbone included) on ImageNetSplit; `method.lr_backbone=0`
+    trains the new FC layer alone. One hash step's gradients and the optimizer groups show which."""
+    from tasks import hashing
+
+    overrides = ["+experiment=hier_hash_imagenetsplit", "method.classes_per_batch=4", "method.ks=[1]",
+                 "method.margin=[0.5]", "method.baselines=[]"]  # fmt: skip
+    overrides += [] if lr_backbone is None else [f"method.lr_backbone={lr_backbone}"]
+    cfg = _compose(overrides)
+    seen = {}
+
+    def one_step(cfg, ctx, data, tag, net, groups, loss, iters, val_score=None):
+        torch.manual_seed(0)
+        loss(net, torch.randn(cfg.method.classes_per_batch * cfg.method.per_class, 3, 32, 32))[0].backward()
+        seen[tag] = net, groups
+
+    monkeypatch.setattr(hashing, "train_net", one_step)
+    backbone = build_model(cfg.model, (3, 32, 32), 119)
+    ctx = RunContext(torch.device("cpu"), Path("."), None)
+    hashing.train_hash_nets(cfg, ctx, SimpleNamespace(val=[]), None, backbone, None, {})
+    net, groups = seen["ours_ks1"]
+    grads = [p.grad for p in net.backbone.parameters()]
+    if lr_backbone is None:  # the preset: every backbone parameter in the optimizer at 1e-4, with a gradient
+        assert cfg.method.lr_backbone == 1e-4 and [g["lr"] for g in groups] == [cfg.method.lr_head, 1e-4]
+        assert all(g is not None for g in grads) and sum(g.abs().sum() for g in grads) > 0
+    else:
+        assert len(groups) == 1 and all(g is None for g in grads)
+    assert all(p.grad is not None for p in net.head.parameters())
 
 
 @pytest.mark.slow  # a subprocess importing torch and Hydra, then training NIN nets: 20 s

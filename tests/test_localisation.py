@@ -9,8 +9,17 @@ import pytest
 import torch
 from conftest import summaries
 from omegaconf import OmegaConf
+from scipy import ndimage
 
-from runner.canvas_metrics import canvas_metrics, noisy_background, outside_masks
+from runner.canvas_metrics import (
+    cam_boxes,
+    canvas_metrics,
+    class_activation_maps,
+    contour_areas,
+    localisation_hits,
+    noisy_background,
+    outside_masks,
+)
 from runner.cli import _compose
 from runner.data import load_data
 from runner.data.imagenet_boxes import add_val_boxes
@@ -145,7 +154,7 @@ def test_metrics_on_imagenet_boxes(tmp_path):
     with torch.no_grad():
         model.classifier.weight.fill_(1.0)
     metrics = canvas_metrics(model, data, ctx)
-    assert metrics["test/err"] == 0 and metrics["test/loc_acc@0.25"] == 1 and metrics["test/loc_acc"] == 1
+    assert metrics["test/err"] == 0 and metrics["test/loc_acc"] == 1 == metrics["test/loc_acc_best_threshold"]
 
     # a linear model sees the corruptions: recompute them on the whole split by hand
     torch.manual_seed(0)
@@ -177,8 +186,8 @@ def test_a_run_and_runner_eval_report_the_box_metrics(tmp_path, cli):
         f"dataset.imagenet_boxes={boxes}")  # fmt: skip
     ((run_dir, summary),) = summaries(tmp_path).items()
     for key in (
-        "test/loc_acc@0.25",
         "test/loc_acc",
+        "test/loc_acc_best_threshold",
         "test/err_bg_replace",
         "test/err_bg_noise",
         "test/ece10",
@@ -186,4 +195,71 @@ def test_a_run_and_runner_eval_report_the_box_metrics(tmp_path, cli):
         assert 0 <= summary[key] <= 1, key
     again = evaluate_run(run_dir, [f"dataset.imagenet_boxes={boxes}"], name="boxes")
     assert again["test/err_bg_noise"] == pytest.approx(summary["test/err_bg_noise"])
-    assert again["test/loc_acc@0.25"] == pytest.approx(summary["test/loc_acc@0.25"])
+    assert again["test/loc_acc"] == pytest.approx(summary["test/loc_acc"])
+
+
+# ------------------------------------------------------------- the CAM protocol of the authors' code
+
+
+class CellModel(torch.nn.Module):
+    """A ResNet-like 8x downsampling: 7x7 feature maps of a 56-px image, one channel, 1 on the object's
+    cells; the classifier's weight 1 for every class."""
+
+    classifier = torch.nn.Linear(1, 2, bias=False)
+
+    def __init__(self, cells):
+        super().__init__()
+        self.cells = cells
+        torch.nn.init.ones_(self.classifier.weight)
+
+    def feature_maps(self, x):
+        maps = torch.zeros(len(x), 1, 7, 7)
+        maps[:, :, self.cells[0], self.cells[1]] = 1.0
+        return maps
+
+
+def test_the_cam_is_summed_over_3x3_neighbourhoods_then_upsampled_bicubically():
+    model = CellModel((slice(2, 5), slice(1, 3)))  # the object: rows 2-4, columns 1-2 of the 7x7 map
+    cams = class_activation_maps(model, torch.zeros(1, 3, 56, 56), torch.tensor([0]))
+    maps = np.pad(model.feature_maps(torch.zeros(1))[0, 0].numpy(), 1)  # zero padded, as the conv
+    smoothed = sum(maps[i : i + 7, j : j + 7] for i in range(3) for j in range(3))  # every 3x3 sum
+    assert (smoothed[3, 1], smoothed[3, 3], smoothed[3, 4]) == (6, 3, 0)  # in the object, beside it, apart
+    bicubic = torch.nn.functional.interpolate(torch.tensor(smoothed)[None, None].float(), size=(56, 56),
+                                              mode="bicubic", align_corners=False)  # fmt: skip
+    torch.testing.assert_close(cams, bicubic[:, 0])
+    bilinear = torch.nn.functional.interpolate(torch.tensor(smoothed)[None, None].float(), size=(56, 56),
+                                               mode="bilinear", align_corners=False)  # fmt: skip
+    assert not torch.allclose(cams, bilinear[:, 0], atol=0.05)  # bicubic overshoots where bilinear cannot
+
+
+def test_the_cam_box_is_the_largest_contours_at_the_codes_grey_level_cut():
+    cam = np.zeros((1, 20, 20))
+    cam[0, 1, 0:14] = 1.0  # a one-pixel line of 14 pixels: its contour encloses no area
+    cam[0, 5:9, 5:9] = 1.0  # a 4x4 square of 16 pixels: contour area 3 x 3 = 9
+    cam[0, 12:17, 2:5] = 0.9  # a 5x3 block, 15 pixels, with a 1-pixel hole: contour area 4 x 2 = 8
+    cam[0, 14, 3] = 0.0
+    cam[0, 9, 9] = 0.25  # at the threshold, touching the square: grey 63 (0.25 x 255 as a byte), not above 63
+    regions, count = ndimage.label(ndimage.binary_fill_holes(cam[0] >= 0.25), structure=np.ones((3, 3)))
+    assert sorted(contour_areas(regions, count)) == [0, 8, 9]
+    assert cam_boxes(cam, 0.25).tolist() == [[5, 5, 9, 9]]  # the square, without the pixel at the cut
+    cam[0, 5:9, 5:9] = 0.0
+    cam[0, 5:7, 5:7] = 1.0  # now 2x2 (area 1): the block with the hole, 8 by its filled contour
+    assert cam_boxes(cam, 0.25).tolist() == [[12, 2, 17, 5]]
+    diagonal = np.zeros((1, 8, 8))
+    diagonal[0, [1, 2, 3, 2], [1, 2, 3, 1]] = 1.0  # a diagonal with one pixel beside it: an 8-connected
+    assert cam_boxes(diagonal, 0.5).tolist() == [[1, 1, 4, 4]]  # region, its area a half-block: 1/2
+    assert contour_areas(ndimage.label(diagonal[0], structure=np.ones((3, 3)))[0], 1).tolist() == [0.5]
+
+
+def test_a_cam_on_the_object_localises_it_at_the_papers_threshold():
+    """The box fixture of a 56-px image, the object on 5x5 of the 7x7 cells (pixels 8-48): the smoothed,
+    upsampled CAM cut at 0.25 gives a box around the object with IoU >= 0.5, and the hit needs the class."""
+    model = CellModel((slice(1, 6), slice(1, 6)))
+    with torch.no_grad():  # as canvas_metrics calls it
+        cams = class_activation_maps(model, torch.zeros(1, 3, 56, 56), torch.tensor([0])).numpy()
+    (box,) = cam_boxes(cams, 0.25)
+    assert box[0] == box[1] <= 8 and box[2] == box[3] >= 48  # symmetric, around the object
+    assert (box[2] - box[0]) ** 2 <= 2 * 40**2  # IoU = 40^2 / side^2 >= 0.5
+    truth = [np.array([[8, 8, 48, 48]])]
+    assert localisation_hits(cams, truth, np.array([True]), [0.25]).tolist() == [[True]]
+    assert localisation_hits(cams, truth, np.array([False]), [0.25]).tolist() == [[False]]

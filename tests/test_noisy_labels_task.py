@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from runner.augment import OPS, PolicyAugment, apply_ops, cutout, policy_table, shift
 from runner.data import Data, Split
 from runner.data.samplers import EpochSample, PoolBatches, SampleBatches, balanced_quotas, pool_batches
-from runner.data.views import Views
+from runner.data.views import Views, random_resized_crop_flip
 from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.faults import Interrupted
 from runner.hardware import RunContext
@@ -142,6 +142,46 @@ def test_views_keep_shapes_and_content():
     views = Views((3, 32, 32), mean=[0.5] * 3, std=[0.25] * 3)
     assert views.strong(torch.randn(6, 3, 32, 32)).shape == (6, 3, 32, 32)
     assert Views((7,)).strong(torch.randn(3, 7)).shape == (3, 7)
+
+
+def test_the_resized_crop_view_is_torchvisions_random_resized_crop_and_flip_on_the_device():
+    """On an image of its own pixel coordinates (channel 0 the row, 1 the column) each output is a bilinear
+    resample of one box: rows and columns constant in the other coordinate; the box's area fraction in
+    [0.08, 1] and aspect in [3/4, 4/3] (up to the 1-px rounding), both ranges covered; half flipped."""
+    side, n = 32, 400
+    coordinates = torch.arange(side, dtype=torch.float32)
+    rows, cols = torch.meshgrid(coordinates, coordinates, indexing="ij")
+    torch.manual_seed(0)
+    out = random_resized_crop_flip(torch.stack([rows, cols])[None].expand(n, 2, side, side).contiguous())
+    assert torch.allclose(out[:, 0], out[:, 0, :, :1]) and torch.allclose(out[:, 1], out[:, 1, :1, :])
+    # a box of b pixels sampled at side pixel centres spans b (side - 1) / side; 0.5 px lost at the border
+    height = (out[:, 0].amax((1, 2)) - out[:, 0].amin((1, 2))) * side / (side - 1)
+    width = (out[:, 1].amax((1, 2)) - out[:, 1].amin((1, 2))) * side / (side - 1)
+    area, aspect = height * width / side**2, width / height
+    assert area.min() >= 0.08 - 0.1 and area.max() <= 1 + 1e-6 and area.min() < 0.2 and area.max() > 0.8
+    assert aspect.min() >= 3 / 4 - 0.15 and aspect.max() <= 4 / 3 + 0.2
+    flipped = (out[:, 1, 0, 0] > out[:, 1, 0, -1]).sum().item()
+    assert 140 <= flipped <= 260  # Binomial(400, 1/2): sd 10
+    constant = random_resized_crop_flip(torch.full((8, 3, 16, 16), 0.3))
+    assert torch.allclose(constant, torch.full_like(constant, 0.3))
+    views = Views((3, 32, 32), weak="rrc_flip")
+    assert views.strong(torch.randn(6, 3, 32, 32)).shape == (6, 3, 32, 32)
+
+
+def test_the_webvision_preset_takes_dividemixs_views():
+    from runner.cli import _compose
+    from runner.data.files import IMAGENET_STATS, image_transforms
+
+    cfg = _compose(["+experiment=csot_webvision"])
+    assert cfg.method.weak_view == "rrc_flip"
+    assert (cfg.dataset.eval_resize, cfg.dataset.image_size) == (320, 299)
+    evaluate = image_transforms("rrc_flip", 299, *IMAGENET_STATS, eval_resize=320).eval
+    image = torch.zeros(3, 400, 640, dtype=torch.uint8)
+    image[:, 40:360, 160:480] = 255  # a 320-px white square: 256 px after the resize to 320 x 512
+    out = evaluate(image)  # the 299-px center crop of that (the ImageNet convention's 342: 274 px)
+    assert out.shape == (3, 299, 299)
+    white_down, white_across = int((out[0, :, 149] > 127).sum()), int((out[0, 149] > 127).sum())
+    assert abs(white_down - 256) <= 2 and abs(white_across - 256) <= 2  # antialiased edges: a pixel each
 
 
 @pytest.mark.parametrize(
@@ -302,6 +342,25 @@ def test_warmup_batch_is_weakly_augmented(tmp_path):
     assert len(seen) == 1 and torch.equal(seen[0], x + 100.0)
     with torch.no_grad():
         assert loss.item() == pytest.approx(F.cross_entropy(model(x + 100.0), y).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("warmup_penalty", [False, True])
+def test_the_warmup_confidence_penalty_is_added_under_method_warmup_penalty(tmp_path, warmup_penalty):
+    """DivideMix's Clothing1M warm-up: CE + mean sum_k p_k log p_k (the negative entropy), any noise."""
+    data = _toy()
+    hooks, model, _ = _hooks("csot", data, tmp_path, warmup_penalty=warmup_penalty)
+    hooks.views.weak = lambda x: x  # the loss of the batch itself
+    x, y = data.train.x[:8], data.train.y[:8]
+    loss = hooks.loss(model, x, F.one_hot(y, 4).float(), torch.arange(8), 0)
+    with torch.no_grad():
+        logits = model(x)
+        p = F.softmax(logits, dim=1)
+        negative_entropy = (p * p.log()).sum(1).mean().item()
+        expected = F.cross_entropy(logits, y).item() + (negative_entropy if warmup_penalty else 0.0)
+    assert negative_entropy < -0.1 and loss.item() == pytest.approx(expected, rel=1e-6)
+    from runner.cli import _compose
+
+    assert _compose(["+experiment=csot_clothing1m"]).method.warmup_penalty
 
 
 @pytest.mark.parametrize("loss", ["paper", "simple"])

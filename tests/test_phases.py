@@ -208,7 +208,7 @@ def test_the_imagenet_preset_gives_every_row_the_authors_recipe_and_comixup_its_
             checked = validate(_compose(order))
             trains.append(checked["train"])
             models.append(checked["model"])
-            assert checked["metric"] == "test/acc_median10"
+            assert checked["metric"] == "test/acc"  # the ImageNet code tests the final checkpoint
             if method == "comixup":
                 m = checked["method"]
                 assert (m.part, m.n_iter, m.alpha) == (16, 3, 1.0)

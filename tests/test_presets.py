@@ -185,6 +185,8 @@ def test_every_preset_runs_under_debug_smoke(tmp_path, preset):
         extra += ["dataset=fake", f"dataset.like={FAKE_LIKE[cfg.dataset.name]}"]
         if cfg.method.get("input_norm") == "pixel_mean":  # generated images have no dataset statistics
             extra += ["method.input_norm=dataset"]
+        if cfg.train.select.startswith("best:val/"):  # generated data have no val split: the same restore
+            extra += ["train.select=best:test/acc"]
     if cfg.model.pretrained == "required":  # no weights file in the suite: the wiring is the same
         extra += ["model.pretrained=none"]
     if "paper" in cfg and not torch.cuda.is_available():  # a GPU preset; hardware=auto runs it on the CPU

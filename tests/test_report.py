@@ -373,6 +373,19 @@ def test_paper_column_and_difference_for_the_rows_that_ran_the_presets_setting(t
     assert rows["lt/sinkhorn/all"][3:6] == ["-", "0.895", "-"]  # a number the runs did not log
 
 
+def test_the_report_says_which_model_its_numbers_are_of(tmp_path):
+    for job, (rule, acc) in enumerate([("best:val/acc", 0.8), ("best:val/acc", 0.7)]):
+        summary = {"test/acc": acc, "test/acc_last": acc - 0.1, "tested_model": rule, "tested_epoch": 3}
+        make_run(tmp_path / str(job), [f"seed={job}"], summary)
+    text = markdown(build_report(tmp_path, metric="test/acc"))
+    said = "Tested model: the best epoch's by val/acc (best:val/acc); a `_last` column is the last epoch's."
+    assert said in text
+    make_run(tmp_path / "2", ["seed=2"], {"test/acc": 0.9, "tested_model": "last"})
+    assert "Tested model: the best epoch's by val/acc (best:val/acc) and the last epoch's;" in markdown(
+        build_report(tmp_path, metric="test/acc")
+    )
+
+
 def test_claims_about_a_cpu_study_hold_or_fail_with_their_numbers(tmp_path):
     # sym 0.5 (the preset's rate): CSOT 0.94 >= CE 0.81 + 0.7 x (clean CE 0.96 - 0.81) = 0.915: holds;
     # sym 0.8: CSOT 0.79 >= CE 0.65 + 0.15 = 0.80: fails

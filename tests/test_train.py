@@ -1,6 +1,7 @@
 """The training loop: learning, checkpoints, resume after a kill, augmentation, evaluation."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from runner.data import Data, split_of
 from runner.faults import Diverged, OutOfMemory
 from runner.hardware import RunContext
 from runner.models import build_model
-from runner.schema import validate
+from runner.schema import ConfigError, validate
 from runner.track import Tracker
 from runner.train import CHECKPOINT, augment_crop_flip, evaluate, fit, soft_cross_entropy
 
@@ -138,6 +139,77 @@ def test_select_restores_the_best_validation_weights_and_reports_them(tmp_path):
     again = fit(build_model(model_cfg, (4,), 3), data, train_cfg, ctx, SelectWorst())  # finished: resumed
     assert again["val/loss"] == best["val/loss"] and len(records) == 4
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4  # no row written twice
+
+
+class LearnThenUnlearn:
+    """Cross-entropy in the first epoch, its negative after (the accuracy falls), recording the weights each
+    epoch starts from: the best val/acc is epoch 1's, which the last epoch's weights are not."""
+
+    def __init__(self):
+        self.starts = {}
+
+    def on_epoch_start(self, epoch, model, data):
+        self.starts[epoch] = {key: value.clone() for key, value in model.state_dict().items()}
+
+    def loss(self, model, x, y_soft, idx, epoch):
+        return soft_cross_entropy(model(x), y_soft) * (1 if epoch == 0 else -1)
+
+
+def test_train_select_best_restores_that_epochs_weights_and_reports_the_last_ones_too(tmp_path):
+    model_cfg, train_cfg, ctx = setup(tmp_path, "train.epochs=3", "train.select=best:val/acc", "train.lr=0.5")
+    torch.manual_seed(0)
+    model, hooks = build_model(model_cfg, (4,), 3), LearnThenUnlearn()
+    metrics = fit(model, blobs(), train_cfg, ctx, hooks)
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert max(rows, key=lambda step: rows[step]["val/acc"]) == 0  # epoch 1 (tracker step 0) is the best
+    assert rows[2]["test/acc"] < rows[0]["test/acc"]
+    after_epoch_1 = hooks.starts[1]
+    assert all(torch.equal(value, after_epoch_1[key]) for key, value in model.state_dict().items())
+    assert metrics["tested_model"] == "best:val/acc" and metrics["tested_epoch"] == 1
+    assert metrics["test/acc"] == rows[0]["test/acc"] and metrics["test/acc_last"] == rows[2]["test/acc"]
+
+
+def test_train_select_last_keeps_the_last_weights_and_a_metric_the_run_lacks_is_refused(tmp_path):
+    _, metrics = train(tmp_path / "last", 2)
+    assert metrics["tested_model"] == "last" and metrics["test/acc"] == metrics["test/acc_last"]
+    model_cfg, train_cfg, ctx = setup(tmp_path, "train.select=best:val/top1")
+    with pytest.raises(ConfigError, match=r"train.select=best:val/top1: .* choices: best:val/acc, "):
+        fit(build_model(model_cfg, (4,), 3), blobs(), train_cfg, ctx)
+    with pytest.raises(ConfigError, match=r"train.select='best' is not an option; choices: last, best:<m"):
+        setup(tmp_path, "train.select=best")
+
+
+def test_cosine_delay_is_the_csot_codes_scheduler_created_after_the_first_epoch_and_resumes():
+    from runner.schema import TrainConfig
+    from runner.train import _follow_config, make_optimizer, make_scheduler
+
+    def lrs(optimizer, scheduler, epochs):
+        out = []
+        for _ in range(epochs):
+            out.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step() if scheduler is not None else None
+        return out
+
+    cfg = TrainConfig(epochs=6, lr=0.02, cosine_delay=1)
+    optimizer = make_optimizer(torch.nn.Linear(2, 2), cfg)
+    ours = lrs(optimizer, make_scheduler(optimizer, cfg), 6)
+    theirs, code = [], torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.02, momentum=0.9)
+    scheduler = None  # main_cifar.py: CosineAnnealingLR(T_max=num_epochs) made at the end of epoch 0
+    for _ in range(6):
+        theirs += lrs(code, scheduler, 1)
+        scheduler = scheduler or torch.optim.lr_scheduler.CosineAnnealingLR(code, T_max=6, eta_min=0)
+    assert ours == pytest.approx(theirs, rel=1e-12) and ours[0] == ours[1] == 0.02 and ours[2] < 0.02
+    scheduler = make_scheduler(optimizer := make_optimizer(torch.nn.Linear(2, 2), cfg), cfg)
+    lrs(optimizer, scheduler, 3)
+    before = repr((optimizer.state_dict(), scheduler.state_dict()))
+    _follow_config(optimizer, scheduler, cfg)  # an unchanged config: an exact resume
+    assert repr((optimizer.state_dict(), scheduler.state_dict())) == before
+    _follow_config(optimizer, scheduler, TrainConfig(epochs=10, lr=0.02, cosine_delay=1))  # extended
+    expected = [0.01 * (1 + math.cos(math.pi * (epoch - 1) / 10)) for epoch in range(3, 10)]
+    assert lrs(optimizer, scheduler, 7) == pytest.approx(expected, rel=1e-9)
+    with pytest.raises(ConfigError, match=r"train.cosine_delay=1 delays a cosine schedule; train.sched"):
+        TrainConfig(schedule="step", cosine_delay=1)
 
 
 def test_crop_flip_shifts_content_and_keeps_shape():

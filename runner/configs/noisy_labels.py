@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from runner.augment import POLICIES
+from runner.augment import POLICIES, WEAK_VIEWS
 from runner.checks import check_range
 from runner.configs._base import MethodConfig, variant
 from runner.methods.csot import BUDGET_RULES
@@ -49,8 +49,11 @@ class NoisyLabelConfig(MethodConfig):
     )
     stage_switch: Literal["data", "epoch", "never"] = "data"  # never: Table 4 (h)
     asym_penalty: bool = True  # warm-up: add mean sum p log p under asymmetric noise (DivideMix)
+    warmup_penalty: bool = False  # warm-up: add it whatever the noise (DivideMix's Clothing1M warm-up)
     gmm_threshold: float = 0.5  # small_loss selection
     strong_aug: Literal[POLICIES] = "autoaugment_cifar10"  # the strong view
+    # the weak view of images: padded random crop + flip, or RandomResizedCrop + flip (DivideMix's WebVision)
+    weak_view: Literal[WEAK_VIEWS] = "crop_flip"
     standardize: bool = False  # inputs to zero mean, unit variance per element (train statistics)
 
     def __post_init__(self):

@@ -37,10 +37,13 @@ class ImageTransforms(NamedTuple):
     std: tuple
 
 
-def image_transforms(augment: str, image_size: int, mean, std, crop_pad: int = 4) -> ImageTransforms:
+def image_transforms(
+    augment: str, image_size: int, mean, std, crop_pad: int = 4, eval_resize: int = 0
+) -> ImageTransforms:
     """The papers' pipelines at side `image_size`, on uint8 tensors, to be normalised by `mean`/`std`.
 
-    rrc_flip    train: RandomResizedCrop(size) + flip; eval: resize to size / 0.875, center crop (ImageNet)
+    rrc_flip    train: RandomResizedCrop(size) + flip; eval: resize to `eval_resize` (0: size / 0.875, the
+                ImageNet convention), center crop
     crop_flip   train: resize to size, random crop with `crop_pad` zero padding + flip; eval: resize
     none        train = eval: resize (+ center crop) only
 
@@ -50,9 +53,8 @@ def image_transforms(augment: str, image_size: int, mean, std, crop_pad: int = 4
 
     stats = tuple(map(float, mean)), tuple(map(float, std))
     if augment == "rrc_flip":
-        evaluate = v2.Compose(
-            [v2.Resize(int(round(image_size / 0.875)), antialias=True), v2.CenterCrop(image_size)]
-        )
+        resize = eval_resize or int(round(image_size / 0.875))
+        evaluate = v2.Compose([v2.Resize(resize, antialias=True), v2.CenterCrop(image_size)])
         train = v2.Compose([v2.RandomResizedCrop(image_size, antialias=True), v2.RandomHorizontalFlip()])
         return ImageTransforms(train, evaluate, *stats)
     resize = [v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)]

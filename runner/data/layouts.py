@@ -156,7 +156,9 @@ class Builder:
         self.root = Path(cfg.root).expanduser().resolve()
         need(self.root, name)
         self.size = cfg.image_size or DEFAULT_SIZE[name]
-        self.transforms = image_transforms(cfg.augment, self.size, *IMAGENET_STATS, cfg.crop_pad)
+        self.transforms = image_transforms(
+            cfg.augment, self.size, *IMAGENET_STATS, cfg.crop_pad, cfg.eval_resize
+        )
         self.ignored = 0
 
     def split(self, paths, y, root: Path | None = None) -> FileSplit:

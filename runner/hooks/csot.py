@@ -84,7 +84,7 @@ class NoisyLabelHooks:
     def __init__(self, cfg, model, data, ctx, views, asymmetric, seed, batch_size, epoch_samples=0):
         self.cfg, self.model, self.ctx, self.views = cfg, model, ctx, views
         self.num_classes = data.num_classes
-        self.penalty = cfg.asym_penalty and asymmetric
+        self.penalty = cfg.asym_penalty and asymmetric or cfg.warmup_penalty
         self.seed, self.batch_size = seed, batch_size
         self.warmup_batch_size = cfg.warmup_batch_size or batch_size
         if self.warmup_batch_size % ctx.world_size:
