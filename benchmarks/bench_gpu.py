@@ -168,7 +168,8 @@ def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
     in_memory = FAKE_LIKE[cfg.dataset.name] in IN_MEMORY  # the real dataset's data path, not the shape's
     args = [f"+experiment={preset}", "dataset=fake", f"dataset.like={like}", f"dataset.image_size={side}",
             f"dataset.in_memory={str(in_memory).lower()}", "train.epochs=2", "train.checkpoint=false",
-            "train.progress=false", "logger=none"]  # fmt: skip
+            "train.progress=false", "logger=none",
+            "train.select=last"]  # fmt: skip  # generated data have no validation split to select on
     if smoke and not torch.cuda.is_available():
         args += ["hardware=cpu"]
     args += [f"hardware.precision={cfg.hardware.precision}"]  # the preset's, whatever hardware runs it
