@@ -69,7 +69,7 @@ _FLAGS_WITH_VALUE = {
 }
 # Hydra's error for a group option no search path holds, squeezed to one line: group, value, options.
 _MISSING_OPTION = (
-    r"Could not (?:find|load) '([^']+)/([^']+)'.*?Available options in '[^']+':(.*?)(?:Config search path|$)"
+    r"Could not (?:find|load) '([^']+)/([^']*)'.*?Available options in '[^']+':(.*?)(?:Config search path|$)"
 )
 _UNKNOWN_KEY = r"Could not override '([^']+)'"  # Hydra's error for a key the config lacks
 _INFO_VALUES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
@@ -185,13 +185,42 @@ def method_preset(method: str, dataset: str | None) -> tuple[str, str] | None:
     return preset, why
 
 
+# Longer keys than this are no key of the config (Hydra would look for a file named after it).
+_MAX_KEY = 200
+
+
+def parse_overrides(overrides: list[str]) -> list:
+    """Hydra's parse of `overrides`; a one-line ConfigError naming the override it cannot read, and how
+    to write it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser, parsed = OverridesParser.create(), []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if len(key) > _MAX_KEY:
+            raise ConfigError(
+                f"unknown key {key[:40]}... ({len(key)} characters): no config key is that long"
+            )
+        try:
+            parsed.append(parser.parse_override(override))
+        except Exception as e:
+            if not value.isascii():  # Hydra's grammar reads unquoted values as ASCII
+                raise ConfigError(
+                    f"{override}: a value with characters outside ASCII must be quoted: '{key}=\"{value}\"'"
+                ) from None
+            reason = " ".join(str(e).split()).split(" See https://")[0]
+            raise ConfigError(
+                f"{override}: Hydra cannot read this override ({reason}); quote a value that holds spaces "
+                f"or any of ()[]{{}},='\": '{key}=\"{value}\"'"
+            ) from None
+    return parsed
+
+
 def without_other_options_settings(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, str | None]:
     """`cfg` without the settings its preset gives a group's own option where the command line chose
     another option with no such key (`+method=csot model=cnn`: csot_digits' `model.hidden` is its MLP's),
     and the line that says so; keys the command line sets itself are kept (and checked as usual)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    parsed = parse_overrides(overrides)
     (preset, *_) = _given(parsed, "experiment") or [None]
     chosen, content = _preset_file(preset) if preset else ({}, {})
     typed = {o.key_or_group for o in parsed}
@@ -227,12 +256,7 @@ def method_preset_override(overrides: list[str]) -> tuple[str | None, str | None
     """The `+experiment=PRESET` that (canonical) `overrides` get where every job they make has that
     `method_preset`, and the line that says so (or why a sweep gets none); (None, None) where they name
     an experiment or no method."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as e:
-        raise ConfigError(" ".join(str(e).split())) from None
+    parsed = parse_overrides(overrides)
     methods, datasets = _given(parsed, "method"), _given(parsed, "dataset") or [None]
     if methods is None or _given(parsed, "experiment") is not None:
         return None, None
@@ -248,23 +272,23 @@ def method_preset_override(overrides: list[str]) -> tuple[str | None, str | None
     return f"+experiment={preset}", f"{note} ({_OPT_OUT})"
 
 
+def _is_hydra(override: str) -> bool:
+    """Whether an override (or its key) sets Hydra's own config, which does not shape the job config."""
+    key = override.lstrip("+~").partition("=")[0]
+    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
+
+
 def _variants(overrides: list[str]) -> list[list[str]]:
     """Override lists to check: every swept key at each of its values, the others at their first.
 
     Hydra's own keys are left out (they do not shape the job config); a continuous Optuna search space
     (`interval(a, b)`) is checked at both of its ends.
     """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ValueType
 
     choices: list[tuple[str, list[str]]] = []
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as e:
-        raise ConfigError(" ".join(str(e).split())) from None
-    for o in parsed:
-        key = o.key_or_group
-        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+    for o in parse_overrides(overrides):
+        if _is_hydra(o.key_or_group):
             continue
         if o.value_type == ValueType.INTERVAL_SWEEP:
             ends = (o.value().start, o.value().end)  # Hydra reads both as floats; tag(int, ...) samples ints
@@ -362,7 +386,21 @@ def preflight(argv: list[str]) -> None:
         overrides = _sweep_params(overrides) + overrides
     searchpath = [o for o in overrides if o.lstrip("+").startswith("hydra.searchpath=")]  # users' groups
     for variant in _variants(overrides):
-        validate(_compose(searchpath + variant))
+        try:
+            validate(_compose(searchpath + variant))
+        except ConfigError as e:
+            raise ConfigError(f"{e}{_integer_interval_hint(str(e), overrides)}") from None
+
+
+def _integer_interval_hint(error: str, overrides: list[str]) -> str:
+    """The fix where `error` is an integer key refusing the float ends of an untagged `interval(...)`."""
+    if "could not be converted to Integer" not in error:
+        return ""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if value.startswith("interval(") and f" {key.lstrip('+')}:" in f" {error.split('for ', 1)[-1]}":
+            return f"; an integer search space is {key}=tag(int, {value})"
+    return ""
 
 
 def _typed(cfg: DictConfig, schemas: dict) -> DictConfig:
@@ -403,7 +441,15 @@ def _resume_hint(hydra_cfg) -> str:
 
 def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     """One job: validate, lock the run dir, set up device and tracker, run the task, write the summary."""
-    from runner.hardware import RunContext, cap_host_memory, describe, seed_everything, setup, teardown
+    from runner.hardware import (
+        RunContext,
+        cap_host_memory,
+        capped_workers,
+        describe,
+        seed_everything,
+        setup,
+        teardown,
+    )
     from runner.track import Tracker
 
     t0 = time.perf_counter()
@@ -411,6 +457,7 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     cfg, left_out = without_other_options_settings(cfg, list(hydra_cfg.overrides.task))
     cfg = _typed(cfg, validate(cfg))
     apply_debug(cfg)
+    cfg.hardware.num_workers = capped_workers(cfg.hardware.num_workers)
     if hydra_cfg.mode.name == "MULTIRUN" and cfg.logger.group is None:  # one W&B group per sweep
         cfg.logger.group = "/".join(Path(hydra_cfg.sweep.dir).parts[-2:])
     run_dir = Path(hydra_cfg.runtime.output_dir)
@@ -523,6 +570,12 @@ def _launch_overrides(argv: list[str]) -> list[str]:
     if multirun:
         cfg = _compose_hydra(overrides)
         if "optuna" in cfg.hydra.sweeper._target_:
+            from runner.sweeper import check_settings, search_space
+
+            sweeper = cfg.hydra.sweeper
+            check_settings(sweeper.pruner, sweeper.direction, sweeper.n_trials, sweeper.n_jobs,
+                           sweeper.max_failure_rate)  # fmt: skip
+            search_space(_sweep_params(overrides) + [o for o in overrides if not _is_hydra(o)])
             objective(task_module(cfg), cfg)  # selects on validation data, or stops here
             direction = {"max": "maximize", "min": "minimize"}[main_metric(cfg, task_module(cfg).METRIC)[1]]
             # A failed or diverged trial is told to Optuna as failed; the search goes on.
@@ -565,7 +618,33 @@ def _quiet_optuna() -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
+def _check_writable(argv: list[str]) -> None:
+    """A one-line ConfigError where the run (or sweep) dir of `argv` cannot be written: a read-only file
+    system or folder (the working directory, for the default `outputs/`), before Hydra makes it."""
+    overrides = _job_overrides(argv)
+    if overrides is None:
+        return
+    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
+    where = Path(OmegaConf.select(_compose_hydra(overrides), key))
+    existing = next(p for p in [where, *where.absolute().parents] if p.exists())
+    if os.access(existing, os.W_OK):
+        return
+    why = "a read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "no write permission"
+    raise ConfigError(
+        f"{key}={where}: cannot write in {existing.absolute()} ({why}); give {key}=A_WRITABLE_FOLDER "
+        f"(a run dir's copy there resumes it), or start runner from a writable folder"
+    )
+
+
 def main() -> None:
+    try:
+        _main()
+    except KeyboardInterrupt:  # outside a job (a job reports its own, with the command to resume it)
+        print("runner: interrupted before any job started; nothing was written", file=sys.stderr)
+        sys.exit(130)
+
+
+def _main() -> None:
     sys.argv[1:] = canonical(sys.argv[1:])  # what Hydra parses, records and re-composes per job
     if any(a.startswith("+sweep=") or a.startswith("hydra/sweeper=optuna") for a in sys.argv[1:]):
         _quiet_optuna()
@@ -576,8 +655,9 @@ def main() -> None:
             at = max(i for i, arg in enumerate(sys.argv) if arg.partition("=")[0] == "method")
             sys.argv.insert(at + 1, preset)
         preflight(sys.argv[1:])
-        _claim_run_dir(sys.argv[1:])
         extra, given = _launch_overrides(sys.argv[1:]), _override_args(sys.argv[1:])
+        _check_writable(sys.argv[1:])
+        _claim_run_dir(sys.argv[1:])
         at = sys.argv.index(given[0]) if given else len(sys.argv)  # argparse wants one run of overrides
         sys.argv[at:at] = extra
     except ConfigError as e:

@@ -670,6 +670,11 @@ def main(argv: list[str] | None = None) -> None:
         report = write_report(args.path, args.metric, columns, args.out, args.claims, args.format, by)
     except ValueError as e:
         parser.exit(2, f"runner-report: error: {e}\n")
+    except OSError as e:  # a read-only or full place to write to
+        parser.exit(
+            2,
+            f"runner-report: error: cannot write {e.filename} ({e.strerror}); give --out a writable folder\n",
+        )
     out = args.out or args.path
     print(render(report, args.format), end="")
     written = ", ".join(str(out / FORMATS[f]) for f in dict.fromkeys(["markdown", args.format]))

@@ -13,13 +13,14 @@ import dataclasses
 import importlib
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.checks import ConfigError, build, check_choice, check_range, omegaconf_type
+from runner.checks import ConfigError, build, check_choice, check_range, field_types, omegaconf_type
 from runner.configs import TASK_METHODS
 
 __all__ = ["ConfigError", "check_choice", "check_range", "validate", "apply_debug", "task_module", "to_node"]
@@ -130,8 +131,29 @@ class ModelConfig:
             raise ConfigError(
                 f"model.pretrained={self.pretrained!r}: must be false or the path of a local weights file"
             )
-        if not os.path.isfile(self.pretrained):
-            raise ConfigError(f"model.pretrained={self.pretrained!r}: no such file")
+        problem = _not_weights(self.pretrained)
+        if problem:
+            raise ConfigError(f"model.pretrained={self.pretrained!r}: {problem}")
+
+
+# How the files `runner.models.weights.load_weights` reads begin: torch.save's zip archive, its legacy
+# pickle (protocol 2+); .safetensors files are known by their name.
+_WEIGHTS_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _not_weights(path: str) -> str | None:
+    """Why `path` is no weights file, checked in its first bytes before any job starts; None if it may be."""
+    if os.path.isdir(path):
+        return "is a folder; give the weights file in it (torch.save's .pt / .pth, or .safetensors)"
+    if not os.path.isfile(path):
+        return "no such file"
+    if path.endswith(".safetensors"):
+        return None
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.startswith(_WEIGHTS_MAGIC):
+        return None
+    return f"not a weights file (it starts with {head!r}; torch.save writes a zip archive), nor .safetensors"
 
 
 @dataclass
@@ -382,10 +404,7 @@ def _to_schema(node: DictConfig, schema: type, path: str):
     """Merge `node` into `schema`, returning the dataclass instance; one-line errors."""
     if not isinstance(node, DictConfig):
         raise ConfigError(f"{path}={node!r} must be a mapping with keys: {', '.join(_names(schema))}")
-    names = _names(schema)
-    for key in node:
-        if key not in names:
-            raise ConfigError(f"unknown key {path}.{key}; valid keys: {', '.join(names)}")
+    _check_keys(node, schema, path)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(omegaconf_type(schema)), node)
         _check_finite(merged, path)  # before __post_init__: range checks and derived values see no NaN
@@ -400,6 +419,23 @@ def _to_schema(node: DictConfig, schema: type, path: str):
         raise ConfigError(f"bad value for {key}: {reason}") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def _check_keys(node: DictConfig, schema: type, path: str) -> None:
+    """A one-line error for a key `schema` lacks, in `node` or a node of a nested schema (a phase of
+    `train.phases`: `train.phases.0.bogus`), which OmegaConf's merge would name without its place."""
+    names = _names(schema)
+    for key in node:
+        if key not in names:
+            raise ConfigError(f"unknown key {path}.{key}; valid keys: {', '.join(names)}")
+        tp, value = field_types(schema)[key], node[key]
+        if dataclasses.is_dataclass(tp) and isinstance(value, DictConfig):
+            _check_keys(value, tp, f"{path}.{key}")
+        elif typing.get_origin(tp) is list and isinstance(value, ListConfig):
+            (item,) = typing.get_args(tp)
+            for i, entry in enumerate(value):
+                if dataclasses.is_dataclass(item) and isinstance(entry, DictConfig):
+                    _check_keys(entry, item, f"{path}.{key}.{i}")
 
 
 def to_node(obj) -> DictConfig:
@@ -471,6 +507,38 @@ def _with_preset_settings(method: DictConfig, per_method, schemas: dict) -> Dict
     return OmegaConf.merge(method, kept)
 
 
+# The validation metric train.early_stop and train.save_top_k follow (runner.train.Monitor), unless a
+# method's hooks choose their own (hier_hash: val/p@1).
+MONITORED = "val/acc"
+
+
+def _check_monitor(train: TrainConfig, metric: str | None) -> None:
+    """Refuse early stopping or top-k checkpoints beside a run `metric` they would not follow."""
+    watched = [
+        f"train.{key}={getattr(train, key)}" for key in ("early_stop", "save_top_k") if getattr(train, key)
+    ]
+    if not metric or not watched:
+        return
+    key = str(metric).partition(":")[0]
+    if key.removeprefix("test/").removeprefix("val/") != MONITORED.removeprefix("val/"):
+        raise ConfigError(
+            f"{' and '.join(watched)} follow {MONITORED}, not metric={metric}; leave metric unset or "
+            f"set it to test/acc, or turn them off (train.early_stop=0 train.save_top_k=0)"
+        )
+
+
+def _check_phase_sides(train: TrainConfig, model) -> None:
+    """A network that flattens its input (model=mlp) takes one image size: no phase may resize."""
+    if model.name != "mlp":
+        return
+    for i, phase in enumerate(train.phases):
+        if phase.image_size:
+            raise ConfigError(
+                f"train.phases.{i}.image_size={phase.image_size}: model=mlp takes the data's own image "
+                f"size only; set it to 0, or choose a convolutional model (model=cnn)"
+            )
+
+
 def validate(cfg: DictConfig) -> dict[str, Any]:
     """Check every group of a composed config; return the schema objects by group name."""
     checked: dict[str, Any] = {}
@@ -504,6 +572,8 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
             )
         method = _with_preset_settings(method, cfg.get("per_method"), schemas)
         checked["method"] = _to_schema(method, schemas[name], "method")
+    _check_monitor(checked["train"], cfg.get("metric"))
+    _check_phase_sides(checked["train"], checked["model"])
     epoch_samples = checked["dataset"].epoch_samples
     if epoch_samples and getattr(checked.get("method"), "task", None) != "noisy_labels":
         raise ConfigError(
