@@ -37,7 +37,7 @@ import runner.data  # noqa: F401  (registers the datasets and their schemas)
 import runner.hardware  # noqa: F401  (registers the resolvers of hardware=auto)
 from runner import configs, rundir
 from runner.data.files import UnreadableImage
-from runner.faults import CheckpointError, Diverged, Interrupted, OutOfMemory, out_of_memory_stops
+from runner.faults import CheckpointError, Diverged, Interrupted, JobFailed, OutOfMemory, out_of_memory_stops
 from runner.schema import (
     OPTION_SCHEMAS,
     ConfigError,
@@ -72,6 +72,11 @@ _MISSING_OPTION = (
     r"Could not (?:find|load) '([^']+)/([^']*)'.*?Available options in '[^']+':(.*?)(?:Config search path|$)"
 )
 _UNKNOWN_KEY = r"Could not override '([^']+)'"  # Hydra's error for a key the config lacks
+# The launchers that log a line as each job starts (Hydra's basic one, joblib's).
+_LAUNCHER_LOGGERS = (
+    "hydra._internal.core_plugins.basic_launcher",
+    "hydra_plugins.hydra_joblib_launcher._core",
+)
 _INFO_VALUES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 
 
@@ -422,11 +427,12 @@ def _job(cfg: DictConfig) -> float | None:
         except (KeyboardInterrupt, Interrupted) as e:
             stop = signal.Signals(getattr(e, "signum", signal.SIGINT))
             print(f"runner: stopped by {stop.name}; resume with: {_resume_hint(hydra_cfg)}", file=sys.stderr)
+            _no_sweep_table()
             sys.exit(128 + stop)
         # bad input, or a run gone wrong
         except (ConfigError, Diverged, CheckpointError, OutOfMemory, UnreadableImage) as e:
-            if multirun:
-                raise  # the sweep goes on; SweepSummary lists the job as failed
+            if multirun:  # the sweep goes on; SweepSummary lists the job as failed
+                raise JobFailed(e) from e
             print(f"runner: error: {e}", file=sys.stderr)
             sys.exit(2 if isinstance(e, ConfigError) else 1)
 
@@ -450,17 +456,22 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
         setup,
         teardown,
     )
-    from runner.track import Tracker
+    from runner.track import Tracker, log_to_file
 
     t0 = time.perf_counter()
     hydra_cfg = HydraConfig.get()
     cfg, left_out = without_other_options_settings(cfg, list(hydra_cfg.overrides.task))
+    print_config, multirun = cfg.get("print_config", False), hydra_cfg.mode.name == "MULTIRUN"
     cfg = _typed(cfg, validate(cfg))
     apply_debug(cfg)
     cfg.hardware.num_workers = capped_workers(cfg.hardware.num_workers)
-    if hydra_cfg.mode.name == "MULTIRUN" and cfg.logger.group is None:  # one W&B group per sweep
+    if multirun and cfg.logger.group is None:  # one W&B group per sweep
         cfg.logger.group = "/".join(Path(hydra_cfg.sweep.dir).parts[-2:])
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    if multirun:  # a sweep's console: one line per job (below); the job's records go to its log file
+        for handler in logging.getLogger().handlers:
+            if not isinstance(handler, logging.FileHandler):
+                handler.setLevel(logging.WARNING)
     cleanup.callback(teardown)
     device, rank, world_size = setup(cfg.hardware)
     if device.type == "cpu":  # running out of memory: an error that names the batch, not the OOM killer
@@ -476,7 +487,9 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     seed_everything(cfg.seed, cfg.hardware.deterministic, rank)
     if rank == 0:
         OmegaConf.save(cfg, run_dir / "config.yaml")
-        log.info("config (validated):\n%s", OmegaConf.to_yaml(cfg).rstrip())
+        # 70 lines: on the console only when asked for, or a run's own lines scroll away behind them
+        log_to_file(log, logging.INFO, "config (validated):\n%s", OmegaConf.to_yaml(cfg).rstrip(),
+                    console=print_config)  # fmt: skip
     tracker = Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg), enabled=rank == 0, resume=resume)
     cleanup.callback(tracker.close, exit_code=1)  # a no-op after tracker.finish
     ctx = RunContext(
@@ -521,12 +534,14 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     if bad:
         raise Diverged(f"{', '.join(sorted(bad))} in {run_dir / 'summary.json'}")
     if rank == 0:
-        shown = [k for k in summary if k == metric or k.startswith("test/")][:6]
-        print(
-            f"{module.__name__} {method} on {data_name}: "
-            + "  ".join(f"{k}={summary[k]:.4f}" for k in shown if isinstance(summary[k], float))
-            + f"  ({summary['time/total_s']:.1f} s) -> {run_dir / 'summary.json'}"
-        )
+        shown = [metric] if multirun else [k for k in summary if k == metric or k.startswith("test/")][:6]
+        values = "  ".join(f"{k}={summary[k]:.4f}" for k in shown if isinstance(summary[k], float))
+        seconds = f"({summary['time/total_s']:.1f} s)"
+        if multirun:
+            print(f"#{hydra_cfg.job.num} done  {' '.join(hydra_cfg.overrides.task)}: {values}  {seconds}")
+        else:
+            summary_path = run_dir / "summary.json"
+            print(f"{module.__name__} {method} on {data_name}: {values}  {seconds} -> {summary_path}")
     score = summary.get(_objective_key(metric))  # what a search optimises: never the test metric
     return float(score) if score is not None else None
 
@@ -663,11 +678,25 @@ def _main() -> None:
     except ConfigError as e:
         print(f"runner: error: {e}", file=sys.stderr)
         sys.exit(2)
+    if {"-m", "--multirun"} & set(sys.argv):
+        for launcher in _LAUNCHER_LOGGERS:  # each job's own line says what it ran, once it has
+            logging.getLogger(launcher).addFilter(lambda record: not str(record.msg).startswith("\t#"))
     try:
         _job()
     except KeyboardInterrupt:  # outside a job (a job reports its own, with the command to resume it)
-        print("runner: interrupted", file=sys.stderr)
+        sweep = HydraConfig.get().sweep.dir if HydraConfig.initialized() else None
+        resume = f" with hydra.sweep.dir={sweep}" if sweep else ""
+        print(f"runner: interrupted between jobs; its command line{resume} runs the rest", file=sys.stderr)
+        _no_sweep_table()
         sys.exit(130)
+
+
+def _no_sweep_table() -> None:
+    """No table at the exit of a stopped sweep: its results are partial, and the imports it needs may
+    have been cut short (scipy's: "name '_ndimage_api' is not defined")."""
+    report = sys.modules.get("runner.report")
+    if report is not None:
+        atexit.unregister(report.print_sweep_summary)
 
 
 def run_in_process(args: list[str]) -> None:

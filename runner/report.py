@@ -711,20 +711,30 @@ class SweepSummary(Callback):
         from hydra.core.utils import JobStatus
         from hydra.types import RunMode
 
+        from runner.faults import JobFailed
         from runner.sweeper import Pruned
+        from runner.track import log_to_file
 
         if job_return.status != JobStatus.FAILED or config.hydra.mode != RunMode.MULTIRUN:
             return  # a single run reports its own failure
         error = job_return._return_value  # the exception; `.return_value` would re-raise it
+        error = error.cause if isinstance(error, JobFailed) else error
         path = Path(config.hydra.runtime.output_dir) / "summary.json"
         summary = json.loads(path.read_text()) if path.exists() else {}
+        num, overrides = (
+            config.hydra.job.num,
+            " ".join(OmegaConf.select(config, "hydra.overrides.task") or []),
+        )
         if isinstance(error, Pruned):  # the search stopped a trial falling behind: no failure
-            log.info("job %s: %s", config.hydra.job.num, error)
+            log.info("job %s: %s", num, error)
+            print(f"#{num} pruned  {overrides}: {error}")
             summary["pruned"] = str(error)
-        else:  # into the job's own log, with the traceback unless a bad value's one line says it all
-            log.error("job %s failed: %s", config.hydra.job.num, error,
-                      exc_info=None if isinstance(error, ConfigError) else error)  # fmt: skip
+        else:  # one line here; the traceback (unless a bad value's one line says it all) in the job's log
+            log_file = Path(config.hydra.runtime.output_dir) / f"{config.hydra.job.name}.log"
+            log_to_file(log, logging.ERROR, "job %s failed: %s", num, error,
+                        exc_info=None if isinstance(error, ConfigError) else error)  # fmt: skip
             summary["error"] = f"{type(error).__name__}: {error}"  # what runner-report lists it by
+            print(f"#{num} failed  {overrides}: {summary['error']} (log: {log_file})")
         path.write_text(json.dumps(summary, indent=2) + "\n")
         _release_frames(error)
 

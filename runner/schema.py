@@ -380,7 +380,7 @@ OPTION_SCHEMAS = {"dataset": DATASET_SCHEMAS, "model": MODEL_SCHEMAS}
 # Optional top-level keys and their checks: a method (`+method=NAME`), `+debug=smoke`, a preset's numbers.
 OPTIONAL = ("method", "debug", "paper", "per_method")
 # Top-level scalars: their type and, for numbers, their range (numpy takes seeds in [0, 2**32 - 1]).
-SCALARS = {"seed": (int, 0, 2**32 - 1), "name": (str,), "metric": (str,)}
+SCALARS = {"seed": (int, 0, 2**32 - 1), "name": (str,), "metric": (str,), "print_config": (bool,)}
 # `field(metadata=ALLOW_INF)` marks a float key for which an infinity is meaningful; NaN never is.
 ALLOW_INF = {"allow_inf": True}
 
@@ -547,7 +547,9 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         if key not in known:
             raise ConfigError(f"unknown key {key}; valid top-level keys: {', '.join(sorted(known))}")
     for key, (kind, *bounds) in SCALARS.items():
-        if key in cfg and (not isinstance(cfg[key], kind) or isinstance(cfg[key], bool)):
+        if key in cfg and (
+            not isinstance(cfg[key], kind) or (isinstance(cfg[key], bool) and kind is not bool)
+        ):
             raise ConfigError(f"{key}={cfg[key]!r} must be of type {kind.__name__}")
         if key in cfg and bounds:
             check_range(key, cfg[key], *bounds)
