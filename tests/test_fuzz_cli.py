@@ -221,15 +221,21 @@ def _interrupted_after(delay: float, args: list[str], cwd: Path) -> subprocess.C
 
 @pytest.mark.slow
 @pytest.mark.skipif(not RUNNER.exists(), reason="no runner console script beside this Python")
-@pytest.mark.parametrize("delay", [0.2, 1.0, 2.0, 4.0])
-def test_ctrl_c_while_starting_or_training_is_one_line(tmp_path, delay):
-    """From the imports (the first second or two) to the epochs: one line, exit 130, no traceback."""
-    proc = _interrupted_after(delay, ["train.epochs=60", "logger=none"], tmp_path)
-    lines = _own_lines(proc.stderr)
+@pytest.mark.parametrize(
+    "args,delay",
+    [(["train.epochs=60"], delay) for delay in (0.2, 1.0, 2.0, 4.0)]
+    + [(["-m", "seed=0,1,2", "train.epochs=2"], delay) for delay in (2.0, 5.0, 8.0, 12.0)],
+)
+def test_ctrl_c_at_any_moment_is_one_line(tmp_path, args, delay):
+    """From the imports (the first second or two) to the epochs, of a run or a sweep: one line, exit 130,
+    no traceback, no table of a sweep's partial results."""
+    proc = _interrupted_after(delay, [*args, "logger=none"], tmp_path)
+    lines = [line for line in _own_lines(proc.stdout + proc.stderr) if not re.match(r"#\d+ done ", line)]
     assert proc.returncode == 130 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
-    assert lines[0].startswith(("runner: interrupted", "runner: stopped by SIGINT; resume with: runner ")), (
+    assert lines[-1].startswith(("runner: interrupted", "runner: stopped by SIGINT; resume with: runner ")), (
         lines
     )
+    assert "no sweep summary" not in proc.stderr and "| seeds |" not in proc.stdout
 
 
 # ----------------------------------------------------------------------------------- read-only places
