@@ -43,6 +43,18 @@ def test_a_preset_composes_the_same_in_any_order(composed, preset):
     assert after["debug"]["name"] == "smoke"
 
 
+def test_every_preset_shows_its_progress_and_keeps_what_runner_eval_reads(composed):
+    """A line per epoch in every preset (a CPU study that printed nothing for minutes looked hung), and
+    checkpoints wherever `runner-eval` evaluates the task's network again."""
+    from runner.evaluate_run import TASKS
+
+    for preset in PRESETS:
+        train = composed(f"+experiment={preset}")["train"]
+        task = METHODS[composed(f"+experiment={preset}")["method"]["name"]]().task
+        assert train["progress"], preset
+        assert train["checkpoint"] or f"tasks.{task}" not in TASKS, preset
+
+
 @pytest.mark.parametrize("preset,method", REPLACED.items())
 def test_a_method_given_with_a_family_preset_replaces_its_method_in_any_order(composed, preset, method):
     after = composed(f"+experiment={preset}", f"+method={method}")
