@@ -283,6 +283,19 @@ def _is_hydra(override: str) -> bool:
     return key == "hydra" or key.startswith(("hydra.", "hydra/"))
 
 
+def fake_like_override(overrides: list[str]) -> str | None:
+    """`dataset.like=SHAPE` where (canonical) `overrides` replace a preset's dataset by `dataset=fake` and
+    name no shape: the generated images take the preset's dataset's (classes, image side)."""
+    from runner.data.fake import LIKE
+
+    parsed = parse_overrides(overrides)
+    if _given(parsed, "dataset") != ["fake"] or _given(parsed, "dataset.like") is not None:
+        return None
+    presets = _given(parsed, "experiment") or []
+    datasets = {_preset_file(preset)[0].get("dataset") for preset in presets}
+    return f"dataset.like={LIKE[datasets.pop()]}" if len(datasets) == 1 and datasets <= LIKE.keys() else None
+
+
 def _variants(overrides: list[str]) -> list[list[str]]:
     """Override lists to check: every swept key at each of its values, the others at their first.
 
@@ -463,7 +476,7 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
     cfg, left_out = without_other_options_settings(cfg, list(hydra_cfg.overrides.task))
     print_config, multirun = cfg.get("print_config", False), hydra_cfg.mode.name == "MULTIRUN"
     cfg = _typed(cfg, validate(cfg))
-    apply_debug(cfg)
+    smoke_note = apply_debug(cfg)
     cfg.hardware.num_workers = capped_workers(cfg.hardware.num_workers)
     if multirun and cfg.logger.group is None:  # one W&B group per sweep
         cfg.logger.group = "/".join(Path(hydra_cfg.sweep.dir).parts[-2:])
@@ -478,6 +491,8 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack) -> float | None:
         cap_host_memory()
     if rank == 0:  # the first line: what the runner chose for the command line (a preset, the device)
         log.info("; ".join(filter(None, [_preset_note, left_out, describe(cfg.hardware, device)])))
+        if smoke_note:
+            log.info(smoke_note)
     if world_size > 1:  # torchrun's ranks: rank 0's run dir (another rank's clock may name another)
         run_dir = rundir.shared(run_dir, rank)
     if rank == 0:
@@ -669,6 +684,9 @@ def _main() -> None:
         if preset:  # after the method, in the run of overrides that Hydra records (a resume repeats it)
             at = max(i for i, arg in enumerate(sys.argv) if arg.partition("=")[0] == "method")
             sys.argv.insert(at + 1, preset)
+        like = fake_like_override(_job_overrides(sys.argv[1:]) or [])
+        if like:  # after dataset=fake, recorded as the preset's is
+            sys.argv.insert(sys.argv.index("dataset=fake") + 1, like)
         preflight(sys.argv[1:])
         extra, given = _launch_overrides(sys.argv[1:]), _override_args(sys.argv[1:])
         _check_writable(sys.argv[1:])

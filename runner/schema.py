@@ -329,24 +329,66 @@ class DebugConfig:
     name: str = "smoke"
     epochs: int = 1
     max_batches: int = 2
+    # On the CPU, for images above CIFAR's 32 px: no batch above `cpu_batch` and no image side above
+    # `cpu_side` (phases' too), so that a GPU preset's wiring runs in a minute (1024 images of 224 px ran
+    # out of host memory)
+    cpu_batch: int = 64
+    cpu_side: int = 96
+    # Set by `validate` where the preset requires pretrained weights (model.pretrained=required): smoke
+    # checks the wiring, which random weights share.
+    random_weights: bool = False
 
     def __post_init__(self):
         check_range("debug.epochs", self.epochs, 1)
         check_range("debug.max_batches", self.max_batches, 1)
+        check_range("debug.cpu_batch", self.cpu_batch, 1)
+        check_range("debug.cpu_side", self.cpu_side, 1)
 
 
-def apply_debug(cfg: DictConfig) -> None:
-    """Bound a typed job config in place to `cfg.debug`: epochs, and random subsets of the data of
-    `max_batches` batches per split; a task may bound its own method keys with `smoke(cfg)`."""
+def apply_debug(cfg: DictConfig) -> str | None:
+    """Bound a typed job config in place to `cfg.debug`: epochs, random subsets of the data of
+    `max_batches` batches per split, and on the CPU its batches and image sides; a task may bound its own
+    method keys with `smoke(cfg)`. Returns the line that says what smoke changed past the subsets, if any."""
     debug = cfg.get("debug")
     if debug is None:
-        return
+        return None
+    notes = ["random weights in place of the preset's pretrained ones"] if debug.random_weights else []
+    if cfg.hardware.device == "cpu":
+        notes += _cap_for_the_cpu(cfg, debug.cpu_batch, debug.cpu_side)
     cfg.train.epochs = min(cfg.train.epochs, debug.epochs)
     for key, batch in (("max_train", cfg.train.batch_size), ("max_eval", cfg.train.eval_batch_size)):
         cfg.dataset[key] = min(cfg.dataset[key] or math.inf, debug.max_batches * batch)
     smoke = getattr(task_module(cfg), "smoke", None)
     if smoke is not None:
         smoke(cfg)
+    return f"+debug=smoke: {'; '.join(notes)}" if notes else None
+
+
+def _cap_for_the_cpu(cfg: DictConfig, batch: int, side: int) -> list[str]:
+    """Cap every batch size at `batch` and every image side at `side` in place where the images are larger
+    than 32 px (smaller ones are cheap); what it capped."""
+    from runner.data import natural_side
+
+    if max([natural_side(cfg.dataset)] + [phase.image_size for phase in cfg.train.phases]) <= 32:
+        return []
+    batches, sides = {}, {}  # the capped keys (a phase's as train.phases.*) and their values
+    for node, key, where in [(cfg.train, "batch_size", "train.batch_size"),
+                             (cfg.train, "eval_batch_size", "train.eval_batch_size")] + [
+        (phase, "batch_size", "train.phases.*.batch_size") for phase in cfg.train.phases
+    ]:  # fmt: skip
+        if node[key] > batch:
+            batches.setdefault(where, node[key])
+            node[key] = batch
+    if natural_side(cfg.dataset) > side:
+        sides["dataset.image_size"] = natural_side(cfg.dataset)
+        cfg.dataset.image_size = side
+    for phase in cfg.train.phases:
+        if phase.image_size > side:
+            sides.setdefault("train.phases.*.image_size", phase.image_size)
+            phase.image_size = side
+    capped = [f"{', '.join(batches)} at {batch}"] if batches else []
+    capped += [f"{', '.join(sides)} at {side} px"] if sides else []
+    return [f"on the CPU, {' and '.join(capped)} (debug.cpu_batch, debug.cpu_side)"] if capped else []
 
 
 @dataclass
@@ -556,6 +598,9 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("metric"):
         main_metric(cfg, ("", "max"))  # a bad direction
         checked["metric"] = cfg.metric
+    random_weights = cfg.get("debug") is not None and OmegaConf.select(cfg, "model.pretrained") == "required"
+    if random_weights:  # smoke checks a preset's wiring: random weights have the pretrained ones' shapes
+        cfg = OmegaConf.merge(cfg, {"model": {"pretrained": "none"}})
     for group in TOP_LEVEL:
         node = cfg[group]
         name = node.get("name") if isinstance(node, DictConfig) else None
@@ -584,6 +629,7 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         )
     if cfg.get("debug") is not None:
         checked["debug"] = _to_schema(cfg.debug, DebugConfig, "debug")
+        checked["debug"].random_weights |= random_weights
     if "paper" in cfg:
         checked["paper"] = paper_values(cfg.paper)
     return checked

@@ -159,6 +159,17 @@ def inject_label_noise(y, num_classes: int, kind: str, rate: float, rng: np.rand
     return y
 
 
+def natural_side(cfg) -> int:
+    """The image side a dataset config's images come at: `image_size`, else the dataset's default (a
+    generated dataset's real one); 0 for an in-memory dataset at its own."""
+    from runner.data.fake import SHAPES
+    from runner.data.layouts import DEFAULT_SIZE
+
+    if cfg.image_size:
+        return cfg.image_size
+    return SHAPES[cfg.like][1] if cfg.name == "fake" else DEFAULT_SIZE.get(cfg.name, 0)
+
+
 def load_data(cfg, seed: int) -> Data:
     """Build dataset `cfg.name`, then apply `cfg.imbalance` and `cfg.label_noise` to its train split."""
     if cfg.name not in DATASETS:
