@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -403,11 +404,70 @@ def preflight(argv: list[str]) -> None:
     if {"-m", "--multirun"} & set(argv):
         overrides = _sweep_params(overrides) + overrides
     searchpath = [o for o in overrides if o.lstrip("+").startswith("hydra.searchpath=")]  # users' groups
-    for variant in _variants(overrides):
+    variants = _variants(overrides)
+    if len(variants) >= _ANNOUNCED_CHECKS:
+        print(
+            f"runner: checking the configs of {len(variants)} jobs before the first starts", file=sys.stderr
+        )
+    first = checked = texts = None
+    for variant in variants:
         try:
-            validate(_compose(searchpath + variant))
+            if first is None:
+                first = _compose(searchpath + variant)
+                checked = validate(first)
+                texts = {group: OmegaConf.to_yaml(first[group]) for group in checked if group in first}
+                continue
+            changed = _one_plain_value(first, variants[0], variant)
+            if changed is None:
+                validate(_compose(searchpath + variant))
+                continue
+            key, value = changed
+            top = key.partition(".")[0]  # the one group to check again, and those that refer to it
+            same = {
+                g: obj for g, obj in checked.items() if g in texts and g != top and "${" + top not in texts[g]
+            }
+            with _set_for_now(first, key, value):
+                validate(first, reuse=same)
         except ConfigError as e:
             raise ConfigError(f"{e}{_integer_interval_hint(str(e), overrides)}") from None
+
+
+# A preflight of this many jobs or more says so: a large sweep's takes seconds before anything else shows.
+_ANNOUNCED_CHECKS = 100
+
+
+def _one_plain_value(first: DictConfig, first_variant: list[str], variant: list[str]) -> tuple | None:
+    """(key, value) of the one override by which `variant` differs from the first job's, where the first
+    job's config with that value is what Hydra would compose (a swept seed or lr); None where that takes
+    Hydra (a group choice, an added or deleted key, a key the config lacks). 2,000 seeds took 6 minutes
+    composed one by one."""
+    (changed,) = [o for o, was in zip(variant, first_variant, strict=True) if o != was]
+    (override,) = parse_overrides([changed])
+    key = override.key_or_group
+    plain = "." in key or key in ("seed", "name", "metric", "print_config")  # no group has such a name
+    if not plain or override.is_add() or override.is_delete() or override.is_force_add() or override.package:
+        return None
+    if sum(o.partition("=")[0].lstrip("+~") == key for o in variant) > 1:  # a later one of the key wins
+        return None
+    if OmegaConf.select(first, key, default=_ABSENT) is _ABSENT:
+        return None
+    return key, override.value()
+
+
+@contextlib.contextmanager
+def _set_for_now(cfg: DictConfig, key: str, value):
+    """`cfg` with `key` at `value` inside the block, as it was after (its node restored as it stood)."""
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    saved = copy.deepcopy(parent._get_node(leaf))
+    parent[leaf] = value
+    try:
+        yield
+    finally:
+        parent[leaf] = saved
+
+
+_ABSENT = object()
 
 
 def _integer_interval_hint(error: str, overrides: list[str]) -> str:

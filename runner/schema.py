@@ -581,8 +581,10 @@ def _check_phase_sides(train: TrainConfig, model) -> None:
             )
 
 
-def validate(cfg: DictConfig) -> dict[str, Any]:
-    """Check every group of a composed config; return the schema objects by group name."""
+def validate(cfg: DictConfig, reuse: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check every group of a composed config; return the schema objects by group name. `reuse`: groups
+    already checked in a config of the same values (a sweep's first job, for the others)."""
+    reuse = reuse or {}
     checked: dict[str, Any] = {}
     known = set(TOP_LEVEL) | set(SCALARS) | set(OPTIONAL)
     for key in cfg:
@@ -602,6 +604,9 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
     if random_weights:  # smoke checks a preset's wiring: random weights have the pretrained ones' shapes
         cfg = OmegaConf.merge(cfg, {"model": {"pretrained": "none"}})
     for group in TOP_LEVEL:
+        if group in reuse:
+            checked[group] = reuse[group]
+            continue
         node = cfg[group]
         name = node.get("name") if isinstance(node, DictConfig) else None
         checked[group] = _to_schema(node, _group_schema(group, name), group)
@@ -618,7 +623,7 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
                 f"method.name={name!r} is not a method of task {task!r}; choices: {', '.join(schemas)}"
             )
         method = _with_preset_settings(method, cfg.get("per_method"), schemas)
-        checked["method"] = _to_schema(method, schemas[name], "method")
+        checked["method"] = reuse.get("method") or _to_schema(method, schemas[name], "method")
     _check_monitor(checked["train"], cfg.get("metric"))
     _check_phase_sides(checked["train"], checked["model"])
     epoch_samples = checked["dataset"].epoch_samples

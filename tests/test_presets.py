@@ -173,6 +173,57 @@ def test_the_cli_runs_an_experiment_from_a_users_config_folder(tmp_path):
 
 # ------------------------------------------------------------------------- every preset runs (slow)
 
+
+def _smoke_config(*overrides):
+    """A job config as `_run` makes it (typed, then bounded by +debug=smoke) and smoke's line."""
+    from runner.cli import _typed
+    from runner.schema import apply_debug
+
+    cfg = _compose([*overrides, "+debug=smoke", "hardware=cpu"])
+    typed = _typed(cfg, validate(cfg))
+    return typed, apply_debug(typed)
+
+
+@pytest.mark.parametrize(
+    "overrides,like",
+    [
+        (["+experiment=comixup_imagenet", "dataset=fake"], "dataset.like=imagenet"),
+        (["+experiment=csot_webvision", "dataset=fake"], "dataset.like=imagenet"),
+        (["+experiment=comixup_tiny_imagenet", "dataset=fake"], "dataset.like=tiny_imagenet"),
+        (["+experiment=csot_cifar10", "dataset=fake"], "dataset.like=cifar10"),
+        (["+experiment=comixup_imagenet", "dataset=fake", "dataset.like=cifar10"], None),  # the user's wins
+        (["+experiment=comixup_imagenet"], None),
+        (["dataset=fake"], None),
+    ],
+)
+def test_fake_data_takes_the_shape_of_the_presets_dataset(overrides, like):
+    from runner.cli import fake_like_override
+
+    assert fake_like_override(canonical(overrides)) == like
+
+
+def test_smoke_on_the_cpu_caps_batches_and_image_sides_phases_included_and_says_so():
+    cfg, note = _smoke_config("+experiment=comixup_imagenet", "dataset=fake", "dataset.like=imagenet")
+    assert (cfg.train.batch_size, cfg.train.eval_batch_size, cfg.dataset.image_size) == (64, 64, 96)
+    assert {(p.batch_size, p.image_size) for p in cfg.train.phases} == {(64, 96)}
+    assert note == (
+        "+debug=smoke: on the CPU, train.batch_size, train.eval_batch_size, train.phases.*.batch_size at 64 "
+        "and dataset.image_size, train.phases.*.image_size at 96 px (debug.cpu_batch, debug.cpu_side)"
+    )
+    cfg, note = _smoke_config("+experiment=csot_digits")  # 8-px digits: nothing to cap
+    assert note is None and cfg.train.batch_size == _compose(["+experiment=csot_digits"]).train.batch_size
+
+
+def test_smoke_runs_a_preset_that_requires_pretrained_weights_from_random_ones():
+    with pytest.raises(ConfigError, match="model.pretrained=required"):
+        validate(_compose(["+experiment=csot_clothing1m"]))
+    cfg, note = _smoke_config("+experiment=csot_clothing1m", "dataset=fake", "dataset.like=imagenet")
+    assert cfg.model.pretrained is False and cfg.debug.random_weights
+    assert note.startswith(
+        "+debug=smoke: random weights in place of the preset's pretrained ones; on the CPU"
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_runs_under_debug_smoke(tmp_path, preset):
