@@ -400,21 +400,46 @@ def load_claims(path=CLAIMS_FILE) -> dict:
 
 def check_claims(report: Report, claims: dict) -> list[tuple[str, str]]:
     """(verdict, line) per claim about a preset the report's runs ran: verdict holds | fails | untested
-    (a side has no row, or several), the line the claim with its numbers."""
+    (a side has no row, or several) | not comparable (the runs leave the preset's recipe: its epochs, its
+    data), the line the claim with its numbers or how the runs differ."""
     out = []
     experiments = dict.fromkeys(g.runs[0].value("experiment") for g in report.groups)
     for experiment in experiments:
         rows = [g for g in report.groups if g.runs[0].value("experiment") == experiment]
+        off_recipe = _off_recipe(rows, _preset(experiment, None)) if isinstance(experiment, str) else None
         for claim in claims.get(experiment, []) if isinstance(experiment, str) else ():
+            head = f"{claim['claim']} ({experiment}; {claim.get('source', 'no source')})"
+            if off_recipe:
+                out.append(("not comparable", f"{head}: {off_recipe}"))
+                continue
             when = claim.get("when") or {}
             (left, left_text), (right, right_text) = (_side(claim[s], when, rows) for s in ("left", "right"))
-            head = f"{claim['claim']} ({experiment}; {claim.get('source', 'no source')})"
             if left is None or right is None:
                 out.append(("untested", f"{head}: {left_text if left is None else right_text}"))
                 continue
             verdict = "holds" if _OPS[claim["op"]](left, right) else "fails"
             out.append((verdict, f"{head}: {left_text} {claim['op']} {right_text}"))
     return out
+
+
+def _off_recipe(rows: list[Group], preset: dict | None) -> str | None:
+    """How the runs of `rows` leave their preset's recipe, whose claims hold of it alone (fewer epochs,
+    another dataset, a subset of it: a smoke run at chance accuracy "held" a claim); None if they follow
+    it."""
+    if preset is None:
+        return None
+    recipe = {"epochs": preset["train"]["epochs"], "dataset": preset["dataset"]["name"],
+              "max_train": preset["dataset"].get("max_train", 0)}  # fmt: skip
+    for run in (r for g in rows for r in g.runs):
+        ran = {"epochs": _at(run.config, "train.epochs"), "dataset": _at(run.config, "dataset.name"),
+               "max_train": _at(run.config, "dataset.max_train")}  # fmt: skip
+        if ran["epochs"] is not None and ran["epochs"] != recipe["epochs"]:
+            return f"{ran['epochs']} of {recipe['epochs']} epochs"
+        if ran["dataset"] is not None and ran["dataset"] != recipe["dataset"]:
+            return f"dataset {ran['dataset']}, not {recipe['dataset']}"
+        if ran["max_train"] and ran["max_train"] != recipe["max_train"]:
+            return f"{ran['max_train']} training samples (dataset.max_train), not all"
+    return None
 
 
 def _side(side: dict, when: dict, rows: list[Group]) -> tuple[float | None, str]:

@@ -429,6 +429,19 @@ def test_claims_about_a_cpu_study_hold_or_fail_with_their_numbers(tmp_path):
     assert "The paper's numbers" not in text  # a CPU study has no `paper:` block
 
 
+def test_a_claim_is_not_checked_on_runs_off_the_presets_recipe(tmp_path):
+    """One epoch of a 120-epoch study at chance accuracy "held" a claim; now the report says why not."""
+    epochs = _compose(["+experiment=csot_digits"]).train.epochs
+    for job, (method, acc) in enumerate([("csot", 0.11), ("ce", 0.10)]):
+        overrides = [f"+method={method}", "+experiment=csot_digits", "train.epochs=1"]
+        preset_run(tmp_path / str(job), overrides, {"test/acc": acc})
+    verdicts = check_claims(build_report(tmp_path, metric="test/acc"), load_claims())
+    assert verdicts and {verdict for verdict, _ in verdicts} == {"not comparable"}
+    assert all(line.endswith(f"(csot_digits; issue 24): 1 of {epochs} epochs") for _, line in verdicts[1:])
+    text = markdown(build_report(tmp_path, metric="test/acc"))
+    assert "- not comparable: CSOT closes at least 70% of the gap" in text and "holds" not in text
+
+
 def test_claims_file_names_existing_presets_and_is_well_formed():
     ops = {">=", ">", "<=", "<"}
     for preset, claims in load_claims().items():
