@@ -308,7 +308,11 @@ def test_a_failed_jobs_frames_let_go_of_its_tensors(tmp_path):
         train()
     except OutOfMemory as e:
         failed = JobReturn(status=JobStatus.FAILED, _return_value=e)
-    hydra = {"mode": RunMode.MULTIRUN, "job": {"num": 0}, "runtime": {"output_dir": str(tmp_path)}}
+    hydra = {
+        "mode": RunMode.MULTIRUN,
+        "job": {"num": 0, "name": "cli"},
+        "runtime": {"output_dir": str(tmp_path)},
+    }
     gc.collect()
     assert held[0]() is not None  # the traceback's frame holds it
     SweepSummary().on_job_end(OmegaConf.create({"hydra": hydra}), failed)
