@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 import runner.data  # noqa: F401  (registers the datasets and their schemas)
 import runner.hardware  # noqa: F401  (registers the resolvers of hardware=auto)
 from runner import configs, rundir
+from runner.data import missing_files
 from runner.data.files import UnreadableImage
 from runner.faults import CheckpointError, Diverged, Interrupted, JobFailed, OutOfMemory, out_of_memory_stops
 from runner.schema import (
@@ -393,12 +394,13 @@ def _sweep_params(overrides: list[str]) -> list[str]:
     return [f"{key}={value}" for key, value in params.items() if key not in given]
 
 
-def preflight(argv: list[str]) -> None:
+def preflight(argv: list[str]) -> dict | None:
     """Compose and validate each job a command line would launch (in a sweep: each swept value, both ends
-    of each search interval); raise ConfigError on the first bad one."""
+    of each search interval); raise ConfigError on the first bad one. Returns the first job's checked
+    groups (None for help and info)."""
     overrides = _job_overrides(argv)
     if overrides is None:
-        return
+        return None
     preset, _ = method_preset_override(overrides)  # as `main` adds it (a no-op on main's own argv)
     overrides += [preset] if preset else []
     if {"-m", "--multirun"} & set(argv):
@@ -415,7 +417,9 @@ def preflight(argv: list[str]) -> None:
             if first is None:
                 first = _compose(searchpath + variant)
                 checked = validate(first)
-                texts = {group: OmegaConf.to_yaml(first[group]) for group in checked if group in first}
+                texts = {
+                    g: OmegaConf.to_yaml(first[g]) for g in checked if isinstance(first.get(g), DictConfig)
+                }
                 continue
             changed = _one_plain_value(first, variants[0], variant)
             if changed is None:
@@ -430,6 +434,7 @@ def preflight(argv: list[str]) -> None:
                 validate(first, reuse=same)
         except ConfigError as e:
             raise ConfigError(f"{e}{_integer_interval_hint(str(e), overrides)}") from None
+    return checked
 
 
 # A preflight of this many jobs or more says so: a large sweep's takes seconds before anything else shows.
@@ -747,7 +752,10 @@ def _main() -> None:
         like = fake_like_override(_job_overrides(sys.argv[1:]) or [])
         if like:  # after dataset=fake, recorded as the preset's is
             sys.argv.insert(sys.argv.index("dataset=fake") + 1, like)
-        preflight(sys.argv[1:])
+        checked = preflight(sys.argv[1:])
+        missing = checked and not {"-m", "--multirun"} & set(sys.argv) and missing_files(checked["dataset"])
+        if missing:  # before a run dir is made for it (a sweep's job without its data fails alone)
+            raise ConfigError(missing)
         extra, given = _launch_overrides(sys.argv[1:]), _override_args(sys.argv[1:])
         _check_writable(sys.argv[1:])
         _claim_run_dir(sys.argv[1:])

@@ -83,6 +83,7 @@ def test_a_large_sweeps_preflight_checks_every_job_and_says_so(capsys):
     with pytest.raises(ConfigError, match=r"train.batch_size=0 is out of range"):
         preflight(["-m", "train.lr=0.5,0.1", "train.batch_size=8,0,16"])
     preflight(["-m", "train.batch_size=0,-1", "train.batch_size=8"])  # the later override wins, as in Hydra
+    preflight(["-m", "+experiment=comixup_imagenet", "seed=0,1"])  # a preset's top-level `metric` too
 
 
 def test_help_skips_validation():

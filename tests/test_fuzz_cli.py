@@ -53,6 +53,7 @@ BAD = [
     (["-m", "hydra/sweeper=optuna", "hydra.sweeper.direction=up"], "hydra.sweeper.direction='up'", "minim"),
     (["hydra.sweeper.n_jobs=0", "-m", "hydra/sweeper=optuna"], "hydra.sweeper.n_jobs=0", "[1, inf]"),
     (["train.milestones=[1,2"], "train.milestones=[1,2", "Hydra cannot read this override"),
+    (["+method=csot", "dataset=cifar100", "dataset.root=nowhere"], "dataset.root=", "cifar100 not found"),
     # README's examples, and what tests/test_cli.py, test_config.py, test_faults.py, test_presets.py check
     (["dataset=imagenett"], "dataset='imagenett'", "choices: blobs, cifar10"),
     (["train.lr=-1"], "train.lr=-1.0", "(0.0, inf]"),
