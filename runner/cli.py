@@ -717,8 +717,6 @@ def _check_writable(argv: list[str]) -> None:
     """A one-line ConfigError where the run (or sweep) dir of `argv` cannot be written: a read-only file
     system or folder (the working directory, for the default `outputs/`), before Hydra makes it."""
     overrides = _job_overrides(argv)
-    if overrides is None:
-        return
     key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
     where = Path(OmegaConf.select(_compose_hydra(overrides), key))
     existing = next(p for p in [where, *where.absolute().parents] if p.exists())
@@ -753,11 +751,13 @@ def _main() -> None:
         if like:  # after dataset=fake, recorded as the preset's is
             sys.argv.insert(sys.argv.index("dataset=fake") + 1, like)
         checked = preflight(sys.argv[1:])
-        missing = checked and not {"-m", "--multirun"} & set(sys.argv) and missing_files(checked["dataset"])
+        runs = checked is not None and not {"-c", "--cfg", "-i", "--info"} & set(sys.argv)  # not a printout
+        missing = runs and not {"-m", "--multirun"} & set(sys.argv) and missing_files(checked["dataset"])
         if missing:  # before a run dir is made for it (a sweep's job without its data fails alone)
             raise ConfigError(missing)
         extra, given = _launch_overrides(sys.argv[1:]), _override_args(sys.argv[1:])
-        _check_writable(sys.argv[1:])
+        if runs:
+            _check_writable(sys.argv[1:])
         _claim_run_dir(sys.argv[1:])
         at = sys.argv.index(given[0]) if given else len(sys.argv)  # argparse wants one run of overrides
         sys.argv[at:at] = extra

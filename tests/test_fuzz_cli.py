@@ -149,6 +149,15 @@ def test_a_bad_command_line_is_one_short_error_naming_its_key(tmp_path, monkeypa
     assert not (tmp_path / "outputs").exists()  # refused before any run dir is made
 
 
+def test_printing_a_config_needs_neither_its_data_nor_a_writable_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _in_process(["--cfg", "job", "+method=csot", "dataset=cifar100", "dataset.root=nowhere"]) == (
+        0,
+        "",
+    )
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_a_method_that_refuses_micro_batches_says_so_before_how_to_split_them(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, stderr = _in_process(["+method=comixup", "train.accumulate=3", "logger=none", "+debug=smoke"])
