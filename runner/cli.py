@@ -42,6 +42,7 @@ from runner.data.files import UnreadableImage
 from runner.faults import CheckpointError, Diverged, Interrupted, JobFailed, OutOfMemory, out_of_memory_stops
 from runner.schema import (
     OPTION_SCHEMAS,
+    SCALARS,
     ConfigError,
     apply_debug,
     main_metric,
@@ -449,7 +450,7 @@ def _one_plain_value(first: DictConfig, first_variant: list[str], variant: list[
     (changed,) = [o for o, was in zip(variant, first_variant, strict=True) if o != was]
     (override,) = parse_overrides([changed])
     key = override.key_or_group
-    plain = "." in key or key in ("seed", "name", "metric", "print_config")  # no group has such a name
+    plain = "." in key or key in SCALARS  # a top-level scalar; no config group has such a name
     if not plain or override.is_add() or override.is_delete() or override.is_force_add() or override.package:
         return None
     if sum(o.partition("=")[0].lstrip("+~") == key for o in variant) > 1:  # a later one of the key wins
