@@ -12,3 +12,16 @@ for _library in ("JAX", "CUPY", "TENSORFLOW"):
 # the OS when freed, and the next one is paged in afresh, 4 KB at a time: converting a uint8 batch to float
 # took 4x as long as with transparent huge pages (2 MB pages). Read once, before torch's first allocation.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
+def main() -> None:
+    """The `runner` command: `runner.cli.main`, its import included, so that Ctrl-C while the libraries
+    load (a few seconds) stops with one line too."""
+    import sys
+
+    try:
+        from runner.cli import main as cli_main
+    except KeyboardInterrupt:
+        print("runner: interrupted while starting; nothing was run", file=sys.stderr)
+        sys.exit(130)
+    cli_main()

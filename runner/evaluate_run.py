@@ -26,7 +26,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from runner.faults import OutOfMemory, out_of_memory_stops
+from runner.faults import CheckpointError, OutOfMemory, out_of_memory_stops
 from runner.schema import ConfigError
 
 # The tasks whose checkpoint is a classifier of the dataset's classes: the config's network, or the one
@@ -45,7 +45,7 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
     from runner.hardware import RunContext, setup
     from runner.models import build_model
     from runner.schema import validate
-    from runner.train import _evaluate_splits, load_checkpoint
+    from runner.train import _evaluate_splits, final_image_size, load_checkpoint
 
     run_dir = Path(run_dir)
     saved = run_dir / ".hydra" / "overrides.yaml"
@@ -64,8 +64,9 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
     add_val_boxes(data, cfg.dataset.imagenet_boxes)
     build = getattr(module, "network", lambda c, d: build_model(c.model, d.input_shape, d.num_classes))
     model = build(cfg, data)
+    weights = load_checkpoint(path, device)["model"]  # a file it cannot read: CheckpointError, its own line
     try:
-        model.load_state_dict(load_checkpoint(path, device)["model"])
+        model.load_state_dict(weights)
     except RuntimeError as e:
         raise ConfigError(
             f"{path} does not fit {cfg.model.name} on {cfg.dataset.name} with {data.num_classes} classes "
@@ -73,7 +74,7 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
         ) from None
     hw = cfg.hardware
     ctx = RunContext(device, run_dir, None, precision=hw.precision, channels_last=hw.channels_last,
-                     num_workers=hw.num_workers)  # fmt: skip
+                     num_workers=hw.num_workers, eval_image_size=final_image_size(cfg.train))  # fmt: skip
     model.to(device)
     batch_size = cfg.train.eval_batch_size
     with out_of_memory_stops(f"ran out of {{}} at train.eval_batch_size={batch_size}; lower it".format):
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         out = evaluate_run(args.run_dir, args.overrides, args.name)
-    except (ConfigError, OutOfMemory) as e:
+    except (ConfigError, CheckpointError, OutOfMemory) as e:
         print(f"runner-eval: error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
     shown = {k: v for k, v in out.items() if isinstance(v, float)}

@@ -14,6 +14,8 @@ import re
 import signal
 import threading
 
+from hydra.errors import CompactHydraException
+
 log = logging.getLogger(__name__)
 
 
@@ -24,6 +26,15 @@ class Interrupted(BaseException):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+class JobFailed(CompactHydraException):
+    """A sweep's job stopped by one of the runner's one-line errors (its `cause`): Hydra, which raises a
+    sweep's first failure at its end, prints this one line instead of a traceback."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"runner: error: {type(cause).__name__}: {cause}")
+        self.cause = cause
 
 
 class Diverged(RuntimeError):

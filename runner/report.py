@@ -417,21 +417,46 @@ def load_claims(path=CLAIMS_FILE) -> dict:
 
 def check_claims(report: Report, claims: dict) -> list[tuple[str, str]]:
     """(verdict, line) per claim about a preset the report's runs ran: verdict holds | fails | untested
-    (a side has no row, or several), the line the claim with its numbers."""
+    (a side has no row, or several) | not comparable (the runs leave the preset's recipe: its epochs, its
+    data), the line the claim with its numbers or how the runs differ."""
     out = []
     experiments = dict.fromkeys(g.runs[0].value("experiment") for g in report.groups)
     for experiment in experiments:
         rows = [g for g in report.groups if g.runs[0].value("experiment") == experiment]
+        off_recipe = _off_recipe(rows, _preset(experiment, None)) if isinstance(experiment, str) else None
         for claim in claims.get(experiment, []) if isinstance(experiment, str) else ():
+            head = f"{claim['claim']} ({experiment}; {claim.get('source', 'no source')})"
+            if off_recipe:
+                out.append(("not comparable", f"{head}: {off_recipe}"))
+                continue
             when = claim.get("when") or {}
             (left, left_text), (right, right_text) = (_side(claim[s], when, rows) for s in ("left", "right"))
-            head = f"{claim['claim']} ({experiment}; {claim.get('source', 'no source')})"
             if left is None or right is None:
                 out.append(("untested", f"{head}: {left_text if left is None else right_text}"))
                 continue
             verdict = "holds" if _OPS[claim["op"]](left, right) else "fails"
             out.append((verdict, f"{head}: {left_text} {claim['op']} {right_text}"))
     return out
+
+
+def _off_recipe(rows: list[Group], preset: dict | None) -> str | None:
+    """How the runs of `rows` leave their preset's recipe, whose claims hold of it alone (fewer epochs,
+    another dataset, a subset of it: a smoke run at chance accuracy "held" a claim); None if they follow
+    it."""
+    if preset is None:
+        return None
+    recipe = {"epochs": preset["train"]["epochs"], "dataset": preset["dataset"]["name"],
+              "max_train": preset["dataset"].get("max_train", 0)}  # fmt: skip
+    for run in (r for g in rows for r in g.runs):
+        ran = {"epochs": _at(run.config, "train.epochs"), "dataset": _at(run.config, "dataset.name"),
+               "max_train": _at(run.config, "dataset.max_train")}  # fmt: skip
+        if ran["epochs"] is not None and ran["epochs"] != recipe["epochs"]:
+            return f"{ran['epochs']} of {recipe['epochs']} epochs"
+        if ran["dataset"] is not None and ran["dataset"] != recipe["dataset"]:
+            return f"dataset {ran['dataset']}, not {recipe['dataset']}"
+        if ran["max_train"] and ran["max_train"] != recipe["max_train"]:
+            return f"{ran['max_train']} training samples (dataset.max_train), not all"
+    return None
 
 
 def _side(side: dict, when: dict, rows: list[Group]) -> tuple[float | None, str]:
@@ -687,6 +712,11 @@ def main(argv: list[str] | None = None) -> None:
         report = write_report(args.path, args.metric, columns, args.out, args.claims, args.format, by)
     except ValueError as e:
         parser.exit(2, f"runner-report: error: {e}\n")
+    except OSError as e:  # a read-only or full place to write to
+        parser.exit(
+            2,
+            f"runner-report: error: cannot write {e.filename} ({e.strerror}); give --out a writable folder\n",
+        )
     out = args.out or args.path
     print(render(report, args.format), end="")
     written = ", ".join(str(out / FORMATS[f]) for f in dict.fromkeys(["markdown", args.format]))
@@ -723,20 +753,30 @@ class SweepSummary(Callback):
         from hydra.core.utils import JobStatus
         from hydra.types import RunMode
 
+        from runner.faults import JobFailed
         from runner.sweeper import Pruned
+        from runner.track import log_to_file
 
         if job_return.status != JobStatus.FAILED or config.hydra.mode != RunMode.MULTIRUN:
             return  # a single run reports its own failure
         error = job_return._return_value  # the exception; `.return_value` would re-raise it
+        error = error.cause if isinstance(error, JobFailed) else error
         path = Path(config.hydra.runtime.output_dir) / "summary.json"
         summary = json.loads(path.read_text()) if path.exists() else {}
+        num, overrides = (
+            config.hydra.job.num,
+            " ".join(OmegaConf.select(config, "hydra.overrides.task") or []),
+        )
         if isinstance(error, Pruned):  # the search stopped a trial falling behind: no failure
-            log.info("job %s: %s", config.hydra.job.num, error)
+            log.info("job %s: %s", num, error)
+            print(f"#{num} pruned  {overrides}: {error}")
             summary["pruned"] = str(error)
-        else:  # into the job's own log, with the traceback unless a bad value's one line says it all
-            log.error("job %s failed: %s", config.hydra.job.num, error,
-                      exc_info=None if isinstance(error, ConfigError) else error)  # fmt: skip
+        else:  # one line here; the traceback (unless a bad value's one line says it all) in the job's log
+            log_file = Path(config.hydra.runtime.output_dir) / f"{config.hydra.job.name}.log"
+            log_to_file(log, logging.ERROR, "job %s failed: %s", num, error,
+                        exc_info=None if isinstance(error, ConfigError) else error)  # fmt: skip
             summary["error"] = f"{type(error).__name__}: {error}"  # what runner-report lists it by
+            print(f"#{num} failed  {overrides}: {summary['error']} (log: {log_file})")
         path.write_text(json.dumps(summary, indent=2) + "\n")
         _release_frames(error)
 

@@ -13,13 +13,14 @@ import dataclasses
 import importlib
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.checks import ConfigError, build, check_choice, check_range, omegaconf_type
+from runner.checks import ConfigError, build, check_choice, check_range, field_types, omegaconf_type
 from runner.configs import TASK_METHODS
 
 __all__ = ["ConfigError", "check_choice", "check_range", "validate", "apply_debug", "task_module", "to_node"]
@@ -132,8 +133,29 @@ class ModelConfig:
             raise ConfigError(
                 f"model.pretrained={self.pretrained!r}: must be false or the path of a local weights file"
             )
-        if not os.path.isfile(self.pretrained):
-            raise ConfigError(f"model.pretrained={self.pretrained!r}: no such file")
+        problem = _not_weights(self.pretrained)
+        if problem:
+            raise ConfigError(f"model.pretrained={self.pretrained!r}: {problem}")
+
+
+# How the files `runner.models.weights.load_weights` reads begin: torch.save's zip archive, its legacy
+# pickle (protocol 2+); .safetensors files are known by their name.
+_WEIGHTS_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _not_weights(path: str) -> str | None:
+    """Why `path` is no weights file, checked in its first bytes before any job starts; None if it may be."""
+    if os.path.isdir(path):
+        return "is a folder; give the weights file in it (torch.save's .pt / .pth, or .safetensors)"
+    if not os.path.isfile(path):
+        return "no such file"
+    if path.endswith(".safetensors"):
+        return None
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.startswith(_WEIGHTS_MAGIC):
+        return None
+    return f"not a weights file (it starts with {head!r}; torch.save writes a zip archive), nor .safetensors"
 
 
 @dataclass
@@ -333,24 +355,69 @@ class DebugConfig:
     name: str = "smoke"
     epochs: int = 1
     max_batches: int = 2
+    # On the CPU, for images above CIFAR's 32 px: no batch above `cpu_batch` and no image side above
+    # `cpu_side` (phases' too), so that a GPU preset's wiring runs in a minute (1024 images of 224 px ran
+    # out of host memory)
+    cpu_batch: int = 64
+    cpu_side: int = 96
+    # Set by `validate` where the preset requires pretrained weights (model.pretrained=required): smoke
+    # checks the wiring, which random weights share.
+    random_weights: bool = False
 
     def __post_init__(self):
         check_range("debug.epochs", self.epochs, 1)
         check_range("debug.max_batches", self.max_batches, 1)
+        check_range("debug.cpu_batch", self.cpu_batch, 1)
+        check_range("debug.cpu_side", self.cpu_side, 1)
 
 
-def apply_debug(cfg: DictConfig) -> None:
-    """Bound a typed job config in place to `cfg.debug`: epochs, and random subsets of the data of
-    `max_batches` batches per split; a task may bound its own method keys with `smoke(cfg)`."""
+def apply_debug(cfg: DictConfig) -> str | None:
+    """Bound a typed job config in place to `cfg.debug`: epochs, random subsets of the data of
+    `max_batches` batches per split, and on the CPU its batches and image sides; a task may bound its own
+    method keys with `smoke(cfg)`. Returns the line that says what smoke changed past the subsets, if any."""
     debug = cfg.get("debug")
     if debug is None:
-        return
+        return None
+    notes = ["random weights in place of the preset's pretrained ones"] if debug.random_weights else []
+    if cfg.hardware.device == "cpu":
+        notes += _cap_for_the_cpu(cfg, debug.cpu_batch, debug.cpu_side)
+    if cfg.dataset.name == "fake" and cfg.train.select.startswith("best:val/"):  # the same restore
+        cfg.train.select = "best:test/" + cfg.train.select.removeprefix("best:val/")
+        notes.append(f"train.select={cfg.train.select} (generated data have no validation split)")
     cfg.train.epochs = min(cfg.train.epochs, debug.epochs)
     for key, batch in (("max_train", cfg.train.batch_size), ("max_eval", cfg.train.eval_batch_size)):
         cfg.dataset[key] = min(cfg.dataset[key] or math.inf, debug.max_batches * batch)
     smoke = getattr(task_module(cfg), "smoke", None)
     if smoke is not None:
         smoke(cfg)
+    return f"+debug=smoke: {'; '.join(notes)}" if notes else None
+
+
+def _cap_for_the_cpu(cfg: DictConfig, batch: int, side: int) -> list[str]:
+    """Cap every batch size at `batch` and every image side at `side` in place where the images are larger
+    than 32 px (smaller ones are cheap); what it capped."""
+    from runner.data import natural_side
+
+    if max([natural_side(cfg.dataset)] + [phase.image_size for phase in cfg.train.phases]) <= 32:
+        return []
+    batches, sides = {}, {}  # the capped keys (a phase's as train.phases.*) and their values
+    for node, key, where in [(cfg.train, "batch_size", "train.batch_size"),
+                             (cfg.train, "eval_batch_size", "train.eval_batch_size")] + [
+        (phase, "batch_size", "train.phases.*.batch_size") for phase in cfg.train.phases
+    ]:  # fmt: skip
+        if node[key] > batch:
+            batches.setdefault(where, node[key])
+            node[key] = batch
+    if natural_side(cfg.dataset) > side:
+        sides["dataset.image_size"] = natural_side(cfg.dataset)
+        cfg.dataset.image_size = side
+    for phase in cfg.train.phases:
+        if phase.image_size > side:
+            sides.setdefault("train.phases.*.image_size", phase.image_size)
+            phase.image_size = side
+    capped = [f"{', '.join(batches)} at {batch}"] if batches else []
+    capped += [f"{', '.join(sides)} at {side} px"] if sides else []
+    return [f"on the CPU, {' and '.join(capped)} (debug.cpu_batch, debug.cpu_side)"] if capped else []
 
 
 @dataclass
@@ -384,7 +451,7 @@ OPTION_SCHEMAS = {"dataset": DATASET_SCHEMAS, "model": MODEL_SCHEMAS}
 # Optional top-level keys and their checks: a method (`+method=NAME`), `+debug=smoke`, a preset's numbers.
 OPTIONAL = ("method", "debug", "paper", "per_method")
 # Top-level scalars: their type and, for numbers, their range (numpy takes seeds in [0, 2**32 - 1]).
-SCALARS = {"seed": (int, 0, 2**32 - 1), "name": (str,), "metric": (str,)}
+SCALARS = {"seed": (int, 0, 2**32 - 1), "name": (str,), "metric": (str,), "print_config": (bool,)}
 # `field(metadata=ALLOW_INF)` marks a float key for which an infinity is meaningful; NaN never is.
 ALLOW_INF = {"allow_inf": True}
 
@@ -408,10 +475,7 @@ def _to_schema(node: DictConfig, schema: type, path: str):
     """Merge `node` into `schema`, returning the dataclass instance; one-line errors."""
     if not isinstance(node, DictConfig):
         raise ConfigError(f"{path}={node!r} must be a mapping with keys: {', '.join(_names(schema))}")
-    names = _names(schema)
-    for key in node:
-        if key not in names:
-            raise ConfigError(f"unknown key {path}.{key}; valid keys: {', '.join(names)}")
+    _check_keys(node, schema, path)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(omegaconf_type(schema)), node)
         _check_finite(merged, path)  # before __post_init__: range checks and derived values see no NaN
@@ -426,6 +490,23 @@ def _to_schema(node: DictConfig, schema: type, path: str):
         raise ConfigError(f"bad value for {key}: {reason}") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+def _check_keys(node: DictConfig, schema: type, path: str) -> None:
+    """A one-line error for a key `schema` lacks, in `node` or a node of a nested schema (a phase of
+    `train.phases`: `train.phases.0.bogus`), which OmegaConf's merge would name without its place."""
+    names = _names(schema)
+    for key in node:
+        if key not in names:
+            raise ConfigError(f"unknown key {path}.{key}; valid keys: {', '.join(names)}")
+        tp, value = field_types(schema)[key], node[key]
+        if dataclasses.is_dataclass(tp) and isinstance(value, DictConfig):
+            _check_keys(value, tp, f"{path}.{key}")
+        elif typing.get_origin(tp) is list and isinstance(value, ListConfig):
+            (item,) = typing.get_args(tp)
+            for i, entry in enumerate(value):
+                if dataclasses.is_dataclass(item) and isinstance(entry, DictConfig):
+                    _check_keys(entry, item, f"{path}.{key}.{i}")
 
 
 def to_node(obj) -> DictConfig:
@@ -497,22 +578,64 @@ def _with_preset_settings(method: DictConfig, per_method, schemas: dict) -> Dict
     return OmegaConf.merge(method, kept)
 
 
-def validate(cfg: DictConfig) -> dict[str, Any]:
-    """Check every group of a composed config; return the schema objects by group name."""
+# The validation metric train.early_stop and train.save_top_k follow (runner.train.Monitor), unless a
+# method's hooks choose their own (hier_hash: val/p@1).
+MONITORED = "val/acc"
+
+
+def _check_monitor(train: TrainConfig, metric: str | None) -> None:
+    """Refuse early stopping or top-k checkpoints beside a run `metric` they would not follow."""
+    watched = [
+        f"train.{key}={getattr(train, key)}" for key in ("early_stop", "save_top_k") if getattr(train, key)
+    ]
+    if not metric or not watched:
+        return
+    key = str(metric).partition(":")[0]
+    if key.removeprefix("test/").removeprefix("val/") != MONITORED.removeprefix("val/"):
+        raise ConfigError(
+            f"{' and '.join(watched)} follow {MONITORED}, not metric={metric}; leave metric unset or "
+            f"set it to test/acc, or turn them off (train.early_stop=0 train.save_top_k=0)"
+        )
+
+
+def _check_phase_sides(train: TrainConfig, model) -> None:
+    """A network that flattens its input (model=mlp) takes one image size: no phase may resize."""
+    if model.name != "mlp":
+        return
+    for i, phase in enumerate(train.phases):
+        if phase.image_size:
+            raise ConfigError(
+                f"train.phases.{i}.image_size={phase.image_size}: model=mlp takes the data's own image "
+                f"size only; set it to 0, or choose a convolutional model (model=cnn)"
+            )
+
+
+def validate(cfg: DictConfig, reuse: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check every group of a composed config; return the schema objects by group name. `reuse`: groups
+    already checked in a config of the same values (a sweep's first job, for the others)."""
+    reuse = reuse or {}
     checked: dict[str, Any] = {}
     known = set(TOP_LEVEL) | set(SCALARS) | set(OPTIONAL)
     for key in cfg:
         if key not in known:
             raise ConfigError(f"unknown key {key}; valid top-level keys: {', '.join(sorted(known))}")
     for key, (kind, *bounds) in SCALARS.items():
-        if key in cfg and (not isinstance(cfg[key], kind) or isinstance(cfg[key], bool)):
+        if key in cfg and (
+            not isinstance(cfg[key], kind) or (isinstance(cfg[key], bool) and kind is not bool)
+        ):
             raise ConfigError(f"{key}={cfg[key]!r} must be of type {kind.__name__}")
         if key in cfg and bounds:
             check_range(key, cfg[key], *bounds)
     if cfg.get("metric"):
         main_metric(cfg, ("", "max"))  # a bad direction
         checked["metric"] = cfg.metric
+    random_weights = cfg.get("debug") is not None and OmegaConf.select(cfg, "model.pretrained") == "required"
+    if random_weights:  # smoke checks a preset's wiring: random weights have the pretrained ones' shapes
+        cfg = OmegaConf.merge(cfg, {"model": {"pretrained": "none"}})
     for group in TOP_LEVEL:
+        if group in reuse:
+            checked[group] = reuse[group]
+            continue
         node = cfg[group]
         name = node.get("name") if isinstance(node, DictConfig) else None
         checked[group] = _to_schema(node, _group_schema(group, name), group)
@@ -529,7 +652,9 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
                 f"method.name={name!r} is not a method of task {task!r}; choices: {', '.join(schemas)}"
             )
         method = _with_preset_settings(method, cfg.get("per_method"), schemas)
-        checked["method"] = _to_schema(method, schemas[name], "method")
+        checked["method"] = reuse.get("method") or _to_schema(method, schemas[name], "method")
+    _check_monitor(checked["train"], cfg.get("metric"))
+    _check_phase_sides(checked["train"], checked["model"])
     epoch_samples = checked["dataset"].epoch_samples
     if epoch_samples and getattr(checked.get("method"), "task", None) != "noisy_labels":
         raise ConfigError(
@@ -538,6 +663,7 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
         )
     if cfg.get("debug") is not None:
         checked["debug"] = _to_schema(cfg.debug, DebugConfig, "debug")
+        checked["debug"].random_weights |= random_weights
     if "paper" in cfg:
         checked["paper"] = paper_values(cfg.paper)
     return checked

@@ -35,6 +35,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
+from runner.checks import ConfigError, check_choice, check_range
+
 log = logging.getLogger(__name__)
 
 PRUNERS = {"median": "MedianPruner", "hyperband": "HyperbandPruner", "none": "NopPruner"}
@@ -78,12 +80,16 @@ def running(jobs: Mapping[int, tuple], key: str):
 
 def search_space(overrides: list[str]) -> tuple[dict, dict]:
     """({key: Optuna distribution}, {key: fixed value as typed}) of sweep overrides; a later override of a
-    key replaces an earlier one."""
+    key replaces an earlier one. A one-line ConfigError naming the key of a space Optuna refuses."""
     parsed = {o.get_key_element(): o for o in OverridesParser.create().parse_overrides(overrides)}
     space, fixed = {}, {}
     for key, override in parsed.items():
         if override.is_sweep_override():
-            space[key] = distribution(override)
+            try:
+                space[key] = distribution(override)
+            except ValueError as e:  # Optuna's: `low <= high` must hold, `low > 0` for log=True
+                given = override.input_line.partition("=")[2]
+                raise ConfigError(f"{key}={given}: not a search space Optuna takes ({e})") from None
         else:
             fixed[key] = override.get_value_element_as_str()
     return space, fixed
@@ -107,6 +113,16 @@ def distribution(override: Override):
     return CategoricalDistribution(values)
 
 
+def check_settings(pruner: str, direction: str, n_trials: int, n_jobs: int, max_failure_rate: float) -> None:
+    """One-line ConfigErrors for `hydra.sweeper` settings the search cannot run with (checked before any
+    run dir is made, and again by the sweeper)."""
+    check_choice("hydra.sweeper.pruner", pruner, PRUNERS)
+    check_choice("hydra.sweeper.direction", direction, ("minimize", "maximize"))
+    check_range("hydra.sweeper.n_trials", n_trials, 1)
+    check_range("hydra.sweeper.n_jobs", n_jobs, 1)
+    check_range("hydra.sweeper.max_failure_rate", max_failure_rate, 0.0, 1.0)
+
+
 class OptunaSweeper(Sweeper):
     """Asks Optuna for `n_jobs` trials at a time, launches them as jobs, tells it each job's outcome:
     its return value (complete), `Pruned` (pruned), any other error or no value (failed). Writes
@@ -125,12 +141,7 @@ class OptunaSweeper(Sweeper):
         pruners: DictConfig,
         params: DictConfig | None,
     ) -> None:
-        if pruner not in PRUNERS:
-            raise ValueError(f"hydra.sweeper.pruner={pruner}: choices: {', '.join(PRUNERS)}")
-        if direction not in ("minimize", "maximize"):
-            raise ValueError(f"hydra.sweeper.direction={direction}: choices: minimize, maximize")
-        if n_jobs < 1 or not 0 <= max_failure_rate <= 1:
-            raise ValueError("hydra.sweeper: n_jobs must be >= 1 and max_failure_rate within [0, 1]")
+        check_settings(pruner, direction, n_trials, n_jobs, max_failure_rate)
         self.sampler, self.direction, self.n_trials, self.n_jobs = sampler, direction, n_trials, n_jobs
         self.max_failure_rate, self.storage, self.study_name = max_failure_rate, storage, study_name
         self.pruner = pruner

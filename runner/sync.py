@@ -46,6 +46,8 @@ def rebuild(run_dir) -> Path:
     import wandb
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: no such folder; give the run dir of a run (outputs/DATE/TIME)")
     id_path, metrics_path, config_path = (run_dir / n for n in (WANDB_ID, "metrics.jsonl", "config.yaml"))
     missing = [p.name for p in (id_path, metrics_path, config_path) if not p.is_file()]
     if missing:

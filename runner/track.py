@@ -60,6 +60,18 @@ def wandb_init_args(run_dir: Path, cfg, config: dict | None, run_id: str, mode: 
     )
 
 
+def log_to_file(logger: logging.Logger, level: int, msg: str, *args, exc_info=None, console: bool = False):
+    """A record of `logger` for the job's log file (the root logger's FileHandler, Hydra's job logging)
+    alone, or with `console` for the console too: what a person need not read as it runs (a config, a
+    failed sweep job's traceback) stays on record."""
+    if exc_info is not None:
+        exc_info = (type(exc_info), exc_info, exc_info.__traceback__)
+    record = logger.makeRecord(logger.name, level, __file__, 0, msg, args, exc_info)
+    for handler in logging.getLogger().handlers:
+        if console or isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 class Tracker:
     """`resume=True`: this run continues the one in `run_dir` (same W&B run id, when one was kept)."""
 

@@ -167,6 +167,11 @@ class Phases:
             set_lr(group, lr)
 
 
+def final_image_size(cfg) -> int:
+    """The image side a `TrainConfig`'s training ends at (its last epoch's phase; 0: the data's own)."""
+    return Phases(cfg.phases).at(cfg.epochs - 1).image_size if cfg.phases else 0
+
+
 def _on_device(split: Split, device: torch.device) -> torch.Tensor:
     """`split.x` on `device`, copied once per split (and again only if `split.x` is replaced)."""
     cached = split.__dict__.get("_device_copy")
@@ -288,13 +293,13 @@ HOST_COPY_BYTES = 256 * 2**20
 
 def _eval_batches(model, source, ctx: RunContext, batch_size: int):
     """`(x, idx)` of `source` in index order without augmentation (file-backed splits in batches of at most
-    STREAMED_EVAL_BATCH), with `model` in eval mode meanwhile."""
+    STREAMED_EVAL_BATCH), at `ctx.eval_image_size`, with `model` in eval mode meanwhile."""
     if not isinstance(source, Split):
         batch_size = min(batch_size, STREAMED_EVAL_BATCH)
     was_training = model.training
     model.eval()
     try:
-        yield from batches(source, ctx, in_order(len(source), batch_size))
+        yield from batches(source, ctx, in_order(len(source), batch_size), image_size=ctx.eval_image_size)
     finally:
         model.train(was_training)
 
@@ -734,6 +739,12 @@ def fit(
     of the restored model (`tested_model` says which; `<key>_last` are the last epoch's)."""
     if cfg.accumulate == "auto":
         cfg.accumulate = micro_batches(model, data.input_shape, cfg, ctx, hooks)
+    # first: a method that refuses micro-batches needs no advice on how to split them
+    if cfg.accumulate > 1 and not _splits_batches(hooks):
+        raise ConfigError(
+            f"train.accumulate={cfg.accumulate}: this method needs each whole batch in one pass (its "
+            "batch transform, loss or sampler sees the batch as one); use train.accumulate=1"
+        )
     # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
     # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
     for key, size in [("train.batch_size", cfg.batch_size)] + [
@@ -747,11 +758,9 @@ def fit(
     if cfg.phases and getattr(hooks, "optimizer", None) is not None:
         raise ConfigError("train.phases set the lr of the config's optimizer; this method brings its own: "
                           "leave train.phases empty")  # fmt: skip
-    if cfg.accumulate > 1 and not _splits_batches(hooks):
-        raise ConfigError(
-            f"train.accumulate={cfg.accumulate}: this method needs each whole batch in one pass (its "
-            "batch transform, loss or sampler sees the batch as one); use train.accumulate=1"
-        )
+    # Evaluated at the side it ends its training at: a network trained at 16 px sees 8-px digits blurred
+    # past recognition (chance accuracy).
+    ctx.eval_image_size = final_image_size(cfg)
     loop = _Loop(model, data, cfg, ctx, hooks, tag)
     s, select = loop.step, loop.select
     resumed = loop.state.resume() if cfg.checkpoint else None

@@ -28,8 +28,13 @@ def torch_load(path, map_location="cpu"):
         with torch.serialization.safe_globals(NUMPY_GLOBALS):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
-        if "Weights only load failed" in str(e):
+        if "Unsupported global" in str(e):
             raise RefusedPickle(str(path)) from None
+        if "Weights only load failed" in str(e):  # torch's wrapper of any error, a corrupt file's too
+            detail = next(
+                (line.strip() for line in str(e).splitlines() if line.startswith("Unsupported")), ""
+            )
+            raise pickle.UnpicklingError(f"corrupt, or not a file torch.save wrote ({detail})") from None
         raise
 
 

@@ -1,6 +1,7 @@
 """The `runner` command end to end (subprocesses in a scratch dir)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,10 +32,14 @@ def wandb_records(path: Path):
 
 
 def test_default_run_trains_digits_and_logs_to_wandb_offline(cli, tmp_path):
-    proc = cli("train.progress=false")
+    proc = cli()
     ((run_dir, summary),) = summaries(tmp_path / "outputs").items()
     assert summary["test/acc"] >= 0.95
-    assert "test/acc=" in proc.stdout  # the printed summary line
+    console = (proc.stdout + proc.stderr).splitlines()
+    assert "test/acc=" in console[-1] and len(console) <= 40  # a line per epoch, the summary line last
+    # The validated config is in the run dir and its log file, not on the console.
+    assert "config (validated)" not in proc.stdout + proc.stderr
+    assert "config (validated):\nseed: 0" in (run_dir / "cli.log").read_text()
     assert (run_dir / "config.yaml").exists() and (run_dir / "checkpoints" / "last.pt").exists()
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 30 and json.loads(lines[-1])["test/acc"] == summary["test/acc"]
@@ -47,6 +52,23 @@ def test_default_run_trains_digits_and_logs_to_wandb_offline(cli, tmp_path):
     ]
     accs = [h["test/acc"] for h in history if "test/acc" in h]
     assert len(accs) == 30 and accs[-1] == pytest.approx(summary["test/acc"])
+
+
+def test_print_config_shows_the_validated_config_on_the_console(cli, tmp_path):
+    proc = cli("print_config=true", "train.epochs=1", "logger=none")
+    assert "config (validated):\nseed: 0\nname: run\ndataset:\n  name: digits" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_sweep_prints_a_line_per_job_and_its_table(cli, tmp_path):
+    """README's 9-job sweep (each job a smoke run here): each job's line, the table, little else."""
+    proc = cli("-m", "+method=erm,cutmix,comixup", "seed=0,1,2", "+debug=smoke", "logger=none")
+    console = (proc.stdout + proc.stderr).splitlines()
+    jobs = [line for line in console if re.match(r"#\d+ ", line)]
+    assert [line.split()[:2] for line in jobs] == [[f"#{i}", "done"] for i in range(9)]
+    assert all("test/acc=" in line and line.endswith(" s)") for line in jobs)
+    table = console[console.index(next(line for line in console if line.startswith("| "))) :]
+    assert len(console) <= len(jobs) + len(table) + 10, "\n".join(console)
 
 
 @pytest.mark.slow

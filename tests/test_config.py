@@ -74,6 +74,18 @@ def test_preflight_checks_every_value_of_a_sweep():
         preflight(["-m", "train.batch_size=8,0"])
 
 
+def test_a_large_sweeps_preflight_checks_every_job_and_says_so(capsys):
+    """Each job past the first sets its one value in the first job's config (no composition): a bad
+    one among 122 is found all the same, and the first job's config is left as it was for the next."""
+    with pytest.raises(ConfigError, match=r"train.lr=-1.0 is out of range"):
+        preflight(["-m", "seed=range(0,120)", "train.lr=0.1,0.2,-1"])
+    assert "runner: checking the configs of 122 jobs" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"train.batch_size=0 is out of range"):
+        preflight(["-m", "train.lr=0.5,0.1", "train.batch_size=8,0,16"])
+    preflight(["-m", "train.batch_size=0,-1", "train.batch_size=8"])  # the later override wins, as in Hydra
+    preflight(["-m", "+experiment=comixup_imagenet", "seed=0,1"])  # a preset's top-level `metric` too
+
+
 def test_help_skips_validation():
     preflight(["--help", "dataset=nope"])
 

@@ -4,11 +4,11 @@ folders, and (slow) every preset runs under `+debug=smoke`."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from conftest import run_cli
 from hydra import compose, initialize_config_dir
@@ -41,6 +41,18 @@ def test_a_preset_composes_the_same_in_any_order(composed, preset):
     assert before == after
     assert {k: v for k, v in after.items() if k != "debug"} == alone
     assert after["debug"]["name"] == "smoke"
+
+
+def test_every_preset_shows_its_progress_and_keeps_what_runner_eval_reads(composed):
+    """A line per epoch in every preset (a CPU study that printed nothing for minutes looked hung), and
+    checkpoints wherever `runner-eval` evaluates the task's network again."""
+    from runner.evaluate_run import TASKS
+
+    for preset in PRESETS:
+        train = composed(f"+experiment={preset}")["train"]
+        task = METHODS[composed(f"+experiment={preset}")["method"]["name"]]().task
+        assert train["progress"], preset
+        assert train["checkpoint"] or f"tasks.{task}" not in TASKS, preset
 
 
 @pytest.mark.parametrize("preset,method", REPLACED.items())
@@ -161,40 +173,65 @@ def test_the_cli_runs_an_experiment_from_a_users_config_folder(tmp_path):
 
 # ------------------------------------------------------------------------- every preset runs (slow)
 
-# Datasets read from files: without them (RUNNER_REAL_DATA unset) a preset runs on generated images of
-# the same shape (`dataset=fake`), as `+debug=smoke` checks a preset's wiring, not its numbers.
-FAKE_LIKE = {
-    "cifar10": "cifar10",
-    "cifar100": "cifar100",
-    "tiny_imagenet": "tiny_imagenet",
-    "imagenet": "imagenet",
-    "imagenet_lt": "imagenet",
-    "imagenet32": "cifar100",
-    "imagenetsplit": "cifar100",  # its own pickles-layout smoke run: tests/test_imagenet_split.py
-    "clothing1m": "imagenet",
-    "webvision": "imagenet",
-}
+
+def _smoke_config(*overrides):
+    """A job config as `_run` makes it (typed, then bounded by +debug=smoke) and smoke's line."""
+    from runner.cli import _typed
+    from runner.schema import apply_debug
+
+    cfg = _compose([*overrides, "+debug=smoke", "hardware=cpu"])
+    typed = _typed(cfg, validate(cfg))
+    return typed, apply_debug(typed)
+
+
+@pytest.mark.parametrize(
+    "overrides,like",
+    [
+        (["+experiment=comixup_imagenet", "dataset=fake"], "dataset.like=imagenet"),
+        (["+experiment=csot_webvision", "dataset=fake"], "dataset.like=imagenet"),
+        (["+experiment=comixup_tiny_imagenet", "dataset=fake"], "dataset.like=tiny_imagenet"),
+        (["+experiment=csot_cifar10", "dataset=fake"], "dataset.like=cifar10"),
+        (["+experiment=comixup_imagenet", "dataset=fake", "dataset.like=cifar10"], None),  # the user's wins
+        (["+experiment=comixup_imagenet"], None),
+        (["dataset=fake"], None),
+    ],
+)
+def test_fake_data_takes_the_shape_of_the_presets_dataset(overrides, like):
+    from runner.cli import fake_like_override
+
+    assert fake_like_override(canonical(overrides)) == like
+
+
+def test_smoke_on_the_cpu_caps_batches_and_image_sides_phases_included_and_says_so():
+    cfg, note = _smoke_config("+experiment=comixup_imagenet", "dataset=fake", "dataset.like=imagenet")
+    assert (cfg.train.batch_size, cfg.train.eval_batch_size, cfg.dataset.image_size) == (64, 64, 96)
+    assert {(p.batch_size, p.image_size) for p in cfg.train.phases} == {(64, 96)}
+    assert note == (
+        "+debug=smoke: on the CPU, train.batch_size, train.eval_batch_size, train.phases.*.batch_size at 64 "
+        "and dataset.image_size, train.phases.*.image_size at 96 px (debug.cpu_batch, debug.cpu_side)"
+    )
+    cfg, note = _smoke_config("+experiment=csot_digits")  # 8-px digits: nothing to cap
+    assert note is None and cfg.train.batch_size == _compose(["+experiment=csot_digits"]).train.batch_size
+
+
+def test_smoke_runs_a_preset_that_requires_pretrained_weights_from_random_ones():
+    with pytest.raises(ConfigError, match="model.pretrained=required"):
+        validate(_compose(["+experiment=csot_clothing1m"]))
+    cfg, note = _smoke_config("+experiment=csot_clothing1m", "dataset=fake", "dataset.like=imagenet")
+    assert cfg.model.pretrained is False and cfg.debug.random_weights
+    assert note.startswith(
+        "+debug=smoke: random weights in place of the preset's pretrained ones; on the CPU"
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_runs_under_debug_smoke(tmp_path, preset):
-    cfg = _compose([f"+experiment={preset}"])
-    extra = []
-    if cfg.dataset.name in FAKE_LIKE and not os.environ.get("RUNNER_REAL_DATA"):
-        extra += ["dataset=fake", f"dataset.like={FAKE_LIKE[cfg.dataset.name]}"]
-        if cfg.method.get("input_norm") == "pixel_mean":  # generated images have no dataset statistics
-            extra += ["method.input_norm=dataset"]
-        if cfg.train.select.startswith("best:val/"):  # generated data have no val split: the same restore
-            extra += ["train.select=best:test/acc"]
-    if cfg.model.pretrained == "required":  # no weights file in the suite: the wiring is the same
-        extra += ["model.pretrained=none"]
-    if "paper" in cfg and not torch.cuda.is_available():  # a GPU preset; hardware=auto runs it on the CPU
-        # smoke's held-out pools are max_batches eval batches: CPU-sized batches (and, for 224-px datasets,
-        # 96-px images) keep a ResNet-50 in minutes; the wiring is the same
-        extra += ["train.batch_size=64", "train.eval_batch_size=64"]
-        if FAKE_LIKE.get(cfg.dataset.name) == "imagenet":
-            extra += ["dataset.image_size=96"]
-    run_cli([f"+experiment={preset}", "+debug=smoke", "logger=none", f"hydra.run.dir={tmp_path}", *extra],
-            tmp_path, timeout=900)  # fmt: skip
-    assert (tmp_path / "summary.json").exists()
+    """A paper preset as README's CI smoke line has it, nothing added: generated data of its dataset's
+    shape, on the CPU CPU-sized batches and images, random weights where it requires pretrained ones;
+    a CPU study as it is (RUNNER_REAL_DATA: every preset on its own data)."""
+    paper = "paper" in _compose([f"+experiment={preset}"])
+    fake = ["dataset=fake"] if paper and not os.environ.get("RUNNER_REAL_DATA") else []
+    run_cli([f"+experiment={preset}", "+debug=smoke", *fake], tmp_path, timeout=900)
+    (summary,) = (tmp_path / "outputs").rglob("summary.json")
+    assert "error" not in json.loads(summary.read_text())

@@ -64,18 +64,31 @@ class Data:
 
 Builder = Callable[[DatasetConfig, np.random.Generator], Data]
 DATASETS: dict[str, Builder] = {}
+# name -> `check(cfg) -> str | None`: why a dataset's files are not where `cfg` reads them, told before
+# a run dir is made (`missing_files`)
+FILE_CHECKS: dict[str, Callable[[DatasetConfig], str | None]] = {}
 
 
-def register_dataset(name: str, schema: type | None = None):
-    """Register `fn(cfg, rng) -> Data` under `name`; `schema` validates dataset-specific keys."""
+def register_dataset(name: str, schema: type | None = None, files: Callable | None = None):
+    """Register `fn(cfg, rng) -> Data` under `name`; `schema` validates dataset-specific keys, `files`
+    says where the dataset's files are missing (see FILE_CHECKS)."""
 
     def wrap(fn: Builder) -> Builder:
         DATASETS[name] = fn
         if schema is not None:
             DATASET_SCHEMAS[name] = schema
+        if files is not None:
+            FILE_CHECKS[name] = files
         return fn
 
     return wrap
+
+
+def missing_files(cfg: DatasetConfig) -> str | None:
+    """Why the files of the dataset config `cfg` are not there, where its dataset checks them; None if
+    they may be (or it downloads or generates them)."""
+    check = FILE_CHECKS.get(cfg.name)
+    return check(cfg) if check is not None else None
 
 
 def split_of(x, y) -> Split:
@@ -157,6 +170,17 @@ def inject_label_noise(y, num_classes: int, kind: str, rate: float, rng: np.rand
     else:
         raise ValueError(f"label noise kind={kind!r}: choose one of none, symmetric, asymmetric")
     return y
+
+
+def natural_side(cfg) -> int:
+    """The image side a dataset config's images come at: `image_size`, else the dataset's default (a
+    generated dataset's real one); 0 for an in-memory dataset at its own."""
+    from runner.data.fake import SHAPES
+    from runner.data.layouts import DEFAULT_SIZE
+
+    if cfg.image_size:
+        return cfg.image_size
+    return SHAPES[cfg.like][1] if cfg.name == "fake" else DEFAULT_SIZE.get(cfg.name, 0)
 
 
 def load_data(cfg, seed: int) -> Data:

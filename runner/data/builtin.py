@@ -157,5 +157,19 @@ def _cifar(cfg, rng, name: str) -> Data:
     return Data(train, val, test, num_classes=num_classes, input_shape=(3, 32, 32), meta=meta)
 
 
-register_dataset("cifar10")(lambda cfg, rng: _cifar(cfg, rng, "cifar10"))
-register_dataset("cifar100")(lambda cfg, rng: _cifar(cfg, rng, "cifar100"))
+# torchvision's folders of the extracted python versions (`datasets.CIFAR10.base_folder`)
+CIFAR_FOLDERS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
+
+
+def _cifar_files(cfg) -> str | None:
+    root = Path(cfg.root).expanduser()
+    if cfg.download or (root / CIFAR_FOLDERS[cfg.name]).is_dir():
+        return None
+    return (
+        f"{cfg.name} not found under dataset.root={root.resolve()}; put the extracted python version there "
+        f"({root / CIFAR_FOLDERS[cfg.name]}) or run with dataset.download=true"
+    )
+
+
+register_dataset("cifar10", files=_cifar_files)(lambda cfg, rng: _cifar(cfg, rng, "cifar10"))
+register_dataset("cifar100", files=_cifar_files)(lambda cfg, rng: _cifar(cfg, rng, "cifar100"))

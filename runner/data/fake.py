@@ -28,6 +28,22 @@ SHAPES = {
 }
 
 
+# A dataset -> the shape that stands in for it, where `dataset=fake` replaces a preset's dataset (CI smoke,
+# `runner +experiment=NAME +debug=smoke dataset=fake`); ImageNet32's 1000 classes as CIFAR-100's 100, which
+# a smoke run's few batches can hold a sample of each of.
+LIKE = {
+    "cifar10": "cifar10",
+    "cifar100": "cifar100",
+    "imagenet32": "cifar100",
+    "imagenetsplit": "cifar100",
+    "tiny_imagenet": "tiny_imagenet",
+    "imagenet": "imagenet",
+    "imagenet_lt": "imagenet",
+    "webvision": "imagenet",
+    "clothing1m": "imagenet",
+}
+
+
 @dataclass
 class FakeConfig(DatasetConfig):
     like: str = "cifar100"
