@@ -118,7 +118,7 @@ def test_warmup_is_linear_per_step_then_the_schedule_continues(tmp_path, monkeyp
     optimizers, lrs = [], []
     make = train.make_optimizer
     monkeypatch.setattr(
-        train, "make_optimizer", lambda m, cfg: optimizers.append(make(m, cfg)) or optimizers[0]
+        train, "make_optimizer", lambda m, cfg, **kw: optimizers.append(make(m, cfg, **kw)) or optimizers[0]
     )
 
     class RecordLR:  # the loss hook runs once per step: read the lr the step uses

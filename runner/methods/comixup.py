@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from gco import cgco
 
-from runner.methods import _native
+from runner.methods._native import load as load_native
 from runner.methods._common import renamed_kwargs, usable_cores
 
 __all__ = [
@@ -310,7 +310,7 @@ def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, sw
 @lru_cache(maxsize=1)
 def _native_dp():
     """`grid_dp.c`'s two entry points, `grid_dp` (any grid MRF) and `label_step` (`_label_step`'s)."""
-    lib = _native.load("grid_dp")
+    lib = load_native("grid_dp")
     ptr, i32, f64, i64 = ct.c_void_p, ct.c_int, ct.c_double, ct.c_long
     lib.grid_dp.argtypes = [i32, i32, i32, ptr, ptr, ptr, i32, i64, ptr, ptr]
     lib.label_step.argtypes = [i32, i32, i32, ptr, ptr, i32, f64, f64, i64, ptr, ptr]
