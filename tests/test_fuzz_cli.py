@@ -95,6 +95,8 @@ BAD = [
     (["hardware.precision=fp8"], "hardware.precision='fp8'", "fp32, fp16, bf16"),
     (["hardware.num_workers=-1"], "hardware.num_workers=-1", "[0, inf]"),
     (["hardware=tpu"], "hardware='tpu'", "auto, cpu"),
+    (["hardware.compile=fast"], "hardware.compile='fast'", "default, reduce-overhead, max-autotune"),
+    (["train.accumulate=many"], "train.accumulate='many'", "or auto"),
     (["logger.name=bogus"], "logger.name='bogus'", "wandb, none"),
     (["+debug=verbose"], "debug='verbose'", "smoke"),
     (["+debug=smoke", "debug.max_batches=0"], "debug.max_batches=0", "[1, inf]"),

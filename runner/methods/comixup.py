@@ -58,8 +58,8 @@ import torch
 import torch.nn.functional as F
 from gco import cgco
 
-from runner.methods._native import load as load_native
 from runner.methods._common import renamed_kwargs, usable_cores
+from runner.methods._native import load as load_native
 
 __all__ = [
     "OPTIONS",
