@@ -324,8 +324,8 @@ def _variants(overrides: list[str]) -> list[list[str]]:
         )
     first = [vals[0] for _, vals in choices]
     variants = [first]
-    for i, (_, vals) in enumerate(choices):
-        variants += [first[:i] + [v] + first[i + 1 :] for v in vals[1:]]
+    for i, (_, vals) in enumerate(choices):  # each distinct value once (seed=0,0,1 checks seeds 0 and 1)
+        variants += [first[:i] + [v] + first[i + 1 :] for v in dict.fromkeys(vals[1:]) if v != vals[0]]
     return variants
 
 

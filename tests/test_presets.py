@@ -77,6 +77,14 @@ def test_a_method_sweep_over_a_preset_composes_each_method_after_the_preset(tmp_
     assert names == ["erm", "comixup"]
 
 
+def test_a_sweep_checks_each_distinct_job_once(tmp_path):
+    from runner.cli import _variants, preflight
+
+    jobs = _variants(["seed=0,0,1,1", "train.lr=0.1"])
+    assert jobs == [["seed=0", "train.lr=0.1"], ["seed=1", "train.lr=0.1"]]
+    assert preflight(["-m", "seed=0,0", "logger=none"])["train"].epochs > 0  # a repeated value: no error
+
+
 def test_without_a_method_the_plain_baseline_runs(composed):
     assert "method" not in composed()
 
