@@ -13,9 +13,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from runner.compose import CONF_DIR, compose, typed
+from runner.compose import CONF_DIR, apply_debug, compose, typed
 from runner.cli import run_in_process
-from runner.schema import ConfigError, apply_debug, validate
+from runner.schema import ConfigError, validate
 
 
 def command_lines() -> list[list[str]]:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from runner.cli import _compose
+from runner.compose import compose
 from runner.configs.classify import CoMixupConfig
 from runner.hardware import RunContext
 from runner.hooks.mixup import ActivationGradients, MixupHooks
@@ -144,7 +144,7 @@ def host_work(repeats: int = 3) -> dict:
     the graph cuts (the same in both paths; in worker processes on CUDA, timed apart): today's (checks,
     the saliency in float64, pooled and its salient boxes found; partitions; masks and labels) and the
     device path's (the partitions from the read summary; the cells' sources to send back)."""
-    cfg = _compose(["+method=comixup", "+experiment=comixup_imagenet"])
+    cfg = compose(["+method=comixup", "+experiment=comixup_imagenet"])
     options = {**_option_defaults(), **{k: cfg.method[CONFIG_KEYS.get(k, k)] for k in OPTIONS}}
     batch, size, grid = cfg.train.batch_size, cfg.dataset.image_size, options["grid"]
     rng = np.random.default_rng(0)
@@ -178,7 +178,7 @@ def preset_solves(preset: str, repeats: int = 5, batches: int = 10) -> dict:
     solved together (in-process, the CPU path) and of one partition alone (a worker's call, the mean over the
     batch's partitions), and the Co-Mixup objective f (the preset's clipping) that each partition of
     `batches` such batches ends at."""
-    cfg = _compose(["+method=comixup", f"+experiment={preset}"])
+    cfg = compose(["+method=comixup", f"+experiment={preset}"])
     options = {**_option_defaults(), **{k: cfg.method[CONFIG_KEYS.get(k, k)] for k in OPTIONS}}
     batch, size = cfg.train.batch_size, cfg.dataset.get("image_size") or H
 

@@ -1,16 +1,17 @@
 """`make bench-gpu`: the paper presets' training steps, each beside its own baseline, on generated data.
 
-One row per paper preset (`PRESETS`) at the preset's own network, batch and precision (read from its
-composed config) on `dataset=fake` of the preset's data shape, and one row for its baseline: the preset
-with its task's plain method in the method's place (`BASELINES`; hashing: the preset's base embedding
-net, the same metric learning without codes, trained in the same run). Each run trains 2 epochs of
-`--steps` steps; the second is measured (the first warms up). Columns: ms per training step, images/s,
-peak and reserved GPU memory, the method's share of the epoch's training time (its per-epoch pass and
-batch transform, e.g. CSOT's selection and Co-Mixup's mixing; hashing: the min-cost flow), host-device
-syncs per training step (CUDA: `torch.cuda.set_sync_debug_mode("warn")` warnings; CPU: the
-`runner.device_tracking` harness), and the step time over the baseline's. On CUDA also: the targets
-(`TARGETS`), fp32 against bf16, torch.compile and Co-Mixup's `method.lag` for `--variants` (default
-`VARIANT_PRESETS`), and DDP scaling when several GPUs are visible (torchrun).
+One row per paper preset (`PRESETS`: the registry's `TaskEntry.bench_presets`) at the preset's own
+network, batch and precision (read from its composed config) on `dataset=fake` of the preset's data
+shape, and one row for its baseline: the preset with its task's plain method in the method's place
+(`TaskEntry.bench_baseline`; hashing: the preset's base embedding net, the same metric learning without
+codes, trained in the same run). Each run trains 2 epochs of `--steps` steps; the second is measured (the
+first warms up). Columns: ms per training step, images/s, peak and reserved GPU memory, the method's
+share of the epoch's training time (its per-epoch pass and batch transform, e.g. CSOT's selection and
+Co-Mixup's mixing; hashing: the min-cost flow), host-device syncs per training step (CUDA:
+`torch.cuda.set_sync_debug_mode("warn")` warnings; CPU: the `runner.device_tracking` harness), and the
+step time over the baseline's. On CUDA also: the targets (`TaskEntry.bench_target`), fp32 against bf16,
+torch.compile and Co-Mixup's `method.lag` for `--variants` (default `VARIANT_PRESETS`), and DDP scaling
+when several GPUs are visible (torchrun).
 
 The runs share this process (`runner.cli.run_in_process`, no import per run), each in its own run dir. On
 CUDA the table and a JSON record go to benchmarks/results/<gpu>-<torch>-<commit>.{md,json}; without CUDA
@@ -50,34 +51,17 @@ import torch
 from omegaconf import OmegaConf
 
 from benchmarks.reference_step import host_marker_us, reference_step_ms
+from runner.configs import TASKS
+from runner.data.fake import LIKE
 
-PRESETS = (
-    "comixup_cifar100_preactresnet18", "comixup_cifar100_wrn16_8", "comixup_cifar100_resnext29",
-    "comixup_tiny_imagenet", "comixup_imagenet", "csot_cifar100", "csot_webvision", "csot_clothing1m",
-    "dbot_cifar100_lt", "dbot_imagenet_lt", "hier_hash_cifar100_npairs", "hier_hash_cifar100_triplet",
-    "hier_hash_imagenet", "pwc_cifar10",
-)  # fmt: skip
-# A task's plain method in the preset's method's place, with the preset's protocol (`+method=` after a
-# preset replaces its method). PWC trains the same network for every selector: its baseline picks at random.
-BASELINES = {
-    "classify": ["+method=erm"],
-    "noisy_labels": ["+method=ce"],
-    "longtail": ["+method=lt_ce"],
-    "covering": ["method.selector=random"],
-}
-# The dataset a preset reads -> generated data of its shape (`dataset.like`).
-FAKE_LIKE = {"cifar10": "cifar10", "cifar100": "cifar100", "tiny_imagenet": "tiny_imagenet",
-             "imagenet": "imagenet", "imagenet_lt": "imagenet", "clothing1m": "imagenet",
-             "webvision": "imagenet"}  # fmt: skip
+# The paper presets' rows and their tasks' baselines and targets: the registry's (runner.configs.TASKS).
+PRESETS = tuple(preset for task in TASKS.values() for preset in task.bench_presets)
+PRESET_TASKS = {preset: task for task in TASKS.values() for preset in task.bench_presets}
 # --smoke: 10 classes, so that one batch of 10 holds every class (long-tailed training needs them all) and
 # a class-balanced hashing batch of the 10 classes is its whole training set: one step per epoch.
 SMOKE_LIKE, SMOKE_BATCH, SMOKE_SIDE = "cifar10", 10, 32
 STEPS = 50
 PROFILED_STEPS = 5  # of each fit's warm-up epoch, for the GPU's busy time per step
-# preset name prefix -> (what is bounded, the bound): the step time over the baseline's, or CSOT's
-# allocation (its solver seconds) as a share of the epoch's training time
-TARGETS = {"comixup_": ("step", 2.2), "dbot_": ("step", 1.2), "hier_hash_": ("step", 1.2),
-           "csot_": ("allocation", 0.1)}  # fmt: skip
 VARIANT_PRESETS = ("comixup_cifar100_preactresnet18", "comixup_imagenet")
 # Beside each variant preset's row (hardware=auto: on a recent GPU channels_last and the captured step):
 # today's fp32 eager step (NCHW, no graph), bf16, the whole step compiled, Co-Mixup's lag.
@@ -153,19 +137,19 @@ def _train_size(n: int, classes: int, imbalance: float) -> int:
 
 def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
     """The rows of `preset`, its baseline's first: the overrides of its runs on generated data."""
-    from runner.cli import _compose
+    from runner.compose import compose
     from runner.configs.hashing import PER_KS
     from runner.data.fake import IN_MEMORY, SHAPES
     from runner.models import MIN_SIDE
 
-    cfg = _compose([f"+experiment={preset}"])
-    m, task, like = cfg.method, cfg.method.task, FAKE_LIKE[cfg.dataset.name]
+    cfg = compose([f"+experiment={preset}"])
+    m, task, like = cfg.method, cfg.method.task, LIKE[cfg.dataset.name]
     classes, side = SHAPES[like][:2]
     side = cfg.dataset.image_size or side
     if smoke:
         like, classes = SMOKE_LIKE, SHAPES[SMOKE_LIKE][0]
         side = max(SMOKE_SIDE, MIN_SIDE.get(cfg.model.name, 0))
-    in_memory = FAKE_LIKE[cfg.dataset.name] in IN_MEMORY  # the real dataset's data path, not the shape's
+    in_memory = LIKE[cfg.dataset.name] in IN_MEMORY  # the real dataset's data path, not the shape's
     args = [f"+experiment={preset}", "dataset=fake", f"dataset.like={like}", f"dataset.image_size={side}",
             f"dataset.in_memory={str(in_memory).lower()}", "train.epochs=2", "train.checkpoint=false",
             "train.progress=false", "logger=none",
@@ -212,12 +196,12 @@ def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
         ours = Row(preset, m.name, args, batch, prefix=f"ours_ks{m.ks[0]}/", baseline=base.key)
         return [base, ours]
     rows: list[Row] = []
-    plain = _compose([f"+experiment={preset}", *BASELINES[task]]).method
+    plain = compose([f"+experiment={preset}", *TASKS[task].bench_baseline]).method
     # the hand-written step of the preset's network, batch and precision (`reference_step`)
     model = {**OmegaConf.to_container(cfg.model), "pretrained": pretrained}
     reference = {"model": model, "shape": (3, side, side), "classes": classes,
                  "precision": cfg.hardware.precision}  # fmt: skip
-    for extra, job in ((BASELINES[task], plain), ([], m)):
+    for extra, job in ((TASKS[task].bench_baseline, plain), ([], m)):
         own = list(extra)
         if "preview" in job:  # a mixup's first mixed batch as a picture: matplotlib, not training
             own += ["method.preview=false"]
@@ -461,9 +445,10 @@ def targets(rows: list[Row], by_key: dict[str, Row]) -> list[tuple[str, bool]]:
     """`target ...: measured ..., need ... -> OK|MISS` lines, each with whether it is met."""
     out = []
     for row in rows:
-        kind, bound = next((t for prefix, t in TARGETS.items() if row.preset.startswith(prefix)), (None, 0))
-        if kind is None or row.baseline is None:
+        target = PRESET_TASKS[row.preset].bench_target if row.preset in PRESET_TASKS else None
+        if target is None or row.baseline is None:
             continue
+        kind, bound = target
         base = by_key[row.baseline]
         if kind == "step":
             what, need = f"{row.key} step vs {base.method}", f"<= {bound}x"
@@ -598,7 +583,7 @@ def full_epochs(presets: list[str], tmp: Path, smoke: bool) -> list[str]:
     size (--smoke: 2 batches), its evaluation and its checkpoint; table lines of the epoch's, the
     evaluation's and the checkpoint's seconds."""
     from runner import train
-    from runner.cli import _compose
+    from runner.compose import compose
     from runner.data.fake import SHAPES
 
     head = ["preset", "method", "steps", "epoch s", "training s", "evaluation s", "checkpoint s", "ms/step"]
@@ -615,8 +600,8 @@ def full_epochs(presets: list[str], tmp: Path, smoke: bool) -> list[str]:
     train.Resumable.save = timed_save
     try:
         for preset in presets:
-            cfg = _compose([f"+experiment={preset}"])
-            n_train, n_test = SHAPES[FAKE_LIKE[cfg.dataset.name]][2:]
+            cfg = compose([f"+experiment={preset}"])
+            n_train, n_test = SHAPES[LIKE[cfg.dataset.name]][2:]
             probe = plan(preset, smoke, 1)[-1]
             steps = 2 if smoke else n_train // probe.batch
             row = plan(preset, smoke, steps)[-1]

@@ -97,12 +97,12 @@ def cifar_cascades(rng) -> bool:
     unaries, CPU ms per cascade (min of 5 per batch, median over the batches). Checks that each level's
     codes cost the same (they may differ on ties). Target: at the preset's first ks, the one its GPU rows
     train, the assignment at least 3x faster for each kind of unaries."""
-    from runner.cli import _compose
+    from runner.compose import compose
     from tasks.hashing import per_ks
 
     ok = True
     for preset in CIFAR_PRESETS:
-        m = _compose([f"+experiment={preset}"]).method
+        m = compose([f"+experiment={preset}"]).method
         nc, d, k = m.classes_per_batch, m.d, m.k
         print(f"  {preset}: {nc} classes, d={d}, k={k}, alpha={m.alpha}; ms/cascade, OR-tools -> assignment")
         for i, ks in enumerate(m.ks):

@@ -3,7 +3,7 @@
 `runner -m seed=range(0,N) train.epochs=1`: the preflight composes the first job's config with Hydra and
 checks every group of it; each other job differs in one plain value, set in that config for a moment,
 and only the groups it touches are checked again. The reference is the path before it, in the same run:
-a Hydra composition and a full check per job (`validate(_compose(job))`), timed on the first REFERENCE_JOBS
+a Hydra composition and a full check per job (`validate(compose(job))`), timed on the first REFERENCE_JOBS
 jobs (at ~0.2 s a job, 2,000 took minutes). Targets: >= 10x the reference's time per job, and the 2,000
 jobs' preflight within 60 s (what `runner` shows nothing during but its "checking" line).
 Run: `python -m benchmarks.bench_preflight` (or `make bench B=preflight`).
@@ -11,7 +11,7 @@ Run: `python -m benchmarks.bench_preflight` (or `make bench B=preflight`).
 
 import time
 
-from runner.cli import _compose, _variants, canonical, preflight
+from runner.compose import canonical, compose, preflight, variants
 from runner.schema import validate
 
 JOBS, REFERENCE_JOBS = 2000, 50
@@ -23,10 +23,10 @@ def main() -> bool:
     t0 = time.perf_counter()
     preflight(ARGS)
     ours = time.perf_counter() - t0
-    jobs = _variants(canonical(ARGS[1:]))[:REFERENCE_JOBS]
+    jobs = variants(canonical(ARGS[1:]))[:REFERENCE_JOBS]
     t0 = time.perf_counter()
     for job in jobs:
-        validate(_compose(job))
+        validate(compose(job))
     reference = (time.perf_counter() - t0) / len(jobs)
     print(f"  {JOBS} jobs: {ours:.1f} s, {1e3 * ours / JOBS:.1f} ms a job; "
           f"composed one by one: {1e3 * reference:.0f} ms a job")  # fmt: skip

@@ -41,13 +41,13 @@ def dataset_files(root: str, overrides: list[str]) -> tuple[str, list[Path]]:
     with `overrides` as `runner` composes it (default `dataset=imagefolder`)."""
     from omegaconf import OmegaConf
 
-    from runner.cli import _compose
+    from runner.compose import compose
     from runner.data import describe, load_data
     from runner.schema import validate
 
     if not all(o.startswith(("dataset=", "dataset.")) for o in overrides):
         raise ConfigError(f"{' '.join(overrides)}: only dataset=NAME and dataset.KEY=VALUE overrides apply")
-    composed = _compose(["dataset=imagefolder", *overrides])
+    composed = compose(["dataset=imagefolder", *overrides])
     composed.dataset.root = root  # set, not an override: a path needs no quoting then
     cfg = validate(composed)["dataset"]
     data = load_data(OmegaConf.structured(cfg), seed=0)

@@ -26,12 +26,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from runner.configs import TASKS
 from runner.faults import CheckpointError, OutOfMemory, out_of_memory_stops
 from runner.schema import ConfigError
 
-# The tasks whose checkpoint is a classifier of the dataset's classes: the config's network, or the one
-# the task's `network(cfg, data)` builds (and prepares the data for).
-TASKS = ("tasks.classify", "tasks.longtail", "tasks.noisy_labels")
 WEIGHTS = ("checkpoints/best.pt", "checkpoints/last.pt", "checkpoints/fit.pt")
 
 
@@ -39,11 +37,10 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
     """The metrics of `run_dir`'s best (else last) weights on the evaluation splits of its config with
     `overrides`; written to `run_dir/eval-<name>.json`."""
     from runner.canvas_metrics import canvas_metrics
-    from runner.cli import _compose, _typed, task_module
+    from runner.compose import compose, task_of, typed
     from runner.data import load_data
     from runner.data.imagenet_boxes import add_val_boxes
     from runner.hardware import RunContext, setup
-    from runner.models import build_model
     from runner.schema import validate
     from runner.train import _evaluate_splits, final_image_size, load_checkpoint
 
@@ -51,19 +48,21 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
     saved = run_dir / ".hydra" / "overrides.yaml"
     if not saved.exists():
         raise ConfigError(f"{run_dir} is not a run dir (no .hydra/overrides.yaml); pass the folder of a run")
-    cfg = _compose([*OmegaConf.load(saved), *overrides])
-    cfg = _typed(cfg, validate(cfg))
-    module = task_module(cfg)
-    if module.__name__ not in TASKS:
-        raise ConfigError(f"runner-eval evaluates runs of {', '.join(TASKS)}; {run_dir} is {module.__name__}")
+    cfg = compose([*OmegaConf.load(saved), *overrides])
+    cfg = typed(cfg, validate(cfg))
+    task = task_of(cfg)
+    # the tasks whose checkpoint is a classifier of the dataset's classes (`Task.network` builds it)
+    evaluable = [entry.module for entry in TASKS.values() if entry.evaluable]
+    if not TASKS[task.name].evaluable:
+        where = TASKS[task.name].module
+        raise ConfigError(f"runner-eval evaluates runs of {', '.join(evaluable)}; {run_dir} is {where}")
     path = next((run_dir / w for w in WEIGHTS if (run_dir / w).exists()), None)
     if path is None:
         raise ConfigError(f"{run_dir} has no checkpoint ({', '.join(WEIGHTS)})")
     device, _, _ = setup(cfg.hardware)
     data = load_data(cfg.dataset, cfg.seed)
     add_val_boxes(data, cfg.dataset.imagenet_boxes)
-    build = getattr(module, "network", lambda c, d: build_model(c.model, d.input_shape, d.num_classes))
-    model = build(cfg, data)
+    model = task.network(cfg, data)
     weights = load_checkpoint(path, device)["model"]  # a file it cannot read: CheckpointError, its own line
     try:
         model.load_state_dict(weights)

@@ -9,7 +9,7 @@ ones; runs that differ only in `seed` are replicates of one setting. Written int
     report_<param>.png           the main metric against each swept parameter
     report_curves.png            learning curves (mean ± std over seeds) from metrics.jsonl
 
-The main metric and its direction are the task's `METRIC`, or the preset's top-level `metric`. Failed
+The main metric and its direction are the task's `metric`, or the preset's top-level `metric`. Failed
 runs (`summary.json` holding an `error`), trials an Optuna pruner stopped (`pruned`) and incomplete ones
 (no `summary.json`: killed, still running) are listed, never averaged.
 `SweepSummary` is the Hydra callback that prints the same table at the end of every multirun.
@@ -25,7 +25,6 @@ import argparse
 import atexit
 import csv
 import functools
-import importlib
 import io
 import json
 import logging
@@ -42,6 +41,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
+from runner.configs import TASKS
 from runner.schema import ConfigError, main_metric
 
 log = logging.getLogger(__name__)
@@ -163,12 +163,13 @@ def load_run(run_dir: Path) -> Run:
 
 def task_metric(config: dict) -> tuple[str, str]:
     """The task's main metric `(key, "max" | "min")` for a run config."""
+    from runner.task import task_named
+
     task = (config.get("method") or {}).get("task", "classify")
-    try:
-        return main_metric(config, importlib.import_module(f"tasks.{task}").METRIC)
-    except (ImportError, AttributeError):
-        hint = "pass --metric KEY[:max|min]"
-        raise ValueError(f"task {task!r} has no tasks/{task}.py with a METRIC; {hint}") from None
+    if task not in TASKS:
+        choices = ", ".join(TASKS)
+        raise ValueError(f"task {task!r} is no registered task ({choices}); pass --metric KEY[:max|min]")
+    return main_metric(config, task_named(task).metric)
 
 
 def build_report(
@@ -252,11 +253,11 @@ def markdown(report: Report, plots: list[Path] = ()) -> str:
     if results.exists():  # written by the Optuna sweeper
         best = yaml.safe_load(results.read_text()) or {}
         if "best_params" in best:
-            from runner.cli import _objective_key  # what the search optimised: val/acc for test/acc
+            from runner.cli import objective_key  # what the search optimised: val/acc for test/acc
 
             params = " ".join(f"{k}={_show(v)}" for k, v in best["best_params"].items())
             value = _show(best.get("best_value"))
-            lines += ["", f"Optuna best: {params} -> {_objective_key(report.metric)} = {value}"]
+            lines += ["", f"Optuna best: {params} -> {objective_key(report.metric)} = {value}"]
     if report.skipped:
         lines += ["", "Skipped runs:"]
         for r in report.skipped:
@@ -375,11 +376,11 @@ def paper_setting(run: Run) -> bool:
 @functools.cache
 def _preset(experiment: str, method: str | None) -> dict | None:
     """The config `+experiment=NAME` composes to (after `+method=` where the run gave one)."""
-    from runner.cli import _compose
+    from runner.compose import compose
 
     overrides = ([f"+method={method}"] if method else []) + [f"+experiment={experiment}"]
     try:
-        return OmegaConf.to_container(_compose(overrides), resolve=True)
+        return OmegaConf.to_container(compose(overrides), resolve=True)
     except Exception as e:  # renamed or removed since the sweep ran: its runs get no paper numbers
         log.warning("runner-report: no paper numbers for +experiment=%s: %s", experiment, e)
         return None

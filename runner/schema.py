@@ -10,7 +10,6 @@ checked against its choices (`runner.checks`).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 import os
 import typing
@@ -23,7 +22,15 @@ from omegaconf.errors import OmegaConfBaseException
 from runner.checks import ConfigError, build, check_choice, check_range, field_types, omegaconf_type
 from runner.configs import TASK_METHODS
 
-__all__ = ["ConfigError", "check_choice", "check_range", "validate", "apply_debug", "task_module", "to_node"]
+__all__ = [
+    "ConfigError",
+    "check_choice",
+    "check_range",
+    "main_metric",
+    "objective_key",
+    "to_node",
+    "validate",
+]
 
 
 # Real human label noise (CIFAR-10N / CIFAR-100N): the label sets of the released files, by dataset.
@@ -371,55 +378,6 @@ class DebugConfig:
         check_range("debug.cpu_side", self.cpu_side, 1)
 
 
-def apply_debug(cfg: DictConfig) -> str | None:
-    """Bound a typed job config in place to `cfg.debug`: epochs, random subsets of the data of
-    `max_batches` batches per split, and on the CPU its batches and image sides; a task may bound its own
-    method keys with `smoke(cfg)`. Returns the line that says what smoke changed past the subsets, if any."""
-    debug = cfg.get("debug")
-    if debug is None:
-        return None
-    notes = ["random weights in place of the preset's pretrained ones"] if debug.random_weights else []
-    if cfg.hardware.device == "cpu":
-        notes += _cap_for_the_cpu(cfg, debug.cpu_batch, debug.cpu_side)
-    if cfg.dataset.name == "fake" and cfg.train.select.startswith("best:val/"):  # the same restore
-        cfg.train.select = "best:test/" + cfg.train.select.removeprefix("best:val/")
-        notes.append(f"train.select={cfg.train.select} (generated data have no validation split)")
-    cfg.train.epochs = min(cfg.train.epochs, debug.epochs)
-    for key, batch in (("max_train", cfg.train.batch_size), ("max_eval", cfg.train.eval_batch_size)):
-        cfg.dataset[key] = min(cfg.dataset[key] or math.inf, debug.max_batches * batch)
-    smoke = getattr(task_module(cfg), "smoke", None)
-    if smoke is not None:
-        smoke(cfg)
-    return f"+debug=smoke: {'; '.join(notes)}" if notes else None
-
-
-def _cap_for_the_cpu(cfg: DictConfig, batch: int, side: int) -> list[str]:
-    """Cap every batch size at `batch` and every image side at `side` in place where the images are larger
-    than 32 px (smaller ones are cheap); what it capped."""
-    from runner.data import natural_side
-
-    if max([natural_side(cfg.dataset)] + [phase.image_size for phase in cfg.train.phases]) <= 32:
-        return []
-    batches, sides = {}, {}  # the capped keys (a phase's as train.phases.*) and their values
-    for node, key, where in [(cfg.train, "batch_size", "train.batch_size"),
-                             (cfg.train, "eval_batch_size", "train.eval_batch_size")] + [
-        (phase, "batch_size", "train.phases.*.batch_size") for phase in cfg.train.phases
-    ]:  # fmt: skip
-        if node[key] > batch:
-            batches.setdefault(where, node[key])
-            node[key] = batch
-    if natural_side(cfg.dataset) > side:
-        sides["dataset.image_size"] = natural_side(cfg.dataset)
-        cfg.dataset.image_size = side
-    for phase in cfg.train.phases:
-        if phase.image_size > side:
-            sides.setdefault("train.phases.*.image_size", phase.image_size)
-            phase.image_size = side
-    capped = [f"{', '.join(batches)} at {batch}"] if batches else []
-    capped += [f"{', '.join(sides)} at {side} px"] if sides else []
-    return [f"on the CPU, {' and '.join(capped)} (debug.cpu_batch, debug.cpu_side)"] if capped else []
-
-
 @dataclass
 class PaperValue:
     """One number of a preset's `paper:` block (metric name -> PaperValue), which runner-report prints
@@ -532,24 +490,10 @@ def option_keys(group: str, name: str | None) -> list[str]:
     return _names(_group_schema(group, name))
 
 
-def task_module(cfg: DictConfig):
-    """The task module a config runs: the method's `task`, or plain classification without a method."""
-    method = cfg.get("method")
-    name = method.get("task", None) if method is not None else "classify"
-    if name is None:
-        raise ConfigError("method.task is missing; every method config names its task")
-    try:
-        return importlib.import_module(f"tasks.{name}")
-    except ModuleNotFoundError as e:
-        if e.name != f"tasks.{name}":
-            raise
-        raise ConfigError(f"method.task={name!r} has no module tasks/{name}.py") from None
-
-
 def main_metric(config, task_metric: tuple[str, str]) -> tuple[str, str]:
     """A run's main metric `(key, "max" | "min")`: the config's top-level `metric` ("KEY" or
     "KEY:max|min", a preset's headline number, e.g. Co-Mixup's test/acc_median10), else `task_metric`
-    (its task's METRIC, whose direction also stands where `metric` gives none)."""
+    (its task's metric, whose direction also stands where `metric` gives none)."""
     given = config.get("metric")
     if not given:
         return task_metric
@@ -558,6 +502,12 @@ def main_metric(config, task_metric: tuple[str, str]) -> tuple[str, str]:
     if direction not in ("max", "min"):
         raise ConfigError(f"metric={given}: the direction after ':' must be max or min")
     return key, direction
+
+
+def objective_key(metric: str) -> str:
+    """The validation twin of a task's metric (`test/acc` -> `val/acc`), what a search optimises; an
+    unsupervised score as is."""
+    return "val/" + metric.removeprefix("test/") if metric.startswith("test/") else metric
 
 
 def _with_preset_settings(method: DictConfig, per_method, schemas: dict) -> DictConfig:

@@ -36,6 +36,7 @@ from hydra.plugins.sweeper import Sweeper
 from omegaconf import DictConfig, OmegaConf
 
 from runner.checks import ConfigError, check_choice, check_range
+from runner.schema import objective_key
 
 log = logging.getLogger(__name__)
 
@@ -234,10 +235,9 @@ def _outcome(ret: JobReturn) -> tuple:
 
 def _objective(config: DictConfig) -> str:
     """The metric a search of `config` optimises, which the jobs' metrics rows carry per epoch."""
-    from runner.cli import _objective_key
-    from runner.schema import task_module
+    from runner.task import task_of
 
-    return _objective_key(task_module(config).METRIC[0])
+    return objective_key(task_of(config).metric[0])
 
 
 def _last_epoch(epochs) -> int | None:

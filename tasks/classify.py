@@ -18,10 +18,8 @@ from runner.hooks import check_batch
 from runner.hooks.mixup import MixupHooks, TargetLoss
 from runner.models import build_model
 from runner.schema import ConfigError
+from runner.task import Task
 from runner.train import fit
-
-METRIC = ("test/acc", "max")
-
 
 # method name -> factory(method_cfg, data, ctx) returning the hooks object given to `fit` (or None)
 HOOKS: dict[str, Callable] = {
@@ -55,3 +53,6 @@ def run(cfg, ctx) -> dict:
     if "boxes" in data.meta:  # digits_canvas, ImageNet val: error, ECE, CAM localisation, corruptions
         summary.update(canvas_metrics(model, data, ctx))
     return summary
+
+
+TASK = Task("classify", ("test/acc", "max"), run)

@@ -22,8 +22,7 @@ from runner.data import load_data
 from runner.methods.dbot import dbot_cluster
 from runner.plots import category_colors, new_figure, project_2d, save_figure
 from runner.schema import ConfigError
-
-METRIC = ("cluster/nmi", "max")
+from runner.task import Task
 
 
 def _samples(cfg, ctx, data):
@@ -130,3 +129,6 @@ def run(cfg, ctx) -> dict:
         plot_clusters(x, labels, centroids, title, path)
         ctx.tracker.image("clusters", path)
     return summary
+
+
+TASK = Task("clustering", ("cluster/nmi", "max"), run)

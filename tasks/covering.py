@@ -31,7 +31,7 @@ Features (`method.features`): `raw` flattened inputs; `net` the embeddings (`for
 of it, as the development data would be, or loaded from `method.checkpoint` (a run's
 checkpoints/last.pt). Costs are squared Euclidean distances between features.
 
-Reports the share of picks from the missing pattern (the METRIC; a random pick's expected share is
+Reports the share of picks from the missing pattern (its metric; a random pick's expected share is
 `cover/app_missing_share`), the outlier share (mixture2d), the PW curve (logged per pick and in
 `cover/pw_curve`), exact LPs and runtime of the selection, and writes `covering.png`: the 2-D scatter
 (PCA for other vectors) with the picks highlighted, or a grid of the picked images.
@@ -49,8 +49,7 @@ from runner.hooks.pwc import cover_options, predictive_entropy, share_count, tra
 from runner.methods.pwc import cover
 from runner.plots import new_figure, project_2d, save_figure
 from runner.schema import ConfigError
-
-METRIC = ("cover/missing_share", "max")
+from runner.task import Task
 
 MODES = np.array([[0.0, 0.0], [4.0, 0.0], [2.0, 3.5]])  # mixture2d: A, B, C (C is the missing pattern)
 MODE_SIGMA = 0.5
@@ -244,3 +243,6 @@ def run(cfg, ctx) -> dict:
         plot_picks(path, title, x_app, x_dev, result.indices, y_app, names, app_images(result.indices))
         ctx.tracker.image("covering", path)
     return summary
+
+
+TASK = Task("covering", ("cover/missing_share", "max"), run, smoke=smoke, data_name=data_name)

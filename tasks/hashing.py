@@ -57,11 +57,10 @@ from runner.hooks.hier_hash import (
 from runner.models import build_model
 from runner.models.hashing import EmbeddingNet
 from runner.schema import ConfigError
+from runner.task import Task
 from runner.train import fit, save_checkpoint
 
 log = logging.getLogger(__name__)
-
-METRIC = ("test/p@1", "max")
 
 
 def smoke(cfg) -> None:
@@ -223,3 +222,6 @@ def run(cfg, ctx) -> dict:
         (ctx.dir / "retrieval.md").write_text(text)
     log.info("retrieval (cells: SUF@%d; P@K in %%):\n%s", method.eval_k[0], text)
     return summary
+
+
+TASK = Task("hashing", ("test/p@1", "max"), run, smoke=smoke)

@@ -51,9 +51,8 @@ from runner.hooks.dbot import LossHook, evaluate_rules, resampled_test_sets
 from runner.methods.dbot import CosineClassifier
 from runner.models import build_model
 from runner.schema import ConfigError
+from runner.task import Task
 from runner.train import fit
-
-METRIC = ("test/acc", "max")
 
 
 def smoke(cfg) -> None:
@@ -103,3 +102,6 @@ def run(cfg, ctx) -> dict:
     device = ctx.device if ctx.accelerator else None
     rules = evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, device)
     return {**summary, **rules}
+
+
+TASK = Task("longtail", ("test/acc", "max"), run, smoke=smoke)

@@ -75,9 +75,8 @@ from runner.hooks.csot import NoisyLabelHooks
 from runner.models import build_model
 from runner.models.noisy_labels import NoisyLabelNet
 from runner.schema import ConfigError
+from runner.task import Task
 from runner.train import fit
-
-METRIC = ("test/acc", "max")
 
 
 def smoke(cfg) -> None:
@@ -130,3 +129,6 @@ def run(cfg, ctx) -> dict:
     if data.meta.get("clean_train_labels", True):
         summary["train/label_noise"] = float((data.train.y != data.train.y_clean).float().mean())
     return summary | hooks.last_stats
+
+
+TASK = Task("noisy_labels", ("test/acc", "max"), run, smoke=smoke, network=network)

@@ -948,21 +948,21 @@ def test_canvas_metrics_do_not_depend_on_the_batching():
 def test_method_configs_match_the_paper_defaults():
     from omegaconf import OmegaConf
 
-    from runner.cli import _compose
+    from runner.compose import compose
 
-    cfg = _compose(["+method=comixup"])
+    cfg = compose(["+method=comixup"])
     paper = dict(beta=0.32, gamma=1.0, eta=0.05, tau=0.83, thres_type="hard", alpha=2.0, omega=0.001)
     paper |= dict(grid=4, part=20, n_iter=4, set_resolve=True, clean_lam=1.0, solver="exact")  # see above
     assert {k: cfg.method[k] for k in paper} == paper
     from tasks.classify import METHODS
 
     assert METHODS["comixup"]().loss == "bce"  # the authors' loss where no preset names one
-    puzzle = _compose(["+method=puzzle_mix"]).method  # the PuzzleMix README, CIFAR-100
+    puzzle = compose(["+method=puzzle_mix"]).method  # the PuzzleMix README, CIFAR-100
     # t_size 0: the README's 4 px at CIFAR's 32 px (tests/test_mixup.py)
     readme = dict(alpha=1.0, beta=1.2, gamma=0.5, eta=0.2, n_labels=3, neigh_size=4, t_size=0, t_eps=0.8)
     assert {k: puzzle[k] for k in readme} == readme and puzzle.clean_lam == 0 and puzzle.grid == -1
     for name in ("erm", "comixup", "input_mixup", "manifold_mixup", "cutmix", "puzzle_mix"):
-        method = _compose([f"+method={name}"]).method
+        method = compose([f"+method={name}"]).method
         METHODS[name](**method)  # every key known to the schema, in range
         assert "train" not in OmegaConf.load(CONF / "method" / f"{name}.yaml")  # the presets own the schedule
     with pytest.raises(ValueError, match="method.tau"):
@@ -983,7 +983,7 @@ PAPER_TRAIN |= dict(weight_decay=1e-4, schedule="step", milestones=[100, 200], g
 
 @pytest.mark.parametrize("net", ["preactresnet18", "wrn16_8", "resnext29"])
 def test_table1_rows_compose_with_one_train_block_and_loss(net):
-    from runner.cli import _compose
+    from runner.compose import compose
     from runner.schema import validate
 
     trains = []
@@ -992,7 +992,7 @@ def test_table1_rows_compose_with_one_train_block_and_loss(net):
             [f"+method={method}", f"+experiment=comixup_cifar100_{net}"],
             [f"+experiment=comixup_cifar100_{net}", f"+method={method}"],
         ):
-            checked = validate(_compose(order))
+            checked = validate(compose(order))
             assert checked["method"].loss == "bce" and checked["method"].name == method
             assert checked["dataset"].crop_pad == 2 and checked["dataset"].augment == "crop_flip"
             assert checked["model"].name == net and checked["dataset"].name == "cifar100"
@@ -1002,11 +1002,11 @@ def test_table1_rows_compose_with_one_train_block_and_loss(net):
 
 
 def test_tiny_imagenet_and_imagenet_presets_compose_for_every_row():
-    from runner.cli import _compose
+    from runner.compose import compose
     from runner.schema import validate
 
     for method in TABLE_ROWS:
-        tiny = validate(_compose([f"+method={method}", "+experiment=comixup_tiny_imagenet"]))
+        tiny = validate(compose([f"+method={method}", "+experiment=comixup_tiny_imagenet"]))
         assert tiny["model"].name == "preactresnet18" and tiny["model"].stem_stride == 2
         assert (tiny["train"].epochs, tiny["train"].milestones, tiny["train"].lr) == (1200, [600, 900], 0.2)
         assert tiny["dataset"].name == "tiny_imagenet" and tiny["method"].loss == "bce"
@@ -1015,7 +1015,7 @@ def test_tiny_imagenet_and_imagenet_presets_compose_for_every_row():
             assert tiny["method"].alpha == 0.2
         if method == "puzzle_mix":
             assert (tiny["method"].clean_lam, tiny["method"].alpha, tiny["method"].t_size) == (1.0, 1.0, 0)
-        imagenet = validate(_compose([f"+method={method}", "+experiment=comixup_imagenet"]))
+        imagenet = validate(compose([f"+method={method}", "+experiment=comixup_imagenet"]))
         assert imagenet["model"].name == "resnet50" and imagenet["dataset"].name == "imagenet"
         assert imagenet["train"].epochs == 100 and imagenet["method"].loss == "ce"  # the ImageNet code's
         if method == "puzzle_mix":  # the ImageNet code's: transport on the cut's grid, not 56 x 56 cells
@@ -1023,11 +1023,11 @@ def test_tiny_imagenet_and_imagenet_presets_compose_for_every_row():
 
 
 def test_a_command_line_value_wins_over_the_tiny_presets_baseline_setting():
-    from runner.cli import _compose
+    from runner.compose import compose
     from runner.schema import validate
 
     args = ["+method=cutmix", "+experiment=comixup_tiny_imagenet", "method.alpha=0.5"]
-    assert validate(_compose(args))["method"].alpha == 0.5
+    assert validate(compose(args))["method"].alpha == 0.5
 
 
 def test_erm_with_bce_trains_on_the_authors_loss():
@@ -1164,20 +1164,20 @@ def test_cli_one_epoch_of_comixup_on_digits_canvas(tmp_path):
 def test_search_selects_on_a_validation_metric_or_refuses_in_one_line():
     import tasks.classify
     import tasks.hashing
-    from runner.cli import _compose, _launch_overrides, objective
+    from runner.compose import compose, launch_overrides, objective
     from runner.schema import ConfigError
 
     search = ["-m", "+method=comixup", "+experiment=comixup_digits_canvas", "+sweep=comixup"]
     with pytest.raises(ConfigError, match="selects on val/acc, never on test/acc.*dataset.val_fraction=0.1"):
-        _launch_overrides(search)
-    assert "hydra.sweeper.direction=maximize" in _launch_overrides([*search, "dataset.val_fraction=0.1"])
-    cfg = _compose(["+method=comixup", "+experiment=comixup_digits_canvas", "dataset.val_fraction=0.1"])
-    assert objective(tasks.classify, cfg) == "val/acc"
+        launch_overrides(search)
+    assert "hydra.sweeper.direction=maximize" in launch_overrides([*search, "dataset.val_fraction=0.1"])
+    cfg = compose(["+method=comixup", "+experiment=comixup_digits_canvas", "dataset.val_fraction=0.1"])
+    assert objective(tasks.classify.TASK, cfg) == "val/acc"
     hashing = ["-m", "+experiment=hier_hash_synthetic", "+sweep=hier_hash"]
     with pytest.raises(ConfigError, match="selects on val/p@1.*dataset.val_per_class=10"):
-        _launch_overrides(hashing)
-    cfg = _compose(["+experiment=hier_hash_synthetic", "dataset.val_per_class=10"])
-    assert objective(tasks.hashing, cfg) == "val/p@1"
+        launch_overrides(hashing)
+    cfg = compose(["+experiment=hier_hash_synthetic", "dataset.val_per_class=10"])
+    assert objective(tasks.hashing.TASK, cfg) == "val/p@1"
 
 
 def test_docstring_examples_run():

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from runner.cli import CONF_DIR, _compose, preflight
+from runner.compose import CONF_DIR, compose, preflight
 from runner.schema import ConfigError, check_range, validate
 
 GROUPS = ["dataset", "model", "hardware", "logger"]
@@ -17,7 +17,7 @@ def options(group):
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_every_group_option_composes_and_validates(group, option):
-    cfg = _compose([f"{group}={option}"])
+    cfg = compose([f"{group}={option}"])
     checked = validate(cfg)
     declared = OmegaConf.load(CONF_DIR / group / f"{option}.yaml").name  # a variant names its base
     assert checked[group].name == declared and option.startswith(declared)  # preactresnet18_64px
@@ -25,17 +25,17 @@ def test_every_group_option_composes_and_validates(group, option):
 
 @pytest.mark.parametrize("method", options("method"))
 def test_every_method_composes_and_validates(method):
-    cfg = _compose([f"+method={method}"])
+    cfg = compose([f"+method={method}"])
     assert validate(cfg)["method"].name == cfg.method.name
 
 
 @pytest.mark.parametrize("experiment", [e for e in options("experiment") if e != "none"])  # none: no preset
 def test_every_experiment_preset_composes_with_its_method(experiment):
-    cfg = _compose([f"+experiment={experiment}"])
+    cfg = compose([f"+experiment={experiment}"])
     if cfg.model.pretrained == "required":  # csot_clothing1m: the weights a user gives (here: none)
         with pytest.raises(ConfigError, match="model.pretrained=required"):
             validate(cfg)
-        cfg = _compose([f"+experiment={experiment}", "model.pretrained=none"])
+        cfg = compose([f"+experiment={experiment}", "model.pretrained=none"])
     assert experiment.startswith(validate(cfg)["method"].name + "_")  # csot_cifar100: csot
 
 
@@ -101,7 +101,7 @@ def test_conf_dir_is_the_repo_conf():
 
 
 def _with_paper(paper):
-    cfg = _compose([])
+    cfg = compose([])
     with open_dict(cfg):
         cfg.paper = paper
     return cfg

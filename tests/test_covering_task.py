@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import summaries
 
-from runner.cli import _compose, _typed, preflight
+from runner.compose import compose, preflight, typed
 from runner.hardware import RunContext, seed_everything
 from runner.hooks.pwc import predictive_entropy
 from runner.schema import ConfigError, validate
@@ -27,8 +27,8 @@ from tasks.covering import (
 def run_here(tmp_path, *overrides):
     """`run` in-process on the composed config (`+method=pwc` unless an experiment is given)."""
     preset = [] if any(o.startswith("+experiment=") for o in overrides) else ["+method=pwc"]
-    cfg = _compose([*preset, "logger=none", *overrides])
-    cfg = _typed(cfg, validate(cfg))
+    cfg = compose([*preset, "logger=none", *overrides])
+    cfg = typed(cfg, validate(cfg))
     seed_everything(cfg.seed)
     return run(cfg, RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path, None)))
 
@@ -116,7 +116,7 @@ def test_the_optimality_preset_rates_a_selection_against_the_exact_optimum(tmp_p
 
     small = ["+experiment=pwc_optimality", "method.n_app=8", "method.n_dev=8", "method.k=3", "seed=1"]
     s = run_here(tmp_path, *small, "method.selector=random")
-    x_app, _, x_dev, *_ = build_sets(_compose([*small, "logger=none"]), None)
+    x_app, _, x_dev, *_ = build_sets(compose([*small, "logger=none"]), None)
     _, best = brute_force(x_app, x_dev, 3)
     # HiGHS stops within mip_gap (1e-6) of the optimum, relative; the LPs agree to ~1e-12
     assert s["cover/pw_optimum"] == pytest.approx(best, rel=1e-6)
@@ -152,7 +152,7 @@ def test_entropy_baseline_picks_the_least_certain_app_samples(tmp_path):
     s = run_here(tmp_path / "a", *args)
     assert len(set(s["cover/picked"])) == 5 and (tmp_path / "a" / "checkpoints" / "last.pt").exists()
     # the same sets and the same (loaded) classifier give the scores: the picks are the top 5
-    cfg = _compose(
+    cfg = compose(
         [
             "+method=pwc",
             "logger=none",
@@ -160,7 +160,7 @@ def test_entropy_baseline_picks_the_least_certain_app_samples(tmp_path):
             f"method.checkpoint={tmp_path / 'a' / 'checkpoints' / 'last.pt'}",
         ]
     )
-    cfg = _typed(cfg, validate(cfg))
+    cfg = typed(cfg, validate(cfg))
     scores = build_sets(cfg, RunContext(torch.device("cpu"), tmp_path / "b", Tracker(tmp_path / "b", None)))[
         -1
     ]
@@ -213,4 +213,4 @@ def test_raw_features_of_a_file_backed_dataset_ask_for_network_features(tmp_path
 def test_a_run_names_the_data_it_covers(preset, name):
     from tasks import covering
 
-    assert covering.data_name(_compose([f"+experiment={preset}"])) == name
+    assert covering.data_name(compose([f"+experiment={preset}"])) == name

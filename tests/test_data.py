@@ -4,14 +4,14 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from runner.cli import _compose
+from runner.compose import compose
 from runner.data import inject_label_noise, load_data, longtail_counts
 from runner.data.builtin import CIFAR10_ASYM
 from runner.schema import ConfigError, validate
 
 
 def dataset_cfg(*overrides):
-    return OmegaConf.structured(validate(_compose(list(overrides)))["dataset"])
+    return OmegaConf.structured(validate(compose(list(overrides)))["dataset"])
 
 
 def test_digits_splits_are_disjoint_stratified_and_scaled():

@@ -21,7 +21,7 @@ from fixtures_data import (
 )
 from omegaconf import OmegaConf
 
-from runner.cli import _compose
+from runner.compose import compose
 from runner.data import load_data
 from runner.data.builtin import CIFAR100_ASYM, CIFAR100_CLASSES
 from runner.data.files import IMAGENET_STATS
@@ -39,7 +39,7 @@ WRITERS = {
 
 
 def dataset_cfg(*overrides):
-    return OmegaConf.structured(validate(_compose(list(overrides)))["dataset"])
+    return OmegaConf.structured(validate(compose(list(overrides)))["dataset"])
 
 
 def load(name, root, *overrides, seed=0):

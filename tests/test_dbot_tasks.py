@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import summaries
 from omegaconf import OmegaConf
 
-from runner.cli import preflight
+from runner.compose import preflight
 from runner.data import load_data, longtail_counts
 from runner.data.blobs import BlobsConfig
 from runner.hooks.dbot import (

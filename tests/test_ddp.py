@@ -164,17 +164,17 @@ def test_ddp_outside_torchrun_is_a_one_line_error(monkeypatch):
 
 
 def _run_task(run_dir, overrides, rank=0, world_size=1) -> dict:
-    from runner.cli import _compose, _typed
+    from runner.compose import compose, task_of, typed
     from runner.hardware import seed_everything
-    from runner.schema import task_module, validate
+    from runner.schema import validate
 
-    cfg = _compose(["logger=none", "train.progress=false", *overrides])
-    cfg = _typed(cfg, validate(cfg))
+    cfg = compose(["logger=none", "train.progress=false", *overrides])
+    cfg = typed(cfg, validate(cfg))
     seed_everything(cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     ctx = RunContext(torch.device("cpu"), run_dir, Tracker(run_dir, enabled=rank == 0), rank=rank,
                      world_size=world_size)  # fmt: skip
-    return task_module(cfg).run(cfg, ctx)
+    return task_of(cfg).run(cfg, ctx)
 
 
 def _task_rank(rank, world_size, tmp_path, overrides):

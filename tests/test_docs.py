@@ -134,7 +134,7 @@ def _first_values(overrides: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("args", [a for _, a in COMMANDS], ids=[i for i, _ in COMMANDS])
 def test_every_runner_command_in_the_docs_composes(args):
-    from runner.cli import _override_args, preflight
+    from runner.compose import override_args, preflight
     from runner.schema import ConfigError
 
     command = "runner " + " ".join(args)
@@ -146,7 +146,7 @@ def test_every_runner_command_in_the_docs_composes(args):
         args = args[:-1]
     if PLACEHOLDER.search(" ".join(args)):
         pytest.skip(f"placeholder in: {command}")
-    overrides = _override_args(args)
+    overrides = override_args(args)
     if overrides is None:
         pytest.skip(f"help or info only: {command}")
     # a weights file the reader supplies stands in as random weights (a preset may require some)

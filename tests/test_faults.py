@@ -383,6 +383,7 @@ def test_a_busy_run_dir_is_refused_at_once(straight, tmp_path):
 
 
 FAILING_TASK = """
+import dataclasses
 import sys
 import tasks.classify
 from runner.cli import main
@@ -391,7 +392,7 @@ def boom(cfg, ctx):
     ctx.tracker.log({"epoch": 1}, step=0)
     raise RuntimeError("boom")
 
-tasks.classify.run = boom
+tasks.classify.TASK = dataclasses.replace(tasks.classify.TASK, run=boom)
 sys.argv = ["runner", *sys.argv[1:]]
 main()
 """

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from runner.cli import _compose
+from runner.compose import compose
 from runner.data import Data, Split, load_data
 from runner.data.samplers import ClassBalancedSampler
 from runner.device_tracking import STAND_IN, DeviceTracker
@@ -22,7 +22,7 @@ from tasks import hashing
 
 
 def composed(*overrides):
-    return validate(_compose(list(overrides)))
+    return validate(compose(list(overrides)))
 
 
 def test_synthetic_hier_sizes_and_hierarchy():
@@ -391,11 +391,11 @@ def test_cli_bad_method_value_is_one_line(cli):
 
 
 def test_a_batch_that_does_not_split_over_the_ranks_is_a_one_line_error(tmp_path):
-    from runner.cli import _typed
+    from runner.compose import typed
     from runner.hardware import RunContext
 
-    cfg = _compose(["+experiment=hier_hash_synthetic", "logger=none", "method.classes_per_batch=5"])
-    cfg = _typed(cfg, validate(cfg))
+    cfg = compose(["+experiment=hier_hash_synthetic", "logger=none", "method.classes_per_batch=5"])
+    cfg = typed(cfg, validate(cfg))
     ctx = RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path, enabled=False), rank=0, world_size=4)
     with pytest.raises(ConfigError, match=r"classes_per_batch x method.per_class = 10: .* over 4 ranks"):
         hashing.run(cfg, ctx)

@@ -15,7 +15,7 @@ from fixtures_data import write_image
 from omegaconf import OmegaConf
 from PIL import Image
 
-from runner.cli import _compose
+from runner.compose import compose
 from runner.data import load_data
 from runner.data.files import UnreadableImage
 from runner.data_check import main as runner_data
@@ -73,7 +73,7 @@ def write_bad(path: Path, kind: str) -> Path:
 
 
 def load(root, *overrides):
-    cfg = validate(_compose(["dataset=imagefolder", f"dataset.root={root}", *overrides]))["dataset"]
+    cfg = validate(compose(["dataset=imagefolder", f"dataset.root={root}", *overrides]))["dataset"]
     return load_data(OmegaConf.structured(cfg), seed=0)
 
 
@@ -103,7 +103,7 @@ def test_every_dataset_announces_itself_in_the_same_line(caplog):
     def line(*overrides):
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="runner.data"):
-            load_data(validate(_compose(list(overrides)))["dataset"], seed=0)
+            load_data(validate(compose(list(overrides)))["dataset"], seed=0)
         return [r.getMessage() for r in caplog.records if r.getMessage().startswith("data:")]
 
     assert line("dataset=digits") == ["data: digits, 10 classes, 1257 train / 180 val / 360 test images"]
@@ -116,7 +116,7 @@ def test_every_dataset_announces_itself_in_the_same_line(caplog):
 
 def test_bad_images_takes_error_or_skip():
     with pytest.raises(ConfigError, match=r"dataset.bad_images='maybe'.*error, skip"):
-        validate(_compose(["dataset=imagefolder", "dataset.bad_images=maybe"]))
+        validate(compose(["dataset=imagefolder", "dataset.bad_images=maybe"]))
 
 
 def test_unreadable_images_are_skipped_for_the_next_readable_one_only_under_skip(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from conftest import summaries
 from omegaconf import OmegaConf
 
-from runner.cli import _compose
+from runner.compose import compose
 from runner.data import load_data
 from runner.data.imagenet_split import TABLE5, imagenet_wnids, imagenetsplit_classes, wnid_of_name
 from runner.hardware import RunContext
@@ -61,7 +61,7 @@ def write_fixture(root, order):
 
 
 def load(root, *overrides):
-    cfg = validate(_compose(["dataset=imagenetsplit", f"dataset.root={root}", *overrides]))
+    cfg = validate(compose(["dataset=imagenetsplit", f"dataset.root={root}", *overrides]))
     return load_data(OmegaConf.structured(cfg["dataset"]), seed=0)
 
 
@@ -113,11 +113,11 @@ def test_vq_test_centroids_come_from_the_test_embedding():
         expected = -(KMeans(3, n_init=1, random_state=0).fit(fit_on).transform(emb["test"]) ** 2)
         np.testing.assert_allclose(codes[(row, 1)][2]["test"], expected)
     with pytest.raises(ConfigError, match=r"method.vq_fit=\[\]"):
-        validate(_compose(["+method=hier_hash", "method.vq_fit=[]"]))
+        validate(compose(["+method=hier_hash", "method.vq_fit=[]"]))
 
 
 def test_preset_is_the_paper_protocol():
-    cfg = validate(_compose(["+experiment=hier_hash_imagenetsplit"]))
+    cfg = validate(compose(["+experiment=hier_hash_imagenetsplit"]))
     method = cfg["method"]
     assert cfg["dataset"].name == "imagenetsplit" and cfg["model"].name == "nin"
     assert (method.loss, method.d, method.k) == ("triplet", 64, 2)
@@ -137,7 +137,7 @@ def test_the_preset_fine_tunes_the_backbone_and_the_fc_only_ablation_freezes_it(
     overrides = ["+experiment=hier_hash_imagenetsplit", "method.classes_per_batch=4", "method.ks=[1]",
                  "method.margin=[0.5]", "method.baselines=[]"]  # fmt: skip
     overrides += [] if lr_backbone is None else [f"method.lr_backbone={lr_backbone}"]
-    cfg = _compose(overrides)
+    cfg = compose(overrides)
     seen = {}
 
     def one_step(cfg, ctx, data, tag, net, groups, loss, iters, val_score=None):

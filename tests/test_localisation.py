@@ -20,7 +20,7 @@ from runner.canvas_metrics import (
     noisy_background,
     outside_masks,
 )
-from runner.cli import _compose
+from runner.compose import compose
 from runner.data import load_data
 from runner.data.imagenet_boxes import add_val_boxes
 from runner.hardware import RunContext
@@ -77,7 +77,7 @@ def write_fixture(root: Path) -> Path:
 
 def load(root, *overrides):
     cfg = validate(
-        _compose(["dataset=imagenet", f"dataset.root={root}", "dataset.image_size=16", *overrides])
+        compose(["dataset=imagenet", f"dataset.root={root}", "dataset.image_size=16", *overrides])
     )
     data = load_data(OmegaConf.structured(cfg["dataset"]), seed=0)
     add_val_boxes(data, cfg["dataset"].imagenet_boxes)
@@ -126,8 +126,8 @@ def test_bad_annotations_are_one_line_errors(tmp_path):
     with pytest.raises(ConfigError, match="is not a folder"):
         load(tmp_path, f"dataset.imagenet_boxes={tmp_path / 'nowhere'}")
     with pytest.raises(ConfigError, match="unknown key dataset.imagenet_boxes"):  # an ImageNet option
-        validate(_compose(["dataset=digits", f"dataset.imagenet_boxes={boxes}"]))
-    digits = load_data(OmegaConf.structured(validate(_compose(["dataset=digits"]))["dataset"]), seed=0)
+        validate(compose(["dataset=digits", f"dataset.imagenet_boxes={boxes}"]))
+    digits = load_data(OmegaConf.structured(validate(compose(["dataset=digits"]))["dataset"]), seed=0)
     with pytest.raises(ConfigError, match="needs the ImageNet val images as files"):
         add_val_boxes(digits, str(boxes))
 

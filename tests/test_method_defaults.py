@@ -13,8 +13,15 @@ import torch
 import yaml
 
 from runner import hardware
-from runner.cli import _MAIN_PRESETS, CONF_DIR, _compose, _presets, _typed, canonical, method_preset_override
-from runner.configs import METHODS
+from runner.compose import (
+    CONF_DIR,
+    canonical,
+    compose,
+    method_preset_override,
+    preset_families,
+    typed,
+)
+from runner.configs import METHODS, TASKS
 from runner.schema import ConfigError, option_keys, validate
 
 OPT_OUT = "+experiment=none: without it"
@@ -24,12 +31,12 @@ def as_runner(*args: str):
     """The job config `runner ARGS` composes: with the preset `+method=` applies (as `main` adds it)."""
     overrides = canonical(list(args))
     preset, _ = method_preset_override(overrides)
-    return _compose(overrides + ([preset] if preset else []))
+    return compose(overrides + ([preset] if preset else []))
 
 
 def resolved(cfg) -> dict:
     """The validated config with every default filled in and `hardware=auto` decided (what a job saves)."""
-    return _typed(cfg, validate(cfg))
+    return typed(cfg, validate(cfg))
 
 
 @pytest.fixture
@@ -74,13 +81,13 @@ def test_of_several_presets_for_one_dataset_the_papers_main_one_is_applied_and_n
     assert added == "+experiment=comixup_cifar100_preactresnet18"
     assert "the paper's main one of comixup_cifar100_preactresnet18, comixup_cifar100_resnext29, " in note
     families: dict[tuple[str, str], list[str]] = {}
-    for name, on in _presets().items():
+    for name, on in preset_families().items():
         families.setdefault(on, []).append(name)
     # every ambiguity is resolved, to one of its presets; presets that keep the default dataset
     # (pwc_mixture2d, pwc_optimality: their scenario makes the data) are applied only by name
     for (task, dataset), names in families.items():
         if dataset is not None and len(names) > 1:
-            assert _MAIN_PRESETS[task, dataset] in names, (task, dataset, names)
+            assert TASKS[task].main_presets[dataset] in names, (task, dataset, names)
 
 
 @pytest.mark.parametrize(
@@ -135,9 +142,9 @@ def test_on_the_default_dataset_every_method_shows_its_point():
     ],
 )
 def test_a_dataset_brings_its_natural_network_and_model_still_wins(dataset, model, stem_stride):
-    cfg = _compose([f"dataset={dataset}"])
+    cfg = compose([f"dataset={dataset}"])
     assert (cfg.model.name, cfg.model.get("stem_stride")) == (model, stem_stride)
-    assert _compose([f"dataset={dataset}", "model=cnn"]).model.name == "cnn"
+    assert compose([f"dataset={dataset}", "model=cnn"]).model.name == "cnn"
 
 
 def test_any_network_replaces_a_presets_with_its_own_defaults():
@@ -147,14 +154,14 @@ def test_any_network_replaces_a_presets_with_its_own_defaults():
         for model in sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")):
             if own - set(option_keys("model", model)) and not {path.stem, model} <= covered:
                 covered |= {path.stem, model}
-                cfg = _compose([f"+experiment={path.stem}", f"model={model}"])
+                cfg = compose([f"+experiment={path.stem}", f"model={model}"])
                 name = validate(cfg)["model"].name
                 assert name in model and set(cfg.model) <= set(option_keys("model", name))
-    kept = _compose(["+experiment=csot_digits", "model=mlp"])  # the preset's own network keeps its settings
+    kept = compose(["+experiment=csot_digits", "model=mlp"])  # the preset's own network keeps its settings
     assert list(kept.model.hidden) == [128]
     typed = ["+experiment=csot_digits", "model=cnn", "model.hidden=[3]"]  # a key the user gives is checked
     with pytest.raises(ConfigError, match=r"^unknown key model.hidden; valid keys: name, pretrained, zero_"):
-        validate(_compose(typed))
+        validate(compose(typed))
 
 
 def test_every_preset_composes_the_network_it_names():
@@ -163,14 +170,14 @@ def test_every_preset_composes_the_network_it_names():
         named = next(
             (d["override /model"] for d in defaults if isinstance(d, dict) and "override /model" in d), "mlp"
         )
-        assert _compose([f"+experiment={path.stem}"]).model.name == named, path.name
+        assert compose([f"+experiment={path.stem}"]).model.name == named, path.name
 
 
 # ------------------------------------------------------------------------------ hardware=auto
 
 
 def test_auto_is_the_default_and_runs_on_the_cpu_without_cuda(no_cuda):
-    hw = resolved(_compose([])).hardware
+    hw = resolved(compose([])).hardware
     assert (hw.name, hw.device, hw.precision, hw.num_workers) == ("auto", "cpu", "fp32", 0)
     device, rank, world = hardware.setup(hw)
     assert (device, rank, world) == (torch.device("cpu"), 0, 1)
@@ -180,20 +187,20 @@ def test_auto_is_the_default_and_runs_on_the_cpu_without_cuda(no_cuda):
 
 
 def test_auto_takes_cuda_with_bf16_and_workers_from_the_cores_where_visible(cuda, monkeypatch):
-    hw = resolved(_compose([])).hardware
+    hw = resolved(compose([])).hardware
     assert (hw.device, hw.precision, hw.num_workers) == ("cuda", "bf16", 8)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))  # Volta: no bf16
-    hw = resolved(_compose([])).hardware
+    hw = resolved(compose([])).hardware
     assert (hw.device, hw.precision, hw.num_workers) == ("cuda", "fp32", 3)  # one core for the main process
-    assert resolved(_compose(["hardware=cpu"])).hardware.device == "cpu"  # a named choice still forces
+    assert resolved(compose(["hardware=cpu"])).hardware.device == "cpu"  # a named choice still forces
 
 
 def test_paper_presets_keep_their_precision_on_cuda_and_run_on_a_cpu_only_machine(cuda, monkeypatch):
-    hw = resolved(_compose(["+experiment=csot_cifar100"])).hardware
+    hw = resolved(compose(["+experiment=csot_cifar100"])).hardware
     assert (hw.name, hw.device, hw.precision, hw.num_workers) == ("auto", "cuda", "fp32", 8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    hw = resolved(_compose(["+experiment=csot_cifar100", "+debug=smoke", "dataset=fake"])).hardware
+    hw = resolved(compose(["+experiment=csot_cifar100", "+debug=smoke", "dataset=fake"])).hardware
     assert (hw.device, hw.num_workers) == ("cpu", 0)
     assert hardware.setup(hw)[0] == torch.device("cpu")
 
@@ -202,7 +209,7 @@ def test_forcing_the_gpu_without_cuda_is_one_line_naming_the_choices(no_cuda):
     with pytest.raises(
         ConfigError, match=r"^hardware=gpu needs CUDA but no CUDA device is visible; use hardware=auto"
     ):
-        hardware.setup(resolved(_compose(["hardware=gpu"])).hardware)
+        hardware.setup(resolved(compose(["hardware=gpu"])).hardware)
 
 
 # ------------------------------------------------------------------------------ the CLI, in one process

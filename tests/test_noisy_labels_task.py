@@ -169,10 +169,10 @@ def test_the_resized_crop_view_is_torchvisions_random_resized_crop_and_flip_on_t
 
 
 def test_the_webvision_preset_takes_dividemixs_views():
-    from runner.cli import _compose
+    from runner.compose import compose
     from runner.data.files import IMAGENET_STATS, image_transforms
 
-    cfg = _compose(["+experiment=csot_webvision"])
+    cfg = compose(["+experiment=csot_webvision"])
     assert cfg.method.weak_view == "rrc_flip"
     assert (cfg.dataset.eval_resize, cfg.dataset.image_size) == (320, 299)
     evaluate = image_transforms("rrc_flip", 299, *IMAGENET_STATS, eval_resize=320).eval
@@ -358,9 +358,9 @@ def test_the_warmup_confidence_penalty_is_added_under_method_warmup_penalty(tmp_
         negative_entropy = (p * p.log()).sum(1).mean().item()
         expected = F.cross_entropy(logits, y).item() + (negative_entropy if warmup_penalty else 0.0)
     assert negative_entropy < -0.1 and loss.item() == pytest.approx(expected, rel=1e-6)
-    from runner.cli import _compose
+    from runner.compose import compose
 
-    assert _compose(["+experiment=csot_clothing1m"]).method.warmup_penalty
+    assert compose(["+experiment=csot_clothing1m"]).method.warmup_penalty
 
 
 @pytest.mark.parametrize("loss", ["paper", "simple"])
@@ -629,16 +629,16 @@ def _cli_selection_runs(cli, tmp_path, methods):
 
 
 def test_paper_presets_compose():
-    from runner.cli import _compose, preflight
+    from runner.compose import compose, preflight
 
     for preset in ("csot_cifar10", "csot_cifar100", "csot_webvision"):
         preflight(["+method=csot", f"+experiment={preset}"])
     preflight(["+method=csot", "+experiment=csot_clothing1m", "model.pretrained=none"])
     preflight(["+method=ot,sot,cot,small_loss,ce", "+experiment=csot_cifar10", "method.simsiam=false"])
     for preset in ("csot_cifar10", "csot_cifar100"):  # Table 1 came from the authors' code: its ramp, batch
-        method = _compose([f"+experiment={preset}"]).method
+        method = compose([f"+experiment={preset}"]).method
         assert (method.budget, method.warmup_batch_size) == ("code", 256)
-    clothing = _compose(["+experiment=csot_clothing1m"])
+    clothing = compose(["+experiment=csot_clothing1m"])
     assert (clothing.dataset.epoch_samples, clothing.dataset.max_train) == (64_000, 0)
     with pytest.raises(ConfigError, match="dataset.epoch_samples=100: only the noisy_labels task"):
         preflight(["dataset=digits", "dataset.epoch_samples=100"])  # classify: no sample per epoch

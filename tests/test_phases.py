@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from test_train import KillAt, blobs, setup
 
 import runner.train
-from runner.cli import _compose
+from runner.compose import compose
 from runner.data import Data, split_of
 from runner.hardware import RunContext
 from runner.models import build_model
@@ -29,13 +29,13 @@ PHASED = ["train.epochs=3", "train.schedule=none", PHASES]
 
 
 def configs(tmp_path, *overrides):
-    cfg = validate(_compose(["model=cnn", "model.channels=[4]", "train.progress=false", *overrides]))
+    cfg = validate(compose(["model=cnn", "model.channels=[4]", "train.progress=false", *overrides]))
     ctx = RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path))
     return OmegaConf.structured(cfg["model"]), OmegaConf.structured(cfg["train"]), ctx
 
 
 def model_config(*overrides):
-    return OmegaConf.structured(validate(_compose(list(overrides)))["model"])
+    return OmegaConf.structured(validate(compose(list(overrides)))["model"])
 
 
 def images(n=60, seed=0) -> Data:
@@ -111,7 +111,7 @@ def test_a_run_stopped_at_a_phase_boundary_resumes_as_the_straight_run(tmp_path)
 )
 def test_bad_phases_are_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        validate(_compose(overrides))
+        validate(compose(overrides))
 
 
 def test_bn_weight_decay_false_leaves_norms_and_biases_undecayed(tmp_path):
@@ -185,16 +185,16 @@ def test_median_of_the_last_10_epochs_and_the_10_bin_ece_match_a_hand_computatio
 
 def test_a_preset_s_metric_is_what_the_report_ranks_and_a_search_selects_on():
     import tasks.classify
-    from runner.cli import objective
+    from runner.compose import objective
     from runner.report import task_metric
 
     assert task_metric({"metric": "test/acc_median10"}) == ("test/acc_median10", "max")
     assert task_metric({"metric": "test/ece:min"}) == ("test/ece", "min")
-    assert task_metric({}) == tasks.classify.METRIC
-    cfg = _compose(["+experiment=comixup_cifar100_wrn16_8", "dataset.val_fraction=0.1"])
-    assert objective(tasks.classify, cfg) == "val/acc_median10"
+    assert task_metric({}) == tasks.classify.TASK.metric
+    cfg = compose(["+experiment=comixup_cifar100_wrn16_8", "dataset.val_fraction=0.1"])
+    assert objective(tasks.classify.TASK, cfg) == "val/acc_median10"
     with pytest.raises(ConfigError, match="metric=test/acc:best: the direction after ':' must be max or min"):
-        validate(_compose(["+metric=test/acc:best"]))
+        validate(compose(["+metric=test/acc:best"]))
 
 
 TABLE_ROWS = ["erm", "input_mixup", "manifold_mixup", "cutmix", "puzzle_mix", "comixup"]
@@ -205,7 +205,7 @@ def test_the_imagenet_preset_gives_every_row_the_authors_recipe_and_comixup_its_
     for method in TABLE_ROWS:
         for order in ([f"+method={method}", "+experiment=comixup_imagenet"],
                       ["+experiment=comixup_imagenet", f"+method={method}"]):  # fmt: skip
-            checked = validate(_compose(order))
+            checked = validate(compose(order))
             trains.append(checked["train"])
             models.append(checked["model"])
             assert checked["metric"] == "test/acc"  # the ImageNet code tests the final checkpoint
@@ -220,7 +220,7 @@ def test_the_imagenet_preset_gives_every_row_the_authors_recipe_and_comixup_its_
         (8, 128, 1024, 0.5, 1.0), (7, 128, 1024, 1.0, 0.125), (25, 224, 448, 0.2, 0.02),
         (25, 224, 448, 0.02, 0.002), (25, 224, 448, 0.002, 0.0002), (10, 224, 448, 0.0002, 0.00002),
     ]  # fmt: skip
-    short = validate(_compose(["+experiment=comixup_imagenet", "train.epochs=2"]))  # a smoke run, a benchmark
+    short = validate(compose(["+experiment=comixup_imagenet", "train.epochs=2"]))  # a smoke run, a benchmark
     assert short["train"].phases == train.phases  # stops inside the first phase
-    given = validate(_compose(["+method=comixup", "+experiment=comixup_imagenet", "method.part=8"]))
+    given = validate(compose(["+method=comixup", "+experiment=comixup_imagenet", "method.part=8"]))
     assert given["method"].part == 8  # the command line wins over the preset's per_method

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from fixtures_data import write_class_folders
 
-from runner.cli import preflight
+from runner.compose import preflight
 from runner.configs.longtail import METHODS as LONGTAIL_METHODS
 from runner.hooks.dbot import infer
 from runner.schema import ConfigError

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import run_cli
-from hydra import compose, initialize_config_dir
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
-from runner.cli import CONF_DIR, _compose, canonical, preflight
+from runner.compose import CONF_DIR, canonical, compose, preflight
 from runner.configs import METHODS, TASK_METHODS
 from runner.schema import ConfigError, validate
 
@@ -25,10 +26,11 @@ REPLACED = {"comixup_digits_canvas": "cutmix", "csot_cifar100": "ot", "dbot_cifa
 
 @pytest.fixture
 def composed():
-    """`compose(overrides)` as `runner` composes a job (`+method=` read as `method=`), as a plain dict."""
+    """Hydra's compose of `overrides` as `runner` composes a job (`+method=` read as `method=`), as a
+    plain dict."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         yield lambda *overrides: OmegaConf.to_container(
-            compose("config", overrides=canonical(list(overrides)))
+            hydra_compose("config", overrides=canonical(list(overrides)))
         )
 
 
@@ -69,18 +71,18 @@ def test_a_method_given_with_a_family_preset_replaces_its_method_in_any_order(co
 
 def test_a_method_sweep_over_a_preset_composes_each_method_after_the_preset(tmp_path):
     """The Table 1 sweep: each job's method is the swept one, with the preset's protocol."""
-    from runner.cli import _variants
+    from runner.compose import variants
 
-    jobs = _variants(canonical(["+method=erm,comixup", "+experiment=comixup_digits_canvas"]))
+    jobs = variants(canonical(["+method=erm,comixup", "+experiment=comixup_digits_canvas"]))
     assert [j[0] for j in jobs] == ["method=erm", "method=comixup"]
-    names = [_compose(job).method.name for job in jobs]
+    names = [compose(job).method.name for job in jobs]
     assert names == ["erm", "comixup"]
 
 
 def test_a_sweep_checks_each_distinct_job_once(tmp_path):
-    from runner.cli import _variants, preflight
+    from runner.compose import preflight, variants
 
-    jobs = _variants(["seed=0,0,1,1", "train.lr=0.1"])
+    jobs = variants(["seed=0,0,1,1", "train.lr=0.1"])
     assert jobs == [["seed=0", "train.lr=0.1"], ["seed=1", "train.lr=0.1"]]
     assert preflight(["-m", "seed=0,0", "logger=none"])["train"].epochs > 0  # a repeated value: no error
 
@@ -164,7 +166,7 @@ def test_an_experiment_from_a_users_config_folder_composes_and_validates(tmp_pat
 
 def test_a_users_experiment_is_composed_by_hydra_too(tmp_path):
     conf = _user_conf(tmp_path / "conf")
-    cfg = _compose([f"hydra.searchpath=[file://{conf}]", "+experiment=mine"])
+    cfg = compose([f"hydra.searchpath=[file://{conf}]", "+experiment=mine"])
     assert (cfg.method.name, cfg.method.k, cfg.method.n_dev) == ("pwc", 5, 40)
 
 
@@ -184,12 +186,11 @@ def test_the_cli_runs_an_experiment_from_a_users_config_folder(tmp_path):
 
 def _smoke_config(*overrides):
     """A job config as `_run` makes it (typed, then bounded by +debug=smoke) and smoke's line."""
-    from runner.cli import _typed
-    from runner.schema import apply_debug
+    from runner.compose import apply_debug, typed
 
-    cfg = _compose([*overrides, "+debug=smoke", "hardware=cpu"])
-    typed = _typed(cfg, validate(cfg))
-    return typed, apply_debug(typed)
+    cfg = compose([*overrides, "+debug=smoke", "hardware=cpu"])
+    job = typed(cfg, validate(cfg))
+    return job, apply_debug(job)
 
 
 @pytest.mark.parametrize(
@@ -205,7 +206,7 @@ def _smoke_config(*overrides):
     ],
 )
 def test_fake_data_takes_the_shape_of_the_presets_dataset(overrides, like):
-    from runner.cli import fake_like_override
+    from runner.compose import fake_like_override
 
     assert fake_like_override(canonical(overrides)) == like
 
@@ -219,12 +220,12 @@ def test_smoke_on_the_cpu_caps_batches_and_image_sides_phases_included_and_says_
         "and dataset.image_size, train.phases.*.image_size at 96 px (debug.cpu_batch, debug.cpu_side)"
     )
     cfg, note = _smoke_config("+experiment=csot_digits")  # 8-px digits: nothing to cap
-    assert note is None and cfg.train.batch_size == _compose(["+experiment=csot_digits"]).train.batch_size
+    assert note is None and cfg.train.batch_size == compose(["+experiment=csot_digits"]).train.batch_size
 
 
 def test_smoke_runs_a_preset_that_requires_pretrained_weights_from_random_ones():
     with pytest.raises(ConfigError, match="model.pretrained=required"):
-        validate(_compose(["+experiment=csot_clothing1m"]))
+        validate(compose(["+experiment=csot_clothing1m"]))
     cfg, note = _smoke_config("+experiment=csot_clothing1m", "dataset=fake", "dataset.like=imagenet")
     assert cfg.model.pretrained is False and cfg.debug.random_weights
     assert note.startswith(
@@ -238,7 +239,7 @@ def test_every_preset_runs_under_debug_smoke(tmp_path, preset):
     """A paper preset as README's CI smoke line has it, nothing added: generated data of its dataset's
     shape, on the CPU CPU-sized batches and images, random weights where it requires pretrained ones;
     a CPU study as it is (RUNNER_REAL_DATA: every preset on its own data)."""
-    paper = "paper" in _compose([f"+experiment={preset}"])
+    paper = "paper" in compose([f"+experiment={preset}"])
     fake = ["dataset=fake"] if paper and not os.environ.get("RUNNER_REAL_DATA") else []
     run_cli([f"+experiment={preset}", "+debug=smoke", *fake], tmp_path, timeout=900)
     (summary,) = (tmp_path / "outputs").rglob("summary.json")

@@ -22,7 +22,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
-from runner.cli import CONF_DIR, _compose
+from runner.compose import CONF_DIR, compose
 from runner.faults import OutOfMemory
 from runner.report import (
     SweepSummary,
@@ -217,7 +217,7 @@ def test_run_dirs_in_natural_order_and_a_single_run_dir(tmp_path):
 def test_default_metric_is_the_task_metric(tmp_path):
     make_run(tmp_path / "0", ["train.lr=0.1"], {"test/acc": 0.9, "test/loss": 0.3})
     make_run(tmp_path / "1", ["train.lr=0.2"], {"test/acc": 0.7, "test/loss": 0.2})
-    report = build_report(tmp_path)  # no method: tasks/classify.py, METRIC = (test/acc, max)
+    report = build_report(tmp_path)  # no method: tasks/classify.py, metric (test/acc, max)
     assert (report.metric, report.direction) == ("test/acc", "max")
     assert table_rows(markdown(report))[0][2] == "**0.9000**"
 
@@ -238,7 +238,8 @@ def test_optuna_results_are_quoted(tmp_path):
         (["{root}/empty"], "no runs found"),
         (["{root}/runs", "--metric", "test/f1"], "metric 'test/f1' is in no summary.json; keys: test/acc"),
         (["{root}/runs", "--metric", "test/acc:up"], "must be max or min"),
-        (["{root}/gone"], "task 'gone' has no tasks/gone.py with a METRIC; pass --metric KEY[:max|min]"),
+        (["{root}/gone"], "task 'gone' is no registered task (classify, clustering, covering, hashing, "
+                          "longtail, noisy_labels); pass --metric KEY[:max|min]"),  # fmt: skip
         (
             ["{root}/runs", "--columns", "test/acc,tset/loss"],
             "--columns tset/loss: in no summary.json; choices: test/acc, test/loss",
@@ -345,7 +346,7 @@ def test_a_pruned_trial_is_recorded_counted_and_listed_not_averaged(tmp_path, ca
 def preset_run(path: Path, overrides: list[str], summary: dict) -> None:
     """A run dir of `runner` with these overrides: Hydra's composed config (with the preset's `paper:`)
     under .hydra/, the runner's own config.yaml (without it, as the runner saves it), the summary."""
-    composed = _compose(overrides)
+    composed = compose(overrides)
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     OmegaConf.save(composed, path / ".hydra" / "config.yaml")
@@ -448,7 +449,7 @@ def test_claims_about_a_cpu_study_hold_or_fail_with_their_numbers(tmp_path):
 
 def test_a_claim_is_not_checked_on_runs_off_the_presets_recipe(tmp_path):
     """One epoch of a 120-epoch study at chance accuracy "held" a claim; now the report says why not."""
-    epochs = _compose(["+experiment=csot_digits"]).train.epochs
+    epochs = compose(["+experiment=csot_digits"]).train.epochs
     for job, (method, acc) in enumerate([("csot", 0.11), ("ce", 0.10)]):
         overrides = [f"+method={method}", "+experiment=csot_digits", "train.epochs=1"]
         preset_run(tmp_path / str(job), overrides, {"test/acc": acc})

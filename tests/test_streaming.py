@@ -139,10 +139,10 @@ def test_warmup_is_linear_per_step_then_the_schedule_continues(tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_smoke_bounds_any_order_and_writes_summary(cli, tmp_path):
-    from runner.cli import _compose
+    from runner.compose import compose
 
-    a = _compose(["+debug=smoke", "+experiment=csot_digits", "+method=csot"])
-    b = _compose(["+method=csot", "+experiment=csot_digits", "+debug=smoke"])
+    a = compose(["+debug=smoke", "+experiment=csot_digits", "+method=csot"])
+    b = compose(["+method=csot", "+experiment=csot_digits", "+debug=smoke"])
     assert a.debug == b.debug
     cli("logger=none", "train.batch_size=32", "+debug=smoke", "hydra.run.dir=smoke")
     summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())

@@ -2,6 +2,7 @@
 and its pruning, and the shipped sweep and launcher presets."""
 
 import contextlib
+import dataclasses
 import json
 import re
 import statistics
@@ -11,7 +12,8 @@ import optuna
 import pytest
 import yaml
 from conftest import run_cli, summaries
-from hydra import compose, initialize_config_dir
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ValueType
@@ -21,7 +23,7 @@ from test_report import PNG, mean_std, table_rows
 
 import tasks.classify
 from runner import sweeper
-from runner.cli import CONF_DIR, _compose, _launch_overrides, canonical, preflight
+from runner.compose import CONF_DIR, canonical, compose, launch_overrides, preflight
 from runner.report import main as report_main
 from runner.schema import ConfigError, validate
 
@@ -93,16 +95,17 @@ def test_optuna_search_of_4_trials_reports_its_best_parameters(cli, tmp_path):
 
 
 def test_optuna_direction_follows_the_task_metric(monkeypatch):
-    assert "hydra.sweeper.direction=maximize" in _launch_overrides(["-m", "hydra/sweeper=optuna"])
-    monkeypatch.setattr(tasks.classify, "METRIC", ("test/loss", "min"))
-    assert "hydra.sweeper.direction=minimize" in _launch_overrides(["-m", "+sweep=erm"])
-    given = _launch_overrides(["-m", "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize"])
+    assert "hydra.sweeper.direction=maximize" in launch_overrides(["-m", "hydra/sweeper=optuna"])
+    loss_task = dataclasses.replace(tasks.classify.TASK, metric=("test/loss", "min"))
+    monkeypatch.setattr(tasks.classify, "TASK", loss_task)
+    assert "hydra.sweeper.direction=minimize" in launch_overrides(["-m", "+sweep=erm"])
+    given = launch_overrides(["-m", "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize"])
     assert not any(o.startswith("hydra.sweeper.direction") for o in given)  # the user's word wins
-    assert not any("direction" in o for o in _launch_overrides(["-m", "seed=0,1"]))  # basic sweeper: none
-    assert _launch_overrides(["seed=1"]) == []  # a single run needs nothing added
+    assert not any("direction" in o for o in launch_overrides(["-m", "seed=0,1"]))  # basic sweeper: none
+    assert launch_overrides(["seed=1"]) == []  # a single run needs nothing added
     # A failed or diverged trial does not end an Optuna search (the sweeper's default: any failure does).
-    assert "hydra.sweeper.max_failure_rate=1.0" in _launch_overrides(["-m", "hydra/sweeper=optuna"])
-    given = _launch_overrides(["-m", "hydra/sweeper=optuna", "hydra.sweeper.max_failure_rate=0.2"])
+    assert "hydra.sweeper.max_failure_rate=1.0" in launch_overrides(["-m", "hydra/sweeper=optuna"])
+    given = launch_overrides(["-m", "hydra/sweeper=optuna", "hydra.sweeper.max_failure_rate=0.2"])
     assert not any(o.startswith("hydra.sweeper.max_failure_rate") for o in given)
 
 
@@ -210,16 +213,16 @@ def test_search_spaces_are_checked_at_every_value_and_both_ends(args, expected):
 def test_search_spaces_of_a_sweep_config_are_checked_too(monkeypatch):
     """Search spaces set in the sweeper's `params` (conf/sweep/*.yaml) are checked like those given on the
     command line, which win over them for the same key."""
-    import runner.cli
+    import runner.compose
 
-    compose = runner.cli._compose_hydra
+    compose_hydra = runner.compose.compose_hydra
 
     def with_params(overrides):
-        cfg = compose(overrides)
+        cfg = compose_hydra(overrides)
         cfg.hydra.sweeper.params = {"train.lr": "interval(-1, 0.5)", "train.momentum": "choice(0.5, 1.5)"}
         return cfg
 
-    monkeypatch.setattr(runner.cli, "_compose_hydra", with_params)
+    monkeypatch.setattr(runner.compose, "compose_hydra", with_params)
     with pytest.raises(ConfigError, match=re.escape("train.lr=-1.0 is out of range")):
         preflight(["-m", "hydra/sweeper=optuna"])
     with pytest.raises(ConfigError, match=re.escape("train.momentum=1.5 is out of range")):
@@ -232,7 +235,7 @@ def test_search_spaces_of_a_sweep_config_are_checked_too(monkeypatch):
 
 def _hydra_compose(overrides):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=canonical(overrides), return_hydra_config=True)
+        return hydra_compose("config", overrides=canonical(overrides), return_hydra_config=True)
 
 
 SWEEPS = sorted(p.stem for p in (CONF_DIR / "sweep").glob("*.yaml"))
@@ -254,7 +257,7 @@ def test_sweep_search_space_names_real_keys_with_valid_bounds(name):
         else:
             values = list(override.sweep_iterator())
         for value in values:
-            validate(_compose([*base, f"{key}={value}"]))  # ConfigError: unknown key, value out of range
+            validate(compose([*base, f"{key}={value}"]))  # ConfigError: unknown key, value out of range
 
 
 def test_slurm_gpu_launcher_preset():

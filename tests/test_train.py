@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from runner.cli import _compose
+from runner.compose import compose
 from runner.data import Data, split_of
 from runner.faults import Diverged, OutOfMemory
 from runner.hardware import RunContext
@@ -27,7 +27,7 @@ def blobs(n=300, seed=0) -> Data:
 
 
 def setup(tmp_path, *overrides):
-    cfg = validate(_compose(["model.hidden=[16]", "train.progress=false", *overrides]))
+    cfg = validate(compose(["model.hidden=[16]", "train.progress=false", *overrides]))
     ctx = RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path))
     return OmegaConf.structured(cfg["model"]), OmegaConf.structured(cfg["train"]), ctx
 

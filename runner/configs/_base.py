@@ -1,4 +1,4 @@
-"""The base of every method schema."""
+"""The base of every method schema, and the registry of tasks and their methods."""
 
 from __future__ import annotations
 
@@ -6,10 +6,58 @@ import dataclasses
 
 from runner.checks import check_literals
 
+# The registry, filled by `register_task` (each task's config module, runner/configs/<task>.py, at import):
+# task name -> its entry; and two views of its methods, task -> {method -> schema}, method -> schema.
+TASKS: dict[str, TaskEntry] = {}
+TASK_METHODS: dict[str, dict[str, type]] = {}
+METHODS: dict[str, type] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskEntry:
+    """What the runner knows of a task and its methods, registered once (`register_task`) and read by
+    the CLI's presets, `runner-eval`, `make bench-gpu` and the parametrized tests.
+
+    - `module`: the dotted path of the module defining its `TASK` (a `runner.task.Task`).
+    - `methods`: its methods' schemas by name; each is the base of `conf/method/<name>.yaml`.
+    - `main_presets`: dataset -> the preset `+method=NAME` applies where several presets of the task fit
+      that dataset (None: the default dataset, none named on the command line).
+    - `evaluable`: `runner-eval` re-evaluates its runs' checkpoints on other evaluation splits.
+    - `bench_presets`, `bench_baseline`, `bench_target`: its rows in `make bench-gpu`, the overrides that
+      turn a row into its baseline, and its target: ("step", bound on the step time over the baseline's)
+      or ("allocation", bound on the method's solver time as a share of the epoch's training).
+    """
+
+    name: str
+    module: str
+    methods: dict[str, type]
+    main_presets: dict[str | None, str] = dataclasses.field(default_factory=dict)
+    evaluable: bool = False
+    bench_presets: tuple[str, ...] = ()
+    bench_baseline: tuple[str, ...] = ()
+    bench_target: tuple[str, float] | None = None
+
+
+def register_task(entry: TaskEntry) -> TaskEntry:
+    """Add `entry` to the registry and store each method's defaults as `schema/method/<name>` in Hydra's
+    ConfigStore (plain values: `validate` types them), the base its YAML extends."""
+    from hydra.core.config_store import ConfigStore
+
+    clash = sorted(entry.methods.keys() & METHODS.keys() - TASK_METHODS.get(entry.name, {}).keys())
+    if clash:
+        raise ValueError(f"task {entry.name!r}: method names {', '.join(clash)} are registered already")
+    TASKS[entry.name] = entry
+    TASK_METHODS[entry.name] = entry.methods
+    METHODS.update(entry.methods)
+    store = ConfigStore.instance()
+    for name, schema in entry.methods.items():
+        store.store(group="schema/method", name=name, node=dataclasses.asdict(schema()), provider="runner")
+    return entry
+
 
 class MethodConfig:
     """A method's schema (a dataclass): `name`, `task` and its hyperparameters with their defaults, the
-    one source of them (registered as the `method` group's base configs, see `runner.configs.register`).
+    one source of them (registered as the `method` group's base configs, see `register_task`).
     Choices are typed `Literal[...]`; `__post_init__` checks them (subclasses call super first)."""
 
     def __post_init__(self):

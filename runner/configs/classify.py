@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from runner.checks import ConfigError, check_range
-from runner.configs._base import MethodConfig
+from runner.configs._base import MethodConfig, TaskEntry, register_task
 from runner.methods.comixup import SOLVERS, THRES_TYPES
 
 LOSSES = ("ce", "bce")
@@ -134,3 +134,22 @@ class CoMixupConfig(InputMixupConfig):
 MIXUP = (InputMixupConfig, ManifoldMixupConfig, CutMixConfig, PuzzleMixConfig, CoMixupConfig)
 
 METHODS: dict[str, type] = {"erm": ERMConfig, **{c.name: c for c in MIXUP}}
+
+TASK = register_task(
+    TaskEntry(
+        "classify",
+        "tasks.classify",
+        METHODS,
+        main_presets={"cifar100": "comixup_cifar100_preactresnet18", None: "comixup_digits_canvas"},
+        evaluable=True,
+        bench_presets=(
+            "comixup_cifar100_preactresnet18",
+            "comixup_cifar100_wrn16_8",
+            "comixup_cifar100_resnext29",
+            "comixup_tiny_imagenet",
+            "comixup_imagenet",
+        ),
+        bench_baseline=("+method=erm",),
+        bench_target=("step", 2.2),
+    )
+)

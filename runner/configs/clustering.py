@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from runner.checks import check_range
-from runner.configs._base import MethodConfig
+from runner.configs._base import MethodConfig, TaskEntry, register_task
 from runner.methods.dbot import SOLVERS
 
 
@@ -78,3 +78,5 @@ METHODS = {
     "dbot_cluster": DBOTClusterConfig,
     "balanced_cluster": BalancedClusterConfig,
 }
+
+TASK = register_task(TaskEntry("clustering", "tasks.clustering", METHODS))

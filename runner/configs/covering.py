@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from runner.checks import ConfigError, check_range
-from runner.configs._base import MethodConfig
+from runner.configs._base import MethodConfig, TaskEntry, register_task
 from runner.methods.pwc import BASELINES, BATCHED, PW_METHODS
 
 
@@ -68,3 +68,13 @@ class CoverConfig(MethodConfig):
 
 
 METHODS = {"pwc": CoverConfig}
+
+TASK = register_task(
+    TaskEntry(
+        "covering",
+        "tasks.covering",
+        METHODS,
+        bench_presets=("pwc_cifar10",),
+        bench_baseline=("method.selector=random",),  # the same network for every selector: random picks
+    )
+)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from runner.checks import ConfigError, check_range
-from runner.configs._base import MethodConfig
+from runner.configs._base import MethodConfig, TaskEntry, register_task
 from runner.methods.hier_hash import LOSSES, SOLVERS
 
 TABLES = ("test", "train")
@@ -120,3 +120,18 @@ class HierHashConfig(MethodConfig):
 
 
 METHODS = {"hier_hash": HierHashConfig}
+
+TASK = register_task(
+    TaskEntry(
+        "hashing",
+        "tasks.hashing",
+        METHODS,
+        main_presets={  # the setting of hier_hash.yaml's defaults
+            "cifar100": "hier_hash_cifar100_npairs",
+            "imagenet32": "hier_hash_imagenet32_npairs",
+            None: "hier_hash_synthetic",
+        },
+        bench_presets=("hier_hash_cifar100_npairs", "hier_hash_cifar100_triplet", "hier_hash_imagenet"),
+        bench_target=("step", 1.2),  # over the preset's base embedding's step
+    )
+)

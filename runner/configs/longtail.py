@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from runner.checks import ConfigError, check_range
-from runner.configs._base import MethodConfig, variant
+from runner.configs._base import MethodConfig, TaskEntry, register_task, variant
 from runner.methods.dbot import LOSS_MODES, SOLVERS
 
 LOSSES = ("ce", "balanced_softmax", "logit_adjust", "focal", "cb_ce", "cb_focal", "ldam", "dbot")
@@ -117,3 +117,15 @@ METHODS: dict[str, type] = {
     "dbot": LongTailConfig,
     **{name: _baseline(name, loss) for name, loss in BASELINE_LOSSES.items()},
 }
+
+TASK = register_task(
+    TaskEntry(
+        "longtail",
+        "tasks.longtail",
+        METHODS,
+        evaluable=True,
+        bench_presets=("dbot_cifar100_lt", "dbot_imagenet_lt"),
+        bench_baseline=("+method=lt_ce",),
+        bench_target=("step", 1.2),
+    )
+)

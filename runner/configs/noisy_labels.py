@@ -7,7 +7,7 @@ from typing import Literal
 
 from runner.augment import POLICIES, WEAK_VIEWS
 from runner.checks import check_range
-from runner.configs._base import MethodConfig, variant
+from runner.configs._base import MethodConfig, TaskEntry, register_task, variant
 from runner.methods.csot import BUDGET_RULES
 
 SELECTIONS = ("csot", "cot", "ot", "small_loss", "none")
@@ -94,3 +94,15 @@ CEConfig = _ablation("CEConfig", "Cross-entropy on the noisy labels, no selectio
 
 
 METHODS = {c.name: c for c in (CSOTConfig, COTConfig, OTConfig, SOTConfig, SmallLossConfig, CEConfig)}
+
+TASK = register_task(
+    TaskEntry(
+        "noisy_labels",
+        "tasks.noisy_labels",
+        METHODS,
+        evaluable=True,
+        bench_presets=("csot_cifar100", "csot_webvision", "csot_clothing1m"),
+        bench_baseline=("+method=ce",),
+        bench_target=("allocation", 0.1),  # the solver's seconds as a share of the epoch's training
+    )
+)

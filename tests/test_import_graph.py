@@ -1,0 +1,111 @@
+"""The house's floors: solvers -> schemas -> data, models, device -> loop -> hooks -> tasks -> sweeper ->
+composition -> entry points and tools. Every import (a function's lazy one too) goes down a floor or
+stays on its own, and no set of modules imports itself round a circle. Packages whose modules register
+into their `__init__` (runner.data, runner.methods, ...) count as one module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("runner.data", "runner.methods", "runner.models", "runner.hooks", "runner.configs")
+FLOORS = [  # bottom first
+    {"runner.checks", "runner.methods", "runner.faults", "runner.untrusted", "runner.plots",
+     "runner.augment"},
+    {"runner.configs", "runner.schema", "runner.metrics"},
+    {"runner.data", "runner.models", "runner.hardware"},
+    {"runner.train", "runner.distributed_passes", "runner.rundir", "runner.canvas_metrics", "runner.task"},
+    {"runner.hooks"},
+    {"tasks"},  # every task module
+    {"runner.sweeper"},  # the Optuna sweeper, whose search-space checks the preflight runs
+    {"runner.compose"},
+    {"runner", "runner.cli", "runner.track", "runner.report", "runner.evaluate_run",
+     "runner.data_check", "runner.sync", "runner.device_tracking"},
+]  # fmt: skip
+
+
+def unit(module: str) -> str:
+    """The node of the graph a module belongs to: its registering package, tasks, or itself."""
+    if module == "tasks" or module.startswith("tasks."):
+        return "tasks"
+    return next((p for p in PACKAGES if module == p or module.startswith(p + ".")), module)
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in [*(ROOT / "runner").rglob("*.py"), *(ROOT / "tasks").rglob("*.py")]:
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        found[name] = path
+    return found
+
+
+def imported(name: str, path: Path, known: set[str]) -> set[str]:
+    """The project's modules that `name` imports anywhere in its file (the longest known prefix)."""
+    targets = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package up level - 1
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            subs = {f"{base}.{alias.name}" for alias in node.names} & known
+            targets |= subs or {base}
+    resolved = set()
+    for target in targets:
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        if target:
+            resolved.add(target)
+    return resolved
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    edges: dict[str, set[str]] = {}
+    for name, path in found.items():
+        edges.setdefault(unit(name), set()).update(unit(t) for t in imported(name, path, set(found)))
+    return {node: targets - {node} for node, targets in edges.items()}
+
+
+def floor(node: str) -> int:
+    return next(i for i, members in enumerate(FLOORS) if node in members)
+
+
+def test_every_module_has_a_floor():
+    assert sorted(n for n in graph() if not any(n in members for members in FLOORS)) == []
+
+
+def test_no_import_runs_up_a_floor():
+    upward = sorted(
+        f"{node} imports {target}" for node, targets in graph().items() for target in targets
+        if floor(target) > floor(node)
+    )  # fmt: skip
+    assert upward == []
+
+
+def test_no_circle():
+    edges, circles, state = graph(), [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(edges.get(node, ())):
+            if state.get(target) == "open":
+                circles.append(" -> ".join(path[path.index(target) :] + [node, target]))
+            elif target not in state:
+                visit(target, path + [node])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [])
+    assert circles == []
+
+
+def test_the_graph_sees_lazy_imports(tmp_path):
+    """A function's import counts (the old circle ran through one): the checks above can fail."""
+    (tmp_path / "m.py").write_text("def f():\n    from runner.cli import main\n")
+    assert "runner.cli" in imported("runner.m", tmp_path / "m.py", {"runner.cli", "runner.m"})
