@@ -78,7 +78,29 @@ def _resume_hint(hydra_cfg) -> str:
 
 
 def _run(cfg: DictConfig, cleanup: contextlib.ExitStack, preset_note: str | None) -> float | None:
-    """One job: validate, lock the run dir, set up device and tracker, run the task, write the summary."""
+    """One job: validate, lock the run dir, set up device and tracker, run the task, write the summary;
+    the search objective's value."""
+    t0 = time.perf_counter()
+    cfg, ctx = _start(cfg, cleanup, preset_note)
+    task = task_of(cfg)
+    where = TASKS[task.name].module  # the log line names the task's module
+    method = cfg.method.name if "method" in cfg else "erm"
+    log.info("%s: method=%s dataset=%s model=%s device=%s seed=%d -> %s", where, method,
+             task.data_name(cfg), cfg.model.name, ctx.device, cfg.seed, ctx.dir)  # fmt: skip
+    outside_fit = (  # `fit` names the batch itself
+        "ran out of {} outside the training steps; lower the network's size, or train.eval_batch_size for "
+        "the passes over whole splits"
+    )
+    with out_of_memory_stops(outside_fit.format):
+        metrics = task.run(cfg, ctx)  # fills ctx.info (the model's parameter count) as it goes
+    summary = {"name": cfg.name, "tags": list(cfg.logger.tags), **ctx.info, **metrics}
+    summary["time/total_s"] = time.perf_counter() - t0
+    return _finish(cfg, task, ctx, summary, f"{where} {method} on {task.data_name(cfg)}")
+
+
+def _start(cfg: DictConfig, cleanup: contextlib.ExitStack, preset_note: str | None):
+    """The typed job config and the run's context: device, process group, locked run dir, seeds and
+    tracker, each undone by `cleanup`; the job's first log lines say what was chosen for it."""
     from runner.hardware import (
         RunContext,
         cap_host_memory,
@@ -90,7 +112,6 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack, preset_note: str | None
     )
     from runner.track import Tracker, log_to_file
 
-    t0 = time.perf_counter()
     hydra_cfg = HydraConfig.get()
     cfg, left_out = without_other_options_settings(cfg, list(hydra_cfg.overrides.task))
     print_config, multirun = cfg.get("print_config", False), hydra_cfg.mode.name == "MULTIRUN"
@@ -100,7 +121,7 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack, preset_note: str | None
     if multirun and cfg.logger.group is None:  # one W&B group per sweep
         cfg.logger.group = "/".join(Path(hydra_cfg.sweep.dir).parts[-2:])
     run_dir = Path(hydra_cfg.runtime.output_dir)
-    if multirun:  # a sweep's console: one line per job (below); the job's records go to its log file
+    if multirun:  # a sweep's console: one line per job (`_finish`); the job's records go to its log file
         for handler in logging.getLogger().handlers:
             if not isinstance(handler, logging.FileHandler):
                 handler.setLevel(logging.WARNING)
@@ -126,59 +147,35 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack, preset_note: str | None
                     console=print_config)  # fmt: skip
     tracker = Tracker(run_dir, cfg.logger, OmegaConf.to_container(cfg), enabled=rank == 0, resume=resume)
     cleanup.callback(tracker.close, exit_code=1)  # a no-op after tracker.finish
-    ctx = RunContext(
-        device,
-        run_dir,
-        tracker,
-        precision=cfg.hardware.precision,
-        channels_last=cfg.hardware.channels_last,
-        compile=cfg.hardware.compile,
-        cuda_graph=cfg.hardware.cuda_graph,
-        sync_bn=cfg.hardware.sync_bn,
-        rank=rank,
-        world_size=world_size,
-        num_workers=cfg.hardware.num_workers,
-    )
-    task = task_of(cfg)
-    where = TASKS[task.name].module  # the log line names the task's module
-    method = cfg.method.name if "method" in cfg else "erm"
-    data_name = task.data_name(cfg)
-    log.info(
-        "%s: method=%s dataset=%s model=%s device=%s seed=%d -> %s",
-        where,
-        method,
-        data_name,
-        cfg.model.name,
-        device,
-        cfg.seed,
-        run_dir,
-    )
-    outside_fit = (  # `fit` names the batch itself
-        "ran out of {} outside the training steps; lower the network's size, or train.eval_batch_size for "
-        "the passes over whole splits"
-    )
-    with out_of_memory_stops(outside_fit.format):
-        metrics = task.run(cfg, ctx)  # fills ctx.info (the model's parameter count) as it goes
-    summary = {"name": cfg.name, "tags": list(cfg.logger.tags), **ctx.info, **metrics}
-    summary["time/total_s"] = time.perf_counter() - t0
+    hw = cfg.hardware
+    ctx = RunContext(device, run_dir, tracker, precision=hw.precision, channels_last=hw.channels_last,
+                     compile=hw.compile, cuda_graph=hw.cuda_graph, sync_bn=hw.sync_bn, rank=rank,
+                     world_size=world_size, num_workers=hw.num_workers)  # fmt: skip
+    return cfg, ctx
+
+
+def _finish(cfg: DictConfig, task, ctx, summary: dict, what: str) -> float | None:
+    """Write the job's summary and say its result in one line (`what`: the task, method and data); a
+    non-finite main metric or search objective fails the run (for the report, and for Optuna). Returns
+    what a search optimises: the validation twin of the main metric, never the test metric."""
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode.name == "MULTIRUN"
     metric = main_metric(cfg, task.metric)[0]  # the task's, or the preset's headline (`metric:`)
-    # A non-finite main metric or search objective fails the run (for the report, and for Optuna).
     bad = [f"{k}={summary[k]}" for k in {metric, objective_key(metric)} if _non_finite(summary.get(k))]
     if bad:
         summary["error"] = f"Diverged: {', '.join(sorted(bad))}"
-    tracker.finish(summary)
+    ctx.tracker.finish(summary)
     if bad:
-        raise Diverged(f"{', '.join(sorted(bad))} in {run_dir / 'summary.json'}")
-    if rank == 0:
+        raise Diverged(f"{', '.join(sorted(bad))} in {ctx.dir / 'summary.json'}")
+    if ctx.rank == 0:
         shown = [metric] if multirun else [k for k in summary if k == metric or k.startswith("test/")][:6]
         values = "  ".join(f"{k}={summary[k]:.4f}" for k in shown if isinstance(summary[k], float))
         seconds = f"({summary['time/total_s']:.1f} s)"
         if multirun:
             print(f"#{hydra_cfg.job.num} done  {' '.join(hydra_cfg.overrides.task)}: {values}  {seconds}")
         else:
-            summary_path = run_dir / "summary.json"
-            print(f"{where} {method} on {data_name}: {values}  {seconds} -> {summary_path}")
-    score = summary.get(objective_key(metric))  # what a search optimises: never the test metric
+            print(f"{what}: {values}  {seconds} -> {ctx.dir / 'summary.json'}")
+    score = summary.get(objective_key(metric))
     return float(score) if score is not None else None
 
 
