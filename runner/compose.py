@@ -40,10 +40,13 @@ from runner.schema import (
     main_metric,
     objective_key,
     option_keys,
+    store_schemas,
     to_node,
     validate,
 )
 from runner.task import Task, task_of
+
+store_schemas()  # the groups' defaults, the base of their YAML options (the methods': runner.configs)
 
 __all__ = [
     "CONF_DIR",

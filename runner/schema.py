@@ -406,6 +406,25 @@ TOP_LEVEL = {
 }
 # The groups whose options have schemas of their own (by option name; other options take the group's).
 OPTION_SCHEMAS = {"dataset": DATASET_SCHEMAS, "model": MODEL_SCHEMAS}
+
+
+def store_schemas() -> None:
+    """Store each group's schema defaults in Hydra's ConfigStore, the base its YAML options extend and the
+    one place a default is written: `schema/train`, `schema/hardware`, `schema/logger`, and per group with
+    option schemas `schema/<group>/base` (the group's) and `schema/<group>/<option>` (an option's own)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for group, schema in TOP_LEVEL.items():
+        options = OPTION_SCHEMAS.get(group)
+        if options is None:
+            store.store(group="schema", name=group, node=dataclasses.asdict(schema()), provider="runner")
+            continue
+        for name, option in {"base": schema, **options}.items():
+            node = dataclasses.asdict(option())
+            store.store(group=f"schema/{group}", name=name, node=node, provider="runner")
+
+
 # Optional top-level keys and their checks: a method (`+method=NAME`), `+debug=smoke`, a preset's numbers.
 OPTIONAL = ("method", "debug", "paper", "per_method")
 # Top-level scalars: their type and, for numbers, their range (numpy takes seeds in [0, 2**32 - 1]).
