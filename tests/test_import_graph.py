@@ -6,6 +6,8 @@ into their `__init__` (runner.data, runner.methods, ...) count as one module."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +111,20 @@ def test_the_graph_sees_lazy_imports(tmp_path):
     """A function's import counts (the old circle ran through one): the checks above can fail."""
     (tmp_path / "m.py").write_text("def f():\n    from runner.cli import main\n")
     assert "runner.cli" in imported("runner.m", tmp_path / "m.py", {"runner.cli", "runner.m"})
+
+
+def test_the_solvers_facade():
+    """`runner.methods` re-exports each solver (POT's `ot` style) without importing a solver module
+    before one is asked for."""
+    code = (
+        "import sys, runner.methods as m; "
+        "before = {k for k in sys.modules if k.startswith('runner.methods.')}; "
+        "from runner.methods import cover, allocate, dbot_cluster, assign_codes, comixup_masks; "
+        "from runner.methods import comixup, pwc; import runner.methods.dbot as dbot; "
+        "assert (cover, allocate, comixup_masks) == (pwc.cover, sys.modules['runner.methods.csot'].allocate, "
+        "comixup.comixup_masks) and dbot_cluster is dbot.dbot_cluster; "
+        "assert all(getattr(m, n).__module__ == 'runner.methods.' + m._MODULE_OF[n] for n in m.__all__); "
+        "print(sorted(before))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"
