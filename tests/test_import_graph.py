@@ -123,7 +123,8 @@ def test_the_solvers_facade():
         "from runner.methods import comixup, pwc; import runner.methods.dbot as dbot; "
         "assert (cover, allocate, comixup_masks) == (pwc.cover, sys.modules['runner.methods.csot'].allocate, "
         "comixup.comixup_masks) and dbot_cluster is dbot.dbot_cluster; "
-        "assert all(getattr(m, n).__module__ == 'runner.methods.' + m._MODULE_OF[n] for n in m.__all__); "
+        "assert all(getattr(m, n).__module__ == 'runner.methods.' + m._module_of()[n] for n in m.__all__); "
+        "assert {'dbot', 'comixup', 'SOLVERS'}.isdisjoint(m.__all__) and len(m.__all__) > 50; "
         "print(sorted(before))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)

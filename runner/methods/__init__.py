@@ -3,32 +3,44 @@ files or W&B. One façade in POT's manner:
 
     from runner.methods import cover, allocate, dbot_cluster, assign_codes, comixup_masks
 
-Each name is its module's function (`runner.methods.<module>`), imported on first use, so the façade
-costs nothing until a solver is asked for. Where a module and its main function share a name (`dbot`,
-`comixup`) the name is the module: `runner.methods.dbot.dbot`.
+Its names are the functions each solver module here lists in its `__all__` (a new module's join by
+themselves), but a name two modules share or that names a module (`dbot`, `comixup`: the module; its
+function is `runner.methods.dbot.dbot`). The modules are imported when the façade is first asked for a
+name, so importing `runner.methods` (or one solver module) costs nothing more.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import pkgutil
 
-SOLVERS = {
-    "comixup": ("comixup_masks", "saliency", "compatibility", "grid_cut"),
-    "csot": ("allocate", "csot_plan", "curriculum_ot", "curriculum_budget", "coherence_energy", "select"),
-    "dbot": ("dbot_lp", "dbot_cluster", "dbot_predict", "dbot_loss", "dbot_objective", "dbot_dual"),
-    "hier_hash": ("assign_codes", "cascade_codes", "flow_network", "code_energy", "hash_loss"),
-    "mixup": ("input_mixup", "cutmix", "manifold_mixup", "puzzle_mix"),
-    "pwc": ("cover", "partial_wasserstein_dual", "entropic_partial_wasserstein_dual"),
-}
-_MODULE_OF = {name: module for module, names in SOLVERS.items() for name in names}
-__all__ = sorted(_MODULE_OF)
+
+@functools.cache
+def _modules() -> tuple[str, ...]:
+    return tuple(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+
+
+@functools.cache
+def _module_of() -> dict[str, str]:
+    """Each exported name -> its solver module."""
+    found: dict[str, list[str]] = {}
+    for module in _modules():
+        solvers = importlib.import_module(f"{__name__}.{module}")
+        for name in solvers.__all__:
+            if inspect.isfunction(getattr(solvers, name)) and name not in _modules():
+                found.setdefault(name, []).append(module)
+    return {name: modules[0] for name, modules in found.items() if len(modules) == 1}
 
 
 def __getattr__(name: str):
-    if name not in _MODULE_OF:  # a submodule is imported by the import system itself
-        raise AttributeError(f"module 'runner.methods' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"runner.methods.{_MODULE_OF[name]}"), name)
+    if name == "__all__":
+        return sorted(_module_of())
+    if name in _modules() or name not in _module_of():  # a submodule: the import system imports it
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_module_of()[name]}"), name)
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    return sorted([*globals(), *_module_of()])
