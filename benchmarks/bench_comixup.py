@@ -16,7 +16,6 @@ in one read and sends the cells' sources back.
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -31,7 +30,6 @@ from runner.hooks.mixup import ActivationGradients, MixupHooks
 from runner.methods.comixup import (
     CONFIG_KEYS,
     OPTIONS,
-    RANDOM_GRIDS,
     _batch_summary,
     _cell_sources,
     _cells,
@@ -42,7 +40,9 @@ from runner.methods.comixup import (
     _solve_partitions,
     _Sweeps,
     _uncells,
+    choose_grid,
     comixup,
+    partition_slots,
     pool_saliency,
 )
 from runner.methods.mixup import puzzle_mix
@@ -256,19 +256,9 @@ def old_prepare(x, y_onehot, saliency_maps, sweeps: _Sweeps, omega, alpha, grid,
     if not np.isfinite(s).all():
         raise ValueError("saliency_maps: contains NaN or inf")
     rng = np.random.default_rng(rng)
-    if grid == -1:
-        choices = [c for c in RANDOM_GRIDS if H % c == 0 and W % c == 0]
-        if not choices:
-            raise ValueError(f"grid=-1: none of {RANDOM_GRIDS} divides the image size {H}x{W}")
-        grid = int(rng.choice(choices))
-    if not (isinstance(grid, int | np.integer) and grid >= 1 and H % grid == 0 and W % grid == 0):
-        raise ValueError(f"grid={grid}: must be a positive divisor of the image size {H}x{W}, or -1")
+    grid = choose_grid(grid, H, W, rng)
     n = grid * grid
-    chunks = np.array_split(np.arange(B), math.ceil(B / part))
-    sizes = np.array([len(c) for c in chunks])
-    index = np.full((len(chunks), sizes.max()), -1)
-    for p, chunk in enumerate(chunks):
-        index[p, : len(chunk)] = chunk
+    index, sizes = partition_slots(B, part)
     real = index >= 0
     s_grid = pool_saliency(s, grid).reshape(B, n)[index] * real[:, :, None]
     A = _compatibility_from_locations(old_salient_locations(s)[index], real, omega)

@@ -24,6 +24,12 @@ def check_choice(key: str, value: Any, choices) -> None:
         )
 
 
+def check_lowest(group: str, obj, lowest: dict) -> None:
+    """`check_range` of each key of `lowest` of the schema object `obj` from its lowest allowed value."""
+    for key, lo in lowest.items():
+        check_range(f"{group}.{key}", getattr(obj, key), lo)
+
+
 def check_range(key: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:
     """Raise unless lo <= value <= hi (strict where `*_open`); NaN is in no range."""
     bad = (

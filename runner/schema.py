@@ -19,7 +19,15 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from runner.checks import ConfigError, build, check_choice, check_range, field_types, omegaconf_type
+from runner.checks import (
+    ConfigError,
+    build,
+    check_choice,
+    check_lowest,
+    check_range,
+    field_types,
+    omegaconf_type,
+)
 from runner.configs import TASK_METHODS
 
 __all__ = [
@@ -109,10 +117,7 @@ class SyntheticConfig(DatasetConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_range("dataset.num_classes", self.num_classes, 2)
-        check_range("dataset.dim", self.dim, 1)
-        check_range("dataset.n_samples", self.n_samples, 10)
-        check_range("dataset.separation", self.separation, 0.0)
+        check_lowest("dataset", self, {"num_classes": 2, "dim": 1, "n_samples": 10, "separation": 0.0})
 
 
 @dataclass
@@ -372,10 +377,7 @@ class DebugConfig:
     random_weights: bool = False
 
     def __post_init__(self):
-        check_range("debug.epochs", self.epochs, 1)
-        check_range("debug.max_batches", self.max_batches, 1)
-        check_range("debug.cpu_batch", self.cpu_batch, 1)
-        check_range("debug.cpu_side", self.cpu_side, 1)
+        check_lowest("debug", self, {"epochs": 1, "max_batches": 1, "cpu_batch": 1, "cpu_side": 1})
 
 
 @dataclass

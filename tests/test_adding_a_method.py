@@ -73,7 +73,8 @@ def test_a_new_method_runs_through_the_registry(toy_method, monkeypatch):
     preset, method = ["+experiment=label_smoothing_digits"], ["+method=label_smoothing", "method.eps=0.05"]
     for i, args in enumerate((preset, method)):
         run_dir = toy_method / f"run{i}"
-        run_in_process([*args, "+debug=smoke", "logger=none", "--config-dir", conf, f"hydra.run.dir={run_dir}"])
+        smoke = ["+debug=smoke", "logger=none", "--config-dir", conf, f"hydra.run.dir={run_dir}"]
+        run_in_process([*args, *smoke])
         summary = json.loads((run_dir / "summary.json").read_text())
         assert math.isfinite(summary["test/acc"])
         assert (run_dir / "config.yaml").read_text().count("task: smoothing") == 1

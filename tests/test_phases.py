@@ -152,7 +152,7 @@ def test_zero_init_residual_zeroes_exactly_the_last_norm_of_each_block(name, blo
 
 
 def test_zero_init_residual_on_a_network_without_such_blocks_is_one_line():
-    cfg = model_config("model=preactresnet18", "+model.zero_init_residual=true")
+    cfg = model_config("model=preactresnet18", "model.zero_init_residual=true")
     with pytest.raises(ConfigError, match="model=preactresnet18 has no post-activation residual blocks"):
         build_model(cfg, (3, 32, 32), 10)
 

@@ -69,12 +69,6 @@ class CoverConfig(MethodConfig):
 
 METHODS = {"pwc": CoverConfig}
 
-TASK = register_task(
-    TaskEntry(
-        "covering",
-        "tasks.covering",
-        METHODS,
-        bench_presets=("pwc_cifar10",),
-        bench_baseline=("method.selector=random",),  # the same network for every selector: random picks
-    )
-)
+# PWC trains the same network for every selector: its bench-gpu baseline picks at random.
+TASK = register_task(TaskEntry("covering", "tasks.covering", METHODS, bench_presets=("pwc_cifar10",),
+                               bench_baseline=("method.selector=random",)))  # fmt: skip

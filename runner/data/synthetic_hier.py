@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runner.checks import check_lowest
 from runner.data import Data, register_dataset, split_of
-from runner.schema import DatasetConfig, check_range
+from runner.schema import DatasetConfig
 
 
 @dataclass
@@ -31,10 +32,9 @@ class SyntheticHierConfig(DatasetConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        lowest = {"n_super": 1, "n_sub": 1, "dim": 1, "super_std": 0.0, "class_std": 0.0, "noise_std": 0.0,
-                  "train_per_class": 1, "val_per_class": 0, "test_per_class": 1}  # fmt: skip
-        for key, lo in lowest.items():
-            check_range(f"dataset.{key}", getattr(self, key), lo)
+        check_lowest("dataset", self, {"n_super": 1, "n_sub": 1, "dim": 1, "super_std": 0.0, "class_std": 0.0,
+                                       "noise_std": 0.0, "train_per_class": 1, "val_per_class": 0,
+                                       "test_per_class": 1})  # fmt: skip
 
 
 @register_dataset("synthetic_hier", schema=SyntheticHierConfig)

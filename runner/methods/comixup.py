@@ -763,6 +763,19 @@ def comixup(
     return (*out, info) if log else out
 
 
+def choose_grid(grid: int, H: int, W: int, rng: np.random.Generator) -> int:
+    """The partition grid's side for an H x W image: `grid`, or with grid=-1 one of RANDOM_GRIDS that
+    divides the image, drawn from `rng`."""
+    if grid == -1:
+        choices = [c for c in RANDOM_GRIDS if H % c == 0 and W % c == 0]
+        if not choices:
+            raise ValueError(f"grid=-1: none of {RANDOM_GRIDS} divides the image size {H}x{W}")
+        grid = int(rng.choice(choices))
+    if not (isinstance(grid, int | np.integer) and grid >= 1 and H % grid == 0 and W % grid == 0):
+        raise ValueError(f"grid={grid}: must be a positive divisor of the image size {H}x{W}, or -1")
+    return grid
+
+
 def _option_defaults() -> dict:
     """The keyword options of `comixup` that shape the mix (all but rng, log, with_masks), with defaults."""
     parameters = inspect.signature(comixup).parameters.items()
@@ -794,13 +807,7 @@ def _prepare(x, y_onehot, saliency_maps, sweeps: _Sweeps, omega, alpha, grid, pa
     if s.shape != (B, H, W):
         raise ValueError(f"saliency_maps: shape {tuple(s.shape)}, expected ({B}, {H}, {W})")
     rng = np.random.default_rng(rng)
-    if grid == -1:
-        choices = [c for c in RANDOM_GRIDS if H % c == 0 and W % c == 0]
-        if not choices:
-            raise ValueError(f"grid=-1: none of {RANDOM_GRIDS} divides the image size {H}x{W}")
-        grid = int(rng.choice(choices))
-    if not (isinstance(grid, int | np.integer) and grid >= 1 and H % grid == 0 and W % grid == 0):
-        raise ValueError(f"grid={grid}: must be a positive divisor of the image size {H}x{W}, or -1")
+    grid = choose_grid(grid, H, W, rng)
     summary = _batch_summary(y, s, grid).cpu().numpy()
     problem = _partitions(summary, omega, alpha, grid, part, rng)
     return {**problem, "x": x, "y": y, "numpy_out": numpy_out}
@@ -816,6 +823,17 @@ def _batch_summary(y: torch.Tensor, s: torch.Tensor, grid: int) -> torch.Tensor:
     return torch.cat([c.to(dtype) for c in columns], 1)
 
 
+def partition_slots(B: int, part: int) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of B split into ceil(B / part) near-equal partitions: (P, m) the batch index of each
+    partition's slot (-1: padding to the largest, m) and (P,) their sizes."""
+    chunks = np.array_split(np.arange(B), math.ceil(B / part))
+    sizes = np.array([len(c) for c in chunks])
+    index = np.full((len(chunks), sizes.max()), -1)
+    for p, chunk in enumerate(chunks):
+        index[p, : len(chunk)] = chunk
+    return index, sizes
+
+
 def _partitions(summary: np.ndarray, omega, alpha, grid: int, part, rng) -> dict:
     """From the batch summary (host): validate, split the batch into near-equal padded partitions, and
     build their compatibility and draw lambda and the start. -> {"arrays" of `_solve_partitions`,
@@ -827,12 +845,7 @@ def _partitions(summary: np.ndarray, omega, alpha, grid: int, part, rng) -> dict
         raise ValueError("y_onehot: has rows that are not one-hot")
     if not np.isfinite(pooled).all():
         raise ValueError("saliency_maps: contains NaN or inf")
-    B = len(summary)
-    chunks = np.array_split(np.arange(B), math.ceil(B / part))
-    sizes = np.array([len(c) for c in chunks])
-    index = np.full((len(chunks), sizes.max()), -1)
-    for p, chunk in enumerate(chunks):
-        index[p, : len(chunk)] = chunk
+    index, sizes = partition_slots(len(summary), part)
     real = index >= 0
     s_grid = pooled[index] * real[:, :, None]
     A = _compatibility_from_locations(loc[index], real, omega)
