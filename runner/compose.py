@@ -330,13 +330,26 @@ def variants(overrides: list[str]) -> list[list[str]]:
 
 def compose(overrides: list[str]) -> DictConfig:
     """The job config of `overrides` (`+method=` read as `method=`); a one-line ConfigError if it fails."""
+    overrides = canonical(overrides)
+    return without_other_options_settings(_hydra_compose(overrides), overrides)[0]
+
+
+def compose_hydra(overrides: list[str]) -> DictConfig:
+    """The first job's config with the `hydra` node (launcher, sweeper, run dir) of the command line."""
+    overrides = canonical(overrides)
+    job = variants(overrides)[0] + [o for o in overrides if o.startswith(("hydra/", "hydra."))]
+    return _hydra_compose(job, return_hydra_config=True)
+
+
+def _hydra_compose(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
+    """Hydra's compose of conf/config.yaml with `overrides`; its errors as one-line ConfigErrors: an
+    option no search path holds with the group's choices, every unknown key with the valid ones."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    overrides = canonical(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         try:
-            return without_other_options_settings(hydra_compose("config", overrides=overrides), overrides)[0]
+            return hydra_compose("config", overrides=overrides, return_hydra_config=return_hydra_config)
         except Exception as e:
             message = " ".join(str(e).split())
             missing = re.search(_MISSING_OPTION, message)
@@ -345,7 +358,7 @@ def compose(overrides: list[str]) -> DictConfig:
                 choices = ", ".join(options.split())
                 raise ConfigError(f"{group}={value!r} is not an option; choices: {choices}") from None
             unknown = re.match(_UNKNOWN_KEY, message)
-            if not unknown:
+            if not unknown:  # e.g. a search space given as a hydra.* override
                 raise ConfigError(message) from None
             raise _unknown_keys(hydra_compose, overrides, unknown.group(1), message) from None
 
@@ -373,20 +386,6 @@ def _unknown_keys(hydra_compose, overrides: list[str], key: str, message: str) -
         plural, under = "s" if len(keys) > 1 else "", f" under {parent}" if parent else ""
         clauses.append(f"unknown key{plural} {', '.join(keys)}; valid keys{under}: {valid}")
     return ConfigError("; ".join(clauses))
-
-
-def compose_hydra(overrides: list[str]) -> DictConfig:
-    """The first job's config with the `hydra` node (launcher, sweeper, run dir) of the command line."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    overrides = canonical(overrides)
-    job = variants(overrides)[0] + [o for o in overrides if o.startswith(("hydra/", "hydra."))]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        try:
-            return hydra_compose("config", overrides=job, return_hydra_config=True)
-        except Exception as e:  # e.g. a search space given as a hydra.* override
-            raise ConfigError(" ".join(str(e).split())) from None
 
 
 def sweep_params(overrides: list[str]) -> list[str]:
