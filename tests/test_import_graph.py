@@ -129,3 +129,15 @@ def test_the_solvers_facade():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_files_are_named_by_one_rule():
+    """Task files carry the task's name (runner/configs/<task>.py registers tasks/<task>.py); method files
+    (runner/methods/, runner/hooks/) carry a method's or a family's."""
+    from runner.configs import TASKS
+
+    def stems(folder: str) -> set[str]:
+        return {p.stem for p in (ROOT / folder).glob("*.py") if not p.stem.startswith("_")}
+
+    assert stems("runner/configs") == stems("tasks") == set(TASKS)
+    assert all(entry.module == f"tasks.{name}" for name, entry in TASKS.items())
