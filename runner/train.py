@@ -5,22 +5,10 @@ evaluation and per-epoch method passes: `predict`), so the same code serves in-m
 device) and file-backed ones (a DataLoader with `hardware.num_workers` decoding processes and pinned
 memory). `fit` trains, evaluates val, test and any extra splits each epoch, logs to the tracker,
 checkpoints (every epoch, every `train.checkpoint_every_minutes` and on a stop signal) and resumes from
-the last checkpoint in the run dir at the same step (`Resumable`). Methods plug in through a `hooks`
-object with any of:
-
-    on_epoch_start(epoch, model, data)                  e.g. CSOT's sample selection
-    transform(x, y_soft, idx, model) -> (x, y_soft)     a batch transform (mixup family)
-    loss(model, x, y_soft, idx, epoch) -> scalar         replaces the soft cross-entropy
-    state_dict() / load_state_dict(state)               kept in checkpoints
-    mid_epoch_resume = True                             state_dict holds all on_epoch_start set up
-    batch_sampler(default) -> sampler                   the index batches instead of `default` (an
-                                                        EpochBatches): same protocol, its length read
-                                                        after each set_epoch (e.g. CSOT's two pools)
-    optimizer(model) -> (optimizer, scheduler, per_step)  instead of train.optimizer / schedule; per_step:
-                                                        the scheduler steps after every batch
-    evaluate(model) -> dict                             the per-epoch metrics instead of val/test accuracy
-    select = (key, "max" | "min")                       keep and restore the best weights by that metric
-    epoch_metrics() -> dict                             added to the epoch's row (e.g. CSOT's select/*)
+the last checkpoint in the run dir at the same step (`Resumable`). Methods plug in through a subclass
+of `runner.hooks.MethodHooks` (`runner.method_hooks`), whose docstring lists every hook the loop calls
+(a per-epoch pass, a batch transform, the loss, the optimizer, the evaluation, the batches, checkpointed
+state, and whether the step may be captured or split) with the loop's default for each.
 
 Training by iterations: a hook's sampler cuts them into epochs (the unit of logging, evaluation and
 epoch-end checkpoints) and its per-step scheduler follows the iteration count.
@@ -52,6 +40,7 @@ from runner.data.files import UNREADABLE
 from runner.data.views import augment_crop_flip
 from runner.faults import CheckpointError, Diverged, StopSignals, out_of_memory_stops
 from runner.hardware import RunContext, Stopwatch, all_reduce_sum, renew_host_memory_cap
+from runner.method_hooks import MethodHooks, PlainTraining
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary, reliability_plot
 from runner.schema import ConfigError
 from runner.untrusted import RefusedPickle, torch_load
@@ -424,7 +413,9 @@ class Resumable:
     writes one at a position, refusing non-finite weights. One object per loop, so another loop (e.g.
     iterations instead of epochs) reuses it whole."""
 
-    def __init__(self, path, ctx: RunContext, model, optimizer, scheduler, scaler, hooks=None, parts=None):
+    def __init__(
+        self, path, ctx: RunContext, model, optimizer, scheduler, scaler, hooks: MethodHooks, parts=None
+    ):
         self.path, self.ctx, self.model, self.hooks = Path(path), ctx, model, hooks
         self.parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         self.parts.update({key: part for key, part in (parts or {}).items() if part is not None})
@@ -438,7 +429,7 @@ class Resumable:
         try:
             for key, part in self.parts.items():
                 part.load_state_dict(state[key])
-            if state.get("hooks") is not None and hasattr(self.hooks, "load_state_dict"):
+            if state.get("hooks") is not None:
                 self.hooks.load_state_dict(state["hooks"])
             set_rng_state(state["rng"], self.ctx.device)
         except (KeyError, RuntimeError, TypeError, ValueError) as e:  # another model, an older format
@@ -458,7 +449,7 @@ class Resumable:
             )
         state = {key: part.state_dict() for key, part in self.parts.items()}
         state.update(epoch=epoch, step=step, extra=extra, rng=rng_state(self.ctx.device))
-        state["hooks"] = self.hooks.state_dict() if hasattr(self.hooks, "state_dict") else None
+        state["hooks"] = self.hooks.state_dict()
         save_checkpoint(self.path, state)
         self.last = f"{self.path} ({_position(epoch, step)})"
 
@@ -547,7 +538,7 @@ def captured_region(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> 
     return s.step_fn(s, x, idx, epoch)
 
 
-def not_capturable(s: Step, hooks) -> str | None:
+def not_capturable(s: Step, hooks: MethodHooks) -> str | None:
     """Why the step of this fit cannot be captured as one CUDA graph, or None when it can: every step
     must run the same device work on the same memory, with no host read or host-made value inside."""
     ctx = s.ctx
@@ -559,7 +550,7 @@ def not_capturable(s: Step, hooks) -> str | None:
         return "the weights' EMA reads its count on the host"
     if ctx.compile == "reduce-overhead":
         return "torch.compile's reduce-overhead mode captures graphs of its own"
-    if hooks is not None and not getattr(hooks, "capturable", False):
+    if not hooks.capturable:
         return f"the method's hooks ({type(hooks).__name__}) read the host or draw host randomness in a step"
     if not all(group.get("fused") for group in s.optimizer.param_groups):
         return "the method's optimizer is not fused (its lr would be read on the host)"
@@ -665,15 +656,15 @@ class DeferredChecks:
         return [v > 0 for v in agreed], first_bad, scale
 
 
-def epoch_start(hooks, epoch: int, model, data: Data) -> None:
+def epoch_start(hooks: MethodHooks, epoch: int, model, data: Data) -> None:
     """The method's per-epoch pass (e.g. CSOT's selection), if it has one."""
-    if getattr(hooks, "on_epoch_start", None) is not None:
+    if hooks.on_epoch_start is not None:
         hooks.on_epoch_start(epoch, model, data)
 
 
-def evaluate_all(model, data: Data, ctx: RunContext, cfg, hooks) -> tuple[dict, dict]:
+def evaluate_all(model, data: Data, ctx: RunContext, cfg, hooks: MethodHooks) -> tuple[dict, dict]:
     """The epoch's evaluation: the method's own (`hooks.evaluate`), or every evaluation split's metrics."""
-    if getattr(hooks, "evaluate", None) is not None:
+    if hooks.evaluate is not None:
         return hooks.evaluate(model), {}
     return _evaluate_splits(model, data, ctx, cfg.eval_batch_size, cfg.ece_bins)
 
@@ -715,13 +706,30 @@ def train_one_epoch(s: Step, loop: _Loop, epoch: int, first: int) -> tuple[torch
     return loss_sum, checks
 
 
+def _method_hooks(hooks: MethodHooks | None) -> MethodHooks:
+    """`fit`'s hooks: the method's, or plain training for None; a TypeError for an object that does not
+    subclass MethodHooks (the loop reads every hook of that class, with its default)."""
+    if hooks is None:
+        return PlainTraining()
+    if not isinstance(hooks, MethodHooks):
+        raise TypeError(f"fit's hooks subclass runner.hooks.MethodHooks; {type(hooks).__name__} does not")
+    return hooks
+
+
 def fit(
-    model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "none", tag: str | None = None
+    model,
+    data: Data,
+    cfg,
+    ctx: RunContext,
+    hooks: MethodHooks | None = None,
+    augment: str = "none",
+    tag: str | None = None,
 ) -> dict:
     """Train `model` on `data.train` for `cfg.epochs` (a `TrainConfig`); return the final metrics, with
     the best, last and median-of-last-10 test accuracy, and write `reliability.png` of the test split.
-    `augment` is the training augmentation (`dataset.augment`; in-memory crop padding from
-    `data.meta["crop_pad"]`).
+    `hooks` is the method's (a `runner.hooks.MethodHooks`: its docstring lists each hook and the loop's
+    default), None the plain baseline (`PlainTraining`). `augment` is the training augmentation
+    (`dataset.augment`; in-memory crop padding from `data.meta["crop_pad"]`).
 
     Checkpoints (`checkpoints/last.pt`, `train.checkpoint`) at the end of every epoch and every
     `train.checkpoint_every_minutes` inside one, and on a stop signal after the current step (see
@@ -737,10 +745,11 @@ def fit(
     "max" | "min")`) the model is evaluated before the first epoch too, the weights of the best value of
     `key` are kept (in the checkpoint as well) and restored at the end, and the returned metrics are those
     of the restored model (`tested_model` says which; `<key>_last` are the last epoch's)."""
+    hooks = _method_hooks(hooks)
     if cfg.accumulate == "auto":
         cfg.accumulate = micro_batches(model, data.input_shape, cfg, ctx, hooks)
     # first: a method that refuses micro-batches needs no advice on how to split them
-    if cfg.accumulate > 1 and not _splits_batches(hooks):
+    if cfg.accumulate > 1 and not hooks.accumulate_ok:
         raise ConfigError(
             f"train.accumulate={cfg.accumulate}: this method needs each whole batch in one pass (its "
             "batch transform, loss or sampler sees the batch as one); use train.accumulate=1"
@@ -755,7 +764,7 @@ def fit(
                 f"{key}={size}: must split evenly over {ctx.world_size} ranks x "
                 f"train.accumulate={cfg.accumulate} micro-batches"
             )
-    if cfg.phases and getattr(hooks, "optimizer", None) is not None:
+    if cfg.phases and hooks.optimizer is not None:
         raise ConfigError("train.phases set the lr of the config's optimizer; this method brings its own: "
                           "leave train.phases empty")  # fmt: skip
     # Evaluated at the side it ends its training at: a network trained at 16 px sees 8-px digits blurred
@@ -924,7 +933,7 @@ def fits_in_memory(model, input_shape: tuple, batch: int, ctx: RunContext) -> tu
     return fits, peak / 2**30
 
 
-def micro_batches(model, input_shape: tuple, cfg, ctx: RunContext, hooks) -> int:
+def micro_batches(model, input_shape: tuple, cfg, ctx: RunContext, hooks: MethodHooks) -> int:
     """train.accumulate=auto: the fewest micro-batches per step whose share of this rank's largest batch
     (train.batch_size, or a phase's) fits the GPU (`fits_in_memory`), among those that divide every
     batch; 1 off an accelerator. A method that needs its whole batch in one pass and does not fit stops
@@ -935,7 +944,7 @@ def micro_batches(model, input_shape: tuple, cfg, ctx: RunContext, hooks) -> int
     model.to(ctx.device)
     batch = max(sizes) // ctx.world_size
     dividing = [k for k in range(1, batch + 1) if all(size % (ctx.world_size * k) == 0 for size in sizes)]
-    splits = _splits_batches(hooks)
+    splits = hooks.accumulate_ok
     for k in dividing:
         fits, peak = fits_in_memory(model, input_shape, batch // k, ctx)
         if fits and (splits or k == 1):
@@ -955,27 +964,20 @@ def micro_batches(model, input_shape: tuple, cfg, ctx: RunContext, hooks) -> int
     )
 
 
-def _splits_batches(hooks) -> bool:
-    """Whether `train.accumulate` may split a batch into micro-batches: plain training, or a method whose
-    batch transform, loss and sampler add up over them (`hooks.accumulate_ok`)."""
-    return hooks is None or getattr(hooks, "accumulate_ok", False)
-
-
 class _Loop:
     """A fit's state across epochs: the step's parts, the checkpoint, the sampler and batches, the
     evaluation history and best epoch, and the stop signals; `epoch` runs one epoch end to end."""
 
-    def __init__(self, model, data: Data, cfg, ctx: RunContext, hooks, tag: str | None):
+    def __init__(self, model, data: Data, cfg, ctx: RunContext, hooks: MethodHooks, tag: str | None):
         self.model, self.data, self.cfg, self.ctx, self.hooks, self.tag = model, data, cfg, ctx, hooks, tag
-        make_optimizers = getattr(hooks, "optimizer", None)
-        self.warmup = make_optimizers is None  # the config's optimizer, schedule and warm-up
+        self.warmup = hooks.optimizer is None  # the config's optimizer, schedule and warm-up
         if self.warmup:
             optimizer = make_optimizer(model, cfg, fused=ctx.fused_optimizer)
             scheduler, per_step = make_scheduler(optimizer, cfg), False
         else:
-            optimizer, scheduler, per_step = make_optimizers(model)
+            optimizer, scheduler, per_step = hooks.optimizer(model)
         # torch.compile takes the whole step where the method's hooks run device work alone; else the network
-        whole_step = ctx.compile != "false" and (hooks is None or getattr(hooks, "capturable", False))
+        whole_step = ctx.compile != "false" and hooks.capturable
         net = ctx.prepare(model, compile_network=not whole_step)
         ema = None
         if cfg.ema:  # on the device beside the model, buffers (batch-norm statistics) averaged too
@@ -984,7 +986,7 @@ class _Loop:
         self.step = Step(
             net, model, optimizer, scheduler, per_step, ctx.grad_scaler(), ctx,
             ctx.pin(data.train.y).to(ctx.device, non_blocking=True), data.num_classes,
-            getattr(hooks, "transform", None), getattr(hooks, "loss", None), cfg.accumulate,
+            hooks.transform, hooks.loss, cfg.accumulate,
             cfg.clip_grad_norm, ema, ctx.stopwatch(), torch.zeros((), device=ctx.device),
             torch.zeros(2, device=ctx.device),
             # the transform's passes through the compiled network, but not through DDP (whose gradient
@@ -1007,10 +1009,10 @@ class _Loop:
         path = ctx.dir / CHECKPOINT if tag is None else ctx.dir / "checkpoints" / f"{tag}.pt"
         extra = {"ema": ema, "warmup_lr": self.warmup_lr}
         self.state = Resumable(path, ctx, model, optimizer, scheduler, self.step.scaler, hooks, extra)
-        self.select = selection(cfg.select) or getattr(hooks, "select", None)
+        self.select = selection(cfg.select) or hooks.select
         self.monitor = Monitor(self.select or ("val/acc", "max"), cfg, path)
-        has_pass = getattr(hooks, "on_epoch_start", None) is not None
-        self.mid_epoch = cfg.checkpoint and (not has_pass or getattr(hooks, "mid_epoch_resume", False))
+        has_pass = hooks.on_epoch_start is not None
+        self.mid_epoch = cfg.checkpoint and (not has_pass or hooks.mid_epoch_resume)
         self.last_save = time.monotonic()
         self.train_s, self.carried_loss, self.history, self.best, self.signals = 0.0, 0.0, {}, None, None
         self.phases = Phases(cfg.phases) if cfg.phases else None
@@ -1026,8 +1028,7 @@ class _Loop:
             return
         self.batch_shape = shape
         self.sampler = EpochBatches(n, shape[0], ctx.rank, ctx.world_size, torch.initial_seed())
-        if hasattr(self.hooks, "batch_sampler"):
-            self.sampler = self.hooks.batch_sampler(self.sampler)
+        self.sampler = self.hooks.batch_sampler(self.sampler)
         self.train_batches = batches(self.data.train, self.ctx, self.sampler, augment,
                                      self.data.meta.get("crop_pad", 4), shape[1])  # fmt: skip
 
@@ -1063,7 +1064,7 @@ class _Loop:
         if getattr(self.data.train, "bad_images", None) == "skip":  # files replaced in the epoch's passes
             skipped = torch.tensor([UNREADABLE.take()], device=ctx.device)
             metrics["data/bad_images"] = int(all_reduce_sum(skipped).item())
-        metrics.update(getattr(self.hooks, "epoch_metrics", dict)())
+        metrics.update(self.hooks.epoch_metrics())
         metrics.update(timings)
         metrics["time/epoch_s"] = time.perf_counter() - t0
         _log(ctx, self.tag, metrics, epoch)
@@ -1134,16 +1135,15 @@ class _Loop:
         cfg, ctx, batch = self.cfg, self.ctx, self.batch_shape[0]
         kept = f"last good checkpoint: {self.state.last}"
         if self.stage != "training":
-            if self.stage == "evaluation" and not hasattr(self.hooks, "evaluate"):
+            if self.stage == "evaluation" and self.hooks.evaluate is None:
                 where = f"the evaluation at train.eval_batch_size={cfg.eval_batch_size}; lower it"
             else:  # the method's own pass or evaluation, at batches of its own
                 where = "the method's evaluation" if self.stage == "evaluation" else "the method's pass"
             return f"ran out of {memory} in epoch {epoch + 1}, in {where}; {kept}"
         key = f"train.phases.{self.phases.index(epoch)}.batch_size" if self.phases else "train.batch_size"
-        own = getattr(self.hooks, "batch_setting", None)
-        setting = own(epoch) if own else f"{key}={batch}"
+        setting = self.hooks.batch_setting(epoch) or f"{key}={batch}"
         fixes = ["lower it"]
-        if _splits_batches(self.hooks) and batch % (2 * ctx.world_size * cfg.accumulate) == 0:
+        if self.hooks.accumulate_ok and batch % (2 * ctx.world_size * cfg.accumulate) == 0:
             fixes.append(f"keep the batch with train.accumulate={2 * cfg.accumulate} (half as many per pass)")
         if ctx.accelerator and ctx.precision == "fp32":
             fixes.append("use hardware.precision=bf16 (half the bytes per activation)")
