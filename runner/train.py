@@ -716,6 +716,33 @@ def _method_hooks(hooks: MethodHooks | None) -> MethodHooks:
     return hooks
 
 
+def _check_batch_settings(model, data: Data, cfg, ctx: RunContext, hooks: MethodHooks) -> None:
+    """Before anything is built: `train.accumulate` settled (auto: by a probe, `micro_batches`) and
+    allowed by the method, every batch split evenly over the ranks and micro-batches, and `train.phases`
+    only with the config's optimizer; ConfigError otherwise."""
+    if cfg.accumulate == "auto":
+        cfg.accumulate = micro_batches(model, data.input_shape, cfg, ctx, hooks)
+    # first: a method that refuses micro-batches needs no advice on how to split them
+    if cfg.accumulate > 1 and not hooks.accumulate_ok:
+        raise ConfigError(
+            f"train.accumulate={cfg.accumulate}: this method needs each whole batch in one pass (its "
+            "batch transform, loss or sampler sees the batch as one); use train.accumulate=1"
+        )
+    # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
+    # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
+    for key, size in [("train.batch_size", cfg.batch_size)] + [
+        (f"train.phases.{i}.batch_size", phase.batch_size) for i, phase in enumerate(cfg.phases)
+    ]:
+        if size % (ctx.world_size * cfg.accumulate):
+            raise ConfigError(
+                f"{key}={size}: must split evenly over {ctx.world_size} ranks x "
+                f"train.accumulate={cfg.accumulate} micro-batches"
+            )
+    if cfg.phases and hooks.optimizer is not None:
+        raise ConfigError("train.phases set the lr of the config's optimizer; this method brings its own: "
+                          "leave train.phases empty")  # fmt: skip
+
+
 def fit(
     model,
     data: Data,
@@ -746,82 +773,16 @@ def fit(
     `key` are kept (in the checkpoint as well) and restored at the end, and the returned metrics are those
     of the restored model (`tested_model` says which; `<key>_last` are the last epoch's)."""
     hooks = _method_hooks(hooks)
-    if cfg.accumulate == "auto":
-        cfg.accumulate = micro_batches(model, data.input_shape, cfg, ctx, hooks)
-    # first: a method that refuses micro-batches needs no advice on how to split them
-    if cfg.accumulate > 1 and not hooks.accumulate_ok:
-        raise ConfigError(
-            f"train.accumulate={cfg.accumulate}: this method needs each whole batch in one pass (its "
-            "batch transform, loss or sampler sees the batch as one); use train.accumulate=1"
-        )
-    # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
-    # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
-    for key, size in [("train.batch_size", cfg.batch_size)] + [
-        (f"train.phases.{i}.batch_size", phase.batch_size) for i, phase in enumerate(cfg.phases)
-    ]:
-        if size % (ctx.world_size * cfg.accumulate):
-            raise ConfigError(
-                f"{key}={size}: must split evenly over {ctx.world_size} ranks x "
-                f"train.accumulate={cfg.accumulate} micro-batches"
-            )
-    if cfg.phases and hooks.optimizer is not None:
-        raise ConfigError("train.phases set the lr of the config's optimizer; this method brings its own: "
-                          "leave train.phases empty")  # fmt: skip
+    _check_batch_settings(model, data, cfg, ctx, hooks)
     # Evaluated at the side it ends its training at: a network trained at 16 px sees 8-px digits blurred
     # past recognition (chance accuracy).
     ctx.eval_image_size = final_image_size(cfg)
     loop = _Loop(model, data, cfg, ctx, hooks, tag)
-    s, select = loop.step, loop.select
-    resumed = loop.state.resume() if cfg.checkpoint else None
-    start, first, extra = (0, 0, {}) if resumed is None else resumed
-    if first is None:  # an epoch-end checkpoint
-        start, first = start + 1, 0
-    # Epochs before `start` are logged; an interrupted one is when it completes. Without a checkpoint
-    # this drops the records of an earlier attempt that died before its first one.
-    _truncate(ctx, tag, start if resumed is not None else -1)
-    if resumed is not None and loop.warmup:
-        _follow_config(s.optimizer, s.scheduler, cfg)
-    loop.history, loop.carried_loss = extra.get("history", {}), extra.get("loss_sum", 0.0)
-    if isinstance(loop.history, list):  # a checkpoint from before val/acc had a history: test/acc's
-        loop.history = {"test/acc": loop.history}
-    loop.monitor.load_state_dict(extra.get("monitor", {}))
-    # The best epoch by `select`: its value, weights (on the CPU), metrics and calibration bins.
-    loop.best = extra.get("best")
-    if loop.best is not None:
-        loop.best["state"] = {key: value.cpu() for key, value in loop.best["state"].items()}
-    if select is not None and resumed is None:  # the initial weights stay unless training beats them
-        evaluated, calibration = evaluate_all(model, data, ctx, cfg, hooks)
-        if select[0] not in evaluated:
-            raise ConfigError(f"train.select=best:{select[0]}: this run does not report {select[0]}; "
-                              f"choices: {', '.join(f'best:{key}' for key in evaluated)}")  # fmt: skip
-        loop.best = _snapshot(model, evaluated, calibration, select, 0)
-        _log(ctx, tag, {"epoch": 0, **evaluated}, -1)
-    metrics: dict = {}
-    calibration: dict = {}
-    with StopSignals() as loop.signals:
-        for epoch in range(start, cfg.epochs):
-            # after the resume: the data order is seeded by the restored RNG state
-            loop.start_batches(augment, epoch)
-            with out_of_memory_stops(functools.partial(loop.out_of_memory, epoch)):
-                metrics, calibration = loop.epoch(epoch, first if epoch == start else 0)
-            if loop.monitor.stopped:
-                break
-    if loop.best is not None:  # the best epoch's weights and evaluation
-        model.load_state_dict(loop.best["state"])
-        metrics.update(loop.best["metrics"])
-        calibration = loop.best["calibration"]
-        log.info("%skept the weights of the best %s, %.4f", f"{tag}: " if tag else "", select[0],
-                 loop.best["value"])  # fmt: skip
-        metrics |= {"tested_model": f"best:{select[0]}", "tested_epoch": loop.best.get("epoch")}
-    elif not metrics:  # resumed a finished run: its last epoch's row, the model evaluated as it is
-        evaluated, calibration = evaluate_all(model, data, ctx, cfg, hooks)
-        metrics = {**extra.get("metrics", {}), **evaluated}
-    # which weights the metrics are of (runner-report names them); <key>_last: the last epoch's
-    metrics.setdefault("tested_model", "last")
-    for key, values in loop.history.items():
-        metrics.update(history_summary(values, key))
-    metrics.update(loop.monitor.summary())
-    metrics["time/train_total_s"] = loop.train_s  # the training steps of this process (not the resumed part)
+    start, first, extra = loop.resume()
+    if loop.select is not None and not loop.resumed:  # the initial weights stay unless training beats them
+        loop.evaluate_before_training()
+    metrics, calibration = loop.run_epochs(augment, start, first)
+    metrics, calibration = loop.final_metrics(metrics, calibration, extra)
     if ctx.is_main and "test" in calibration:
         reliability_plot(ctx.dir / "reliability.png", calibration["test"], "test")
     return metrics
@@ -966,11 +927,37 @@ def micro_batches(model, input_shape: tuple, cfg, ctx: RunContext, hooks: Method
 
 class _Loop:
     """A fit's state across epochs: the step's parts, the checkpoint, the sampler and batches, the
-    evaluation history and best epoch, and the stop signals; `epoch` runs one epoch end to end."""
+    evaluation history and best epoch, and the stop signals. `fit` runs it in named steps: `resume`,
+    `evaluate_before_training` (under `select`), `run_epochs` (each `epoch` end to end) and
+    `final_metrics`."""
 
     def __init__(self, model, data: Data, cfg, ctx: RunContext, hooks: MethodHooks, tag: str | None):
         self.model, self.data, self.cfg, self.ctx, self.hooks, self.tag = model, data, cfg, ctx, hooks, tag
         self.warmup = hooks.optimizer is None  # the config's optimizer, schedule and warm-up
+        self.step = self._make_step()
+        if ctx.cuda_graph:
+            self._capture_step()
+        self.warmup_lr = self._warmup_schedule()
+        path = ctx.dir / CHECKPOINT if tag is None else ctx.dir / "checkpoints" / f"{tag}.pt"
+        s, extra = self.step, {"ema": self.step.ema, "warmup_lr": self.warmup_lr}
+        self.state = Resumable(path, ctx, model, s.optimizer, s.scheduler, s.scaler, hooks, extra)
+        self.select = selection(cfg.select) or hooks.select
+        self.monitor = Monitor(self.select or ("val/acc", "max"), cfg, path)
+        has_pass = hooks.on_epoch_start is not None
+        self.mid_epoch = cfg.checkpoint and (not has_pass or hooks.mid_epoch_resume)
+        self.last_save = time.monotonic()
+        self.train_s, self.carried_loss, self.history, self.best, self.signals = 0.0, 0.0, {}, None, None
+        self.resumed = False  # from a checkpoint of this fit (`resume`)
+        self.phases = Phases(cfg.phases) if cfg.phases else None
+        self.batch_shape = None  # (batch size, image side) of the current training batches
+        self.stage = "training"  # of the current epoch: "pass" (the method's), "training" or "evaluation"
+
+    # --- the step's parts ----------------------------------------------------------------------------
+
+    def _make_step(self) -> Step:
+        """The optimizer and its schedule (the config's, or the method's own), the network to train through
+        (compiled alone, or with the whole step where the hooks are `capturable`) and the EMA, as a Step."""
+        model, data, cfg, ctx, hooks = self.model, self.data, self.cfg, self.ctx, self.hooks
         if self.warmup:
             optimizer = make_optimizer(model, cfg, fused=ctx.fused_optimizer)
             scheduler, per_step = make_scheduler(optimizer, cfg), False
@@ -983,7 +970,7 @@ class _Loop:
         if cfg.ema:  # on the device beside the model, buffers (batch-norm statistics) averaged too
             multi_avg_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema)
             ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=multi_avg_fn, use_buffers=True)
-        self.step = Step(
+        return Step(
             net, model, optimizer, scheduler, per_step, ctx.grad_scaler(), ctx,
             ctx.pin(data.train.y).to(ctx.device, non_blocking=True), data.num_classes,
             hooks.transform, hooks.loss, cfg.accumulate,
@@ -994,30 +981,107 @@ class _Loop:
             net if not ctx.distributed else ctx.compiled(model),
             step_fn=ctx.compiled(eager_step) if whole_step else eager_step,
         )  # fmt: skip
-        if ctx.cuda_graph:
-            why = not_capturable(self.step, hooks)
-            if why is None:
-                self.step.graphed = GraphedStep(self.step)
-            elif ctx.is_main:
-                log.info("hardware.cuda_graph: the training step runs eagerly: %s", why)
-        # The linear warm-up, per step: lr x (t + 1) / (W + 1) for steps t < W, times the epoch schedule
-        # (both schedulers are multiplicative, so they compose); its state travels in the checkpoint.
-        self.warmup_lr = None
-        if self.warmup and cfg.warmup_epochs:
-            w = cfg.warmup_epochs * len(EpochBatches(len(data.train.y), cfg.batch_size))
-            self.warmup_lr = torch.optim.lr_scheduler.LinearLR(optimizer, 1 / (w + 1), 1.0, total_iters=w)
-        path = ctx.dir / CHECKPOINT if tag is None else ctx.dir / "checkpoints" / f"{tag}.pt"
-        extra = {"ema": ema, "warmup_lr": self.warmup_lr}
-        self.state = Resumable(path, ctx, model, optimizer, scheduler, self.step.scaler, hooks, extra)
-        self.select = selection(cfg.select) or hooks.select
-        self.monitor = Monitor(self.select or ("val/acc", "max"), cfg, path)
-        has_pass = hooks.on_epoch_start is not None
-        self.mid_epoch = cfg.checkpoint and (not has_pass or hooks.mid_epoch_resume)
-        self.last_save = time.monotonic()
-        self.train_s, self.carried_loss, self.history, self.best, self.signals = 0.0, 0.0, {}, None, None
-        self.phases = Phases(cfg.phases) if cfg.phases else None
-        self.batch_shape = None  # (batch size, image side) of the current training batches
-        self.stage = "training"  # of the current epoch: "pass" (the method's), "training" or "evaluation"
+
+    def _capture_step(self) -> None:
+        """`hardware.cuda_graph`: the step captured as one CUDA graph where it can be, else one line why."""
+        why = not_capturable(self.step, self.hooks)
+        if why is None:
+            self.step.graphed = GraphedStep(self.step)
+        elif self.ctx.is_main:
+            log.info("hardware.cuda_graph: the training step runs eagerly: %s", why)
+
+    def _warmup_schedule(self):
+        """The linear warm-up, per step: lr x (t + 1) / (W + 1) for steps t < W, times the epoch schedule
+        (both schedulers are multiplicative, so they compose); its state travels in the checkpoint. None
+        without `train.warmup_epochs` or under the method's own optimizer."""
+        cfg = self.cfg
+        if not (self.warmup and cfg.warmup_epochs):
+            return None
+        w = cfg.warmup_epochs * len(EpochBatches(len(self.data.train.y), cfg.batch_size))
+        return torch.optim.lr_scheduler.LinearLR(self.step.optimizer, 1 / (w + 1), 1.0, total_iters=w)
+
+    # --- fit's steps -----------------------------------------------------------------------------------
+
+    def resume(self) -> tuple[int, int, dict]:
+        """Restore the run dir's checkpoint of this fit, if any (`train.checkpoint`; `resumed` says
+        whether one was): (the epoch to go on from, the step inside it, the checkpoint's `extra`: {}
+        without one), with the loop's bookkeeping restored and the tracker's rows past it dropped."""
+        cfg = self.cfg
+        resumed = self.state.resume() if cfg.checkpoint else None
+        self.resumed = resumed is not None
+        start, first, extra = (0, 0, {}) if resumed is None else resumed
+        if first is None:  # an epoch-end checkpoint
+            start, first = start + 1, 0
+        # Epochs before `start` are logged; an interrupted one is when it completes. Without a checkpoint
+        # this drops the records of an earlier attempt that died before its first one.
+        _truncate(self.ctx, self.tag, start if self.resumed else -1)
+        if self.resumed and self.warmup:
+            _follow_config(self.step.optimizer, self.step.scheduler, cfg)
+        self.history, self.carried_loss = extra.get("history", {}), extra.get("loss_sum", 0.0)
+        if isinstance(self.history, list):  # a checkpoint from before val/acc had a history: test/acc's
+            self.history = {"test/acc": self.history}
+        self.monitor.load_state_dict(extra.get("monitor", {}))
+        # The best epoch by `select`: its value, weights (on the CPU), metrics and calibration bins.
+        self.best = extra.get("best")
+        if self.best is not None:
+            self.best["state"] = {key: value.cpu() for key, value in self.best["state"].items()}
+        return start, first, extra
+
+    def evaluate_before_training(self) -> None:
+        """The untrained model's evaluation, logged as epoch 0 and kept as the `select` best until an
+        epoch beats it; ConfigError where the run does not report the selected metric."""
+        metric = self.select[0]
+        evaluated, calibration = evaluate_all(self.model, self.data, self.ctx, self.cfg, self.hooks)
+        if metric not in evaluated:
+            raise ConfigError(f"train.select=best:{metric}: this run does not report {metric}; "
+                              f"choices: {', '.join(f'best:{key}' for key in evaluated)}")  # fmt: skip
+        self.best = _snapshot(self.model, evaluated, calibration, self.select, 0)
+        _log(self.ctx, self.tag, {"epoch": 0, **evaluated}, -1)
+
+    def run_epochs(self, augment: str, start: int, first: int) -> tuple[dict, dict]:
+        """Epochs `start`.. (the first from step `first`) until the last, an early stop or a stop signal;
+        the last epoch's metrics and calibration bins ({} where none ran)."""
+        metrics: dict = {}
+        calibration: dict = {}
+        with StopSignals() as self.signals:
+            for epoch in range(start, self.cfg.epochs):
+                # after the resume: the data order is seeded by the restored RNG state
+                self.start_batches(augment, epoch)
+                with out_of_memory_stops(functools.partial(self.out_of_memory, epoch)):
+                    metrics, calibration = self.epoch(epoch, first if epoch == start else 0)
+                if self.monitor.stopped:
+                    break
+        return metrics, calibration
+
+    def final_metrics(self, metrics: dict, calibration: dict, extra: dict) -> tuple[dict, dict]:
+        """What the fit returns, and the calibration bins of the model it ends with: the best epoch's
+        (`select`, its weights restored), or the last epoch's (of a finished run resumed: its checkpoint's
+        row, the model evaluated as it is); with which weights they are of, the history summaries, the
+        monitor's best and the training time."""
+        if self.best is not None:
+            metrics, calibration = self._restore_best(metrics)
+        elif not metrics:  # resumed a finished run: its last epoch's row, the model evaluated as it is
+            evaluated, calibration = evaluate_all(self.model, self.data, self.ctx, self.cfg, self.hooks)
+            metrics = {**extra.get("metrics", {}), **evaluated}
+        # which weights the metrics are of (runner-report names them); <key>_last: the last epoch's
+        metrics.setdefault("tested_model", "last")
+        for key, values in self.history.items():
+            metrics.update(history_summary(values, key))
+        metrics.update(self.monitor.summary())
+        metrics["time/train_total_s"] = self.train_s  # this process's training steps (not the resumed part)
+        return metrics, calibration
+
+    def _restore_best(self, metrics: dict) -> tuple[dict, dict]:
+        """The best epoch's weights back in the model: `metrics` with its evaluation, and its bins."""
+        best, key = self.best, self.select[0]
+        self.model.load_state_dict(best["state"])
+        metrics.update(best["metrics"])
+        log.info("%skept the weights of the best %s, %.4f", f"{self.tag}: " if self.tag else "", key,
+                 best["value"])  # fmt: skip
+        metrics |= {"tested_model": f"best:{key}", "tested_epoch": best.get("epoch")}
+        return metrics, best["calibration"]
+
+    # --- one epoch -------------------------------------------------------------------------------------
 
     def start_batches(self, augment: str, epoch: int) -> None:
         """The training batches for `epoch`: at its phase's batch size and image side (`train.phases`),
@@ -1035,7 +1099,7 @@ class _Loop:
     def epoch(self, epoch: int, first: int) -> tuple[dict, dict]:
         """Epoch `epoch` from step `first` (> 0: resumed inside it): the method's pass, the steps, the
         evaluation, the log row and the epoch-end checkpoint; its metrics and calibration bins."""
-        cfg, ctx, s, t0 = self.cfg, self.ctx, self.step, time.perf_counter()
+        t0 = time.perf_counter()
         renew_host_memory_cap()  # counts memory freed elsewhere since the last epoch
         self.model.train()
         self.stage = "pass"
@@ -1043,12 +1107,33 @@ class _Loop:
             epoch_start(self.hooks, epoch, self.model, self.data)
         self.stage = "training"
         t_pass = time.perf_counter() - t0
+        metrics, timings, checks = self._train(epoch, first, t0 + t_pass, t_pass)
+        self.stage = "evaluation"
+        t_eval = time.perf_counter()
+        evaluated, calibration = self._evaluate(epoch)
+        metrics.update(evaluated)
+        metrics["time/eval_s"] = time.perf_counter() - t_eval
+        metrics.update(self._skipped_images())
+        metrics.update(self.hooks.epoch_metrics())
+        metrics.update(timings)
+        metrics["time/epoch_s"] = time.perf_counter() - t0
+        self._log_row(epoch, metrics)
+        self._save_epoch_end(epoch, evaluated, metrics)
+        self._stop_if_signalled(checks)
+        return metrics, calibration
+
+    def _train(
+        self, epoch: int, first: int, t_start: float, t_pass: float
+    ) -> tuple[dict, dict, DeferredChecks]:
+        """The steps of `epoch` from `first`, then its checks and schedule step: (the row's loss, lr and
+        step statistics; the epoch's time split, `_timings`; the checks, for the stop vote)."""
+        s, ctx = self.step, self.ctx
         self.sampler.set_epoch(epoch, start=first)
         steps = len(self.sampler)  # after set_epoch: a hook's sampler may vary it by epoch
         loss_sum, checks = train_one_epoch(s, self, epoch, first)
         _, first_bad, scale = checks.read()
         self.check(epoch, first_bad, scale)
-        timings = _timings(ctx, t0 + t_pass, t_pass, s.transform_time, steps - first)
+        timings = _timings(ctx, t_start, t_pass, s.transform_time, steps - first)
         self.train_s += timings["time/train_s"]
         if not s.per_step:
             s.scheduler.step()
@@ -1056,32 +1141,36 @@ class _Loop:
         lr = float(s.optimizer.param_groups[0]["lr"])  # a tensor for a captured step
         metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": lr}
         metrics.update(self._step_stats(scale))
-        self.stage = "evaluation"
-        t_eval = time.perf_counter()
-        evaluated, calibration = self._evaluate(epoch)
-        metrics.update(evaluated)
-        metrics["time/eval_s"] = time.perf_counter() - t_eval
-        if getattr(self.data.train, "bad_images", None) == "skip":  # files replaced in the epoch's passes
-            skipped = torch.tensor([UNREADABLE.take()], device=ctx.device)
-            metrics["data/bad_images"] = int(all_reduce_sum(skipped).item())
-        metrics.update(self.hooks.epoch_metrics())
-        metrics.update(timings)
-        metrics["time/epoch_s"] = time.perf_counter() - t0
-        _log(ctx, self.tag, metrics, epoch)
-        if ctx.is_main:
-            if cfg.progress:
-                log.info("%sepoch %d/%d  %s", f"{self.tag}: " if self.tag else "", epoch + 1, cfg.epochs,
-                         _brief(metrics))  # fmt: skip
+        return metrics, timings, checks
+
+    def _skipped_images(self) -> dict:
+        """`data/bad_images`: the unreadable files the epoch's passes replaced (`dataset.bad_images=skip`)."""
+        if getattr(self.data.train, "bad_images", None) != "skip":
+            return {}
+        skipped = torch.tensor([UNREADABLE.take()], device=self.ctx.device)
+        return {"data/bad_images": int(all_reduce_sum(skipped).item())}
+
+    def _log_row(self, epoch: int, metrics: dict) -> None:
+        """The epoch's row to the tracker, and its line with `train.progress`."""
+        _log(self.ctx, self.tag, metrics, epoch)
+        if self.ctx.is_main and self.cfg.progress:
+            log.info("%sepoch %d/%d  %s", f"{self.tag}: " if self.tag else "", epoch + 1, self.cfg.epochs,
+                     _brief(metrics))  # fmt: skip
+
+    def _save_epoch_end(self, epoch: int, evaluated: dict, metrics: dict) -> None:
+        """The monitor follows the epoch's evaluation; the epoch-end checkpoint and its top-k links."""
         watched = self.monitor.after(epoch, evaluated)
-        if ctx.is_main and cfg.checkpoint:
+        if self.ctx.is_main and self.cfg.checkpoint:
             extra = {"history": self.history, "best": self.best, "monitor": watched, "metrics": metrics}
             self.state.save(epoch, None, extra)
             self.monitor.keep_files()
         self.last_save = time.monotonic()
+
+    def _stop_if_signalled(self, checks: DeferredChecks) -> None:
+        """Stop after the epoch on a signal (under DDP: on any rank's, as the ranks vote)."""
         stop = self.signals.signum is not None
-        if stop if not ctx.distributed else checks.read(stop)[0][0]:
+        if stop if not self.ctx.distributed else checks.read(stop)[0][0]:
             self.signals.stop()
-        return metrics, calibration
 
     def _step_stats(self, scale: float) -> dict:
         """The epoch's pre-clip gradient norm (mean of the finite ones) and fp16 skipped steps and scale."""
