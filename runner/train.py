@@ -5,22 +5,10 @@ evaluation and per-epoch method passes: `predict`), so the same code serves in-m
 device) and file-backed ones (a DataLoader with `hardware.num_workers` decoding processes and pinned
 memory). `fit` trains, evaluates val, test and any extra splits each epoch, logs to the tracker,
 checkpoints (every epoch, every `train.checkpoint_every_minutes` and on a stop signal) and resumes from
-the last checkpoint in the run dir at the same step (`Resumable`). Methods plug in through a `hooks`
-object with any of:
-
-    on_epoch_start(epoch, model, data)                  e.g. CSOT's sample selection
-    transform(x, y_soft, idx, model) -> (x, y_soft)     a batch transform (mixup family)
-    loss(model, x, y_soft, idx, epoch) -> scalar         replaces the soft cross-entropy
-    state_dict() / load_state_dict(state)               kept in checkpoints
-    mid_epoch_resume = True                             state_dict holds all on_epoch_start set up
-    batch_sampler(default) -> sampler                   the index batches instead of `default` (an
-                                                        EpochBatches): same protocol, its length read
-                                                        after each set_epoch (e.g. CSOT's two pools)
-    optimizer(model) -> (optimizer, scheduler, per_step)  instead of train.optimizer / schedule; per_step:
-                                                        the scheduler steps after every batch
-    evaluate(model) -> dict                             the per-epoch metrics instead of val/test accuracy
-    select = (key, "max" | "min")                       keep and restore the best weights by that metric
-    epoch_metrics() -> dict                             added to the epoch's row (e.g. CSOT's select/*)
+the last checkpoint in the run dir at the same step (`Resumable`). Methods plug in through a subclass
+of `runner.hooks.MethodHooks` (`runner.method_hooks`), whose docstring lists every hook the loop calls
+(a per-epoch pass, a batch transform, the loss, the optimizer, the evaluation, the batches, checkpointed
+state, and whether the step may be captured or split) with the loop's default for each.
 
 Training by iterations: a hook's sampler cuts them into epochs (the unit of logging, evaluation and
 epoch-end checkpoints) and its per-step scheduler follows the iteration count.
@@ -52,6 +40,7 @@ from runner.data.files import UNREADABLE
 from runner.data.views import augment_crop_flip
 from runner.faults import CheckpointError, Diverged, StopSignals, out_of_memory_stops
 from runner.hardware import RunContext, Stopwatch, all_reduce_sum, renew_host_memory_cap
+from runner.method_hooks import MethodHooks, PlainTraining
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary, reliability_plot
 from runner.schema import ConfigError
 from runner.untrusted import RefusedPickle, torch_load
@@ -424,7 +413,9 @@ class Resumable:
     writes one at a position, refusing non-finite weights. One object per loop, so another loop (e.g.
     iterations instead of epochs) reuses it whole."""
 
-    def __init__(self, path, ctx: RunContext, model, optimizer, scheduler, scaler, hooks=None, parts=None):
+    def __init__(
+        self, path, ctx: RunContext, model, optimizer, scheduler, scaler, hooks: MethodHooks, parts=None
+    ):
         self.path, self.ctx, self.model, self.hooks = Path(path), ctx, model, hooks
         self.parts = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
         self.parts.update({key: part for key, part in (parts or {}).items() if part is not None})
@@ -438,7 +429,7 @@ class Resumable:
         try:
             for key, part in self.parts.items():
                 part.load_state_dict(state[key])
-            if state.get("hooks") is not None and hasattr(self.hooks, "load_state_dict"):
+            if state.get("hooks") is not None:
                 self.hooks.load_state_dict(state["hooks"])
             set_rng_state(state["rng"], self.ctx.device)
         except (KeyError, RuntimeError, TypeError, ValueError) as e:  # another model, an older format
@@ -458,7 +449,7 @@ class Resumable:
             )
         state = {key: part.state_dict() for key, part in self.parts.items()}
         state.update(epoch=epoch, step=step, extra=extra, rng=rng_state(self.ctx.device))
-        state["hooks"] = self.hooks.state_dict() if hasattr(self.hooks, "state_dict") else None
+        state["hooks"] = self.hooks.state_dict()
         save_checkpoint(self.path, state)
         self.last = f"{self.path} ({_position(epoch, step)})"
 
@@ -547,7 +538,7 @@ def captured_region(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> 
     return s.step_fn(s, x, idx, epoch)
 
 
-def not_capturable(s: Step, hooks) -> str | None:
+def not_capturable(s: Step, hooks: MethodHooks) -> str | None:
     """Why the step of this fit cannot be captured as one CUDA graph, or None when it can: every step
     must run the same device work on the same memory, with no host read or host-made value inside."""
     ctx = s.ctx
@@ -559,7 +550,7 @@ def not_capturable(s: Step, hooks) -> str | None:
         return "the weights' EMA reads its count on the host"
     if ctx.compile == "reduce-overhead":
         return "torch.compile's reduce-overhead mode captures graphs of its own"
-    if hooks is not None and not getattr(hooks, "capturable", False):
+    if not hooks.capturable:
         return f"the method's hooks ({type(hooks).__name__}) read the host or draw host randomness in a step"
     if not all(group.get("fused") for group in s.optimizer.param_groups):
         return "the method's optimizer is not fused (its lr would be read on the host)"
@@ -665,15 +656,15 @@ class DeferredChecks:
         return [v > 0 for v in agreed], first_bad, scale
 
 
-def epoch_start(hooks, epoch: int, model, data: Data) -> None:
+def epoch_start(hooks: MethodHooks, epoch: int, model, data: Data) -> None:
     """The method's per-epoch pass (e.g. CSOT's selection), if it has one."""
-    if getattr(hooks, "on_epoch_start", None) is not None:
+    if hooks.on_epoch_start is not None:
         hooks.on_epoch_start(epoch, model, data)
 
 
-def evaluate_all(model, data: Data, ctx: RunContext, cfg, hooks) -> tuple[dict, dict]:
+def evaluate_all(model, data: Data, ctx: RunContext, cfg, hooks: MethodHooks) -> tuple[dict, dict]:
     """The epoch's evaluation: the method's own (`hooks.evaluate`), or every evaluation split's metrics."""
-    if getattr(hooks, "evaluate", None) is not None:
+    if hooks.evaluate is not None:
         return hooks.evaluate(model), {}
     return _evaluate_splits(model, data, ctx, cfg.eval_batch_size, cfg.ece_bins)
 
@@ -715,13 +706,57 @@ def train_one_epoch(s: Step, loop: _Loop, epoch: int, first: int) -> tuple[torch
     return loss_sum, checks
 
 
+def _method_hooks(hooks: MethodHooks | None) -> MethodHooks:
+    """`fit`'s hooks: the method's, or plain training for None; a TypeError for an object that does not
+    subclass MethodHooks (the loop reads every hook of that class, with its default)."""
+    if hooks is None:
+        return PlainTraining()
+    if not isinstance(hooks, MethodHooks):
+        raise TypeError(f"fit's hooks subclass runner.hooks.MethodHooks; {type(hooks).__name__} does not")
+    return hooks
+
+
+def _check_batch_settings(model, data: Data, cfg, ctx: RunContext, hooks: MethodHooks) -> None:
+    """Before anything is built: `train.accumulate` settled (auto: by a probe, `micro_batches`) and
+    allowed by the method, every batch split evenly over the ranks and micro-batches, and `train.phases`
+    only with the config's optimizer; ConfigError otherwise."""
+    if cfg.accumulate == "auto":
+        cfg.accumulate = micro_batches(model, data.input_shape, cfg, ctx, hooks)
+    # first: a method that refuses micro-batches needs no advice on how to split them
+    if cfg.accumulate > 1 and not hooks.accumulate_ok:
+        raise ConfigError(
+            f"train.accumulate={cfg.accumulate}: this method needs each whole batch in one pass (its "
+            "batch transform, loss or sampler sees the batch as one); use train.accumulate=1"
+        )
+    # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
+    # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
+    for key, size in [("train.batch_size", cfg.batch_size)] + [
+        (f"train.phases.{i}.batch_size", phase.batch_size) for i, phase in enumerate(cfg.phases)
+    ]:
+        if size % (ctx.world_size * cfg.accumulate):
+            raise ConfigError(
+                f"{key}={size}: must split evenly over {ctx.world_size} ranks x "
+                f"train.accumulate={cfg.accumulate} micro-batches"
+            )
+    if cfg.phases and hooks.optimizer is not None:
+        raise ConfigError("train.phases set the lr of the config's optimizer; this method brings its own: "
+                          "leave train.phases empty")  # fmt: skip
+
+
 def fit(
-    model, data: Data, cfg, ctx: RunContext, hooks=None, augment: str = "none", tag: str | None = None
+    model,
+    data: Data,
+    cfg,
+    ctx: RunContext,
+    hooks: MethodHooks | None = None,
+    augment: str = "none",
+    tag: str | None = None,
 ) -> dict:
     """Train `model` on `data.train` for `cfg.epochs` (a `TrainConfig`); return the final metrics, with
     the best, last and median-of-last-10 test accuracy, and write `reliability.png` of the test split.
-    `augment` is the training augmentation (`dataset.augment`; in-memory crop padding from
-    `data.meta["crop_pad"]`).
+    `hooks` is the method's (a `runner.hooks.MethodHooks`: its docstring lists each hook and the loop's
+    default), None the plain baseline (`PlainTraining`). `augment` is the training augmentation
+    (`dataset.augment`; in-memory crop padding from `data.meta["crop_pad"]`).
 
     Checkpoints (`checkpoints/last.pt`, `train.checkpoint`) at the end of every epoch and every
     `train.checkpoint_every_minutes` inside one, and on a stop signal after the current step (see
@@ -737,82 +772,17 @@ def fit(
     "max" | "min")`) the model is evaluated before the first epoch too, the weights of the best value of
     `key` are kept (in the checkpoint as well) and restored at the end, and the returned metrics are those
     of the restored model (`tested_model` says which; `<key>_last` are the last epoch's)."""
-    if cfg.accumulate == "auto":
-        cfg.accumulate = micro_batches(model, data.input_shape, cfg, ctx, hooks)
-    # first: a method that refuses micro-batches needs no advice on how to split them
-    if cfg.accumulate > 1 and not _splits_batches(hooks):
-        raise ConfigError(
-            f"train.accumulate={cfg.accumulate}: this method needs each whole batch in one pass (its "
-            "batch transform, loss or sampler sees the batch as one); use train.accumulate=1"
-        )
-    # train.batch_size is the global batch; under DDP each rank takes its share of every batch, so the
-    # averaged gradient steps are those of one process: hardware changes the speed, not the experiment.
-    for key, size in [("train.batch_size", cfg.batch_size)] + [
-        (f"train.phases.{i}.batch_size", phase.batch_size) for i, phase in enumerate(cfg.phases)
-    ]:
-        if size % (ctx.world_size * cfg.accumulate):
-            raise ConfigError(
-                f"{key}={size}: must split evenly over {ctx.world_size} ranks x "
-                f"train.accumulate={cfg.accumulate} micro-batches"
-            )
-    if cfg.phases and getattr(hooks, "optimizer", None) is not None:
-        raise ConfigError("train.phases set the lr of the config's optimizer; this method brings its own: "
-                          "leave train.phases empty")  # fmt: skip
+    hooks = _method_hooks(hooks)
+    _check_batch_settings(model, data, cfg, ctx, hooks)
     # Evaluated at the side it ends its training at: a network trained at 16 px sees 8-px digits blurred
     # past recognition (chance accuracy).
     ctx.eval_image_size = final_image_size(cfg)
     loop = _Loop(model, data, cfg, ctx, hooks, tag)
-    s, select = loop.step, loop.select
-    resumed = loop.state.resume() if cfg.checkpoint else None
-    start, first, extra = (0, 0, {}) if resumed is None else resumed
-    if first is None:  # an epoch-end checkpoint
-        start, first = start + 1, 0
-    # Epochs before `start` are logged; an interrupted one is when it completes. Without a checkpoint
-    # this drops the records of an earlier attempt that died before its first one.
-    _truncate(ctx, tag, start if resumed is not None else -1)
-    if resumed is not None and loop.warmup:
-        _follow_config(s.optimizer, s.scheduler, cfg)
-    loop.history, loop.carried_loss = extra.get("history", {}), extra.get("loss_sum", 0.0)
-    if isinstance(loop.history, list):  # a checkpoint from before val/acc had a history: test/acc's
-        loop.history = {"test/acc": loop.history}
-    loop.monitor.load_state_dict(extra.get("monitor", {}))
-    # The best epoch by `select`: its value, weights (on the CPU), metrics and calibration bins.
-    loop.best = extra.get("best")
-    if loop.best is not None:
-        loop.best["state"] = {key: value.cpu() for key, value in loop.best["state"].items()}
-    if select is not None and resumed is None:  # the initial weights stay unless training beats them
-        evaluated, calibration = evaluate_all(model, data, ctx, cfg, hooks)
-        if select[0] not in evaluated:
-            raise ConfigError(f"train.select=best:{select[0]}: this run does not report {select[0]}; "
-                              f"choices: {', '.join(f'best:{key}' for key in evaluated)}")  # fmt: skip
-        loop.best = _snapshot(model, evaluated, calibration, select, 0)
-        _log(ctx, tag, {"epoch": 0, **evaluated}, -1)
-    metrics: dict = {}
-    calibration: dict = {}
-    with StopSignals() as loop.signals:
-        for epoch in range(start, cfg.epochs):
-            # after the resume: the data order is seeded by the restored RNG state
-            loop.start_batches(augment, epoch)
-            with out_of_memory_stops(functools.partial(loop.out_of_memory, epoch)):
-                metrics, calibration = loop.epoch(epoch, first if epoch == start else 0)
-            if loop.monitor.stopped:
-                break
-    if loop.best is not None:  # the best epoch's weights and evaluation
-        model.load_state_dict(loop.best["state"])
-        metrics.update(loop.best["metrics"])
-        calibration = loop.best["calibration"]
-        log.info("%skept the weights of the best %s, %.4f", f"{tag}: " if tag else "", select[0],
-                 loop.best["value"])  # fmt: skip
-        metrics |= {"tested_model": f"best:{select[0]}", "tested_epoch": loop.best.get("epoch")}
-    elif not metrics:  # resumed a finished run: its last epoch's row, the model evaluated as it is
-        evaluated, calibration = evaluate_all(model, data, ctx, cfg, hooks)
-        metrics = {**extra.get("metrics", {}), **evaluated}
-    # which weights the metrics are of (runner-report names them); <key>_last: the last epoch's
-    metrics.setdefault("tested_model", "last")
-    for key, values in loop.history.items():
-        metrics.update(history_summary(values, key))
-    metrics.update(loop.monitor.summary())
-    metrics["time/train_total_s"] = loop.train_s  # the training steps of this process (not the resumed part)
+    start, first, extra = loop.resume()
+    if loop.select is not None and not loop.resumed:  # the initial weights stay unless training beats them
+        loop.evaluate_before_training()
+    metrics, calibration = loop.run_epochs(augment, start, first)
+    metrics, calibration = loop.final_metrics(metrics, calibration, extra)
     if ctx.is_main and "test" in calibration:
         reliability_plot(ctx.dir / "reliability.png", calibration["test"], "test")
     return metrics
@@ -924,7 +894,7 @@ def fits_in_memory(model, input_shape: tuple, batch: int, ctx: RunContext) -> tu
     return fits, peak / 2**30
 
 
-def micro_batches(model, input_shape: tuple, cfg, ctx: RunContext, hooks) -> int:
+def micro_batches(model, input_shape: tuple, cfg, ctx: RunContext, hooks: MethodHooks) -> int:
     """train.accumulate=auto: the fewest micro-batches per step whose share of this rank's largest batch
     (train.batch_size, or a phase's) fits the GPU (`fits_in_memory`), among those that divide every
     batch; 1 off an accelerator. A method that needs its whole batch in one pass and does not fit stops
@@ -935,7 +905,7 @@ def micro_batches(model, input_shape: tuple, cfg, ctx: RunContext, hooks) -> int
     model.to(ctx.device)
     batch = max(sizes) // ctx.world_size
     dividing = [k for k in range(1, batch + 1) if all(size % (ctx.world_size * k) == 0 for size in sizes)]
-    splits = _splits_batches(hooks)
+    splits = hooks.accumulate_ok
     for k in dividing:
         fits, peak = fits_in_memory(model, input_shape, batch // k, ctx)
         if fits and (splits or k == 1):
@@ -955,36 +925,55 @@ def micro_batches(model, input_shape: tuple, cfg, ctx: RunContext, hooks) -> int
     )
 
 
-def _splits_batches(hooks) -> bool:
-    """Whether `train.accumulate` may split a batch into micro-batches: plain training, or a method whose
-    batch transform, loss and sampler add up over them (`hooks.accumulate_ok`)."""
-    return hooks is None or getattr(hooks, "accumulate_ok", False)
-
-
 class _Loop:
     """A fit's state across epochs: the step's parts, the checkpoint, the sampler and batches, the
-    evaluation history and best epoch, and the stop signals; `epoch` runs one epoch end to end."""
+    evaluation history and best epoch, and the stop signals. `fit` runs it in named steps: `resume`,
+    `evaluate_before_training` (under `select`), `run_epochs` (each `epoch` end to end) and
+    `final_metrics`."""
 
-    def __init__(self, model, data: Data, cfg, ctx: RunContext, hooks, tag: str | None):
+    def __init__(self, model, data: Data, cfg, ctx: RunContext, hooks: MethodHooks, tag: str | None):
         self.model, self.data, self.cfg, self.ctx, self.hooks, self.tag = model, data, cfg, ctx, hooks, tag
-        make_optimizers = getattr(hooks, "optimizer", None)
-        self.warmup = make_optimizers is None  # the config's optimizer, schedule and warm-up
+        self.warmup = hooks.optimizer is None  # the config's optimizer, schedule and warm-up
+        self.step = self._make_step()
+        if ctx.cuda_graph:
+            self._capture_step()
+        self.warmup_lr = self._warmup_schedule()
+        path = ctx.dir / CHECKPOINT if tag is None else ctx.dir / "checkpoints" / f"{tag}.pt"
+        s, extra = self.step, {"ema": self.step.ema, "warmup_lr": self.warmup_lr}
+        self.state = Resumable(path, ctx, model, s.optimizer, s.scheduler, s.scaler, hooks, extra)
+        self.select = selection(cfg.select) or hooks.select
+        self.monitor = Monitor(self.select or ("val/acc", "max"), cfg, path)
+        has_pass = hooks.on_epoch_start is not None
+        self.mid_epoch = cfg.checkpoint and (not has_pass or hooks.mid_epoch_resume)
+        self.last_save = time.monotonic()
+        self.train_s, self.carried_loss, self.history, self.best, self.signals = 0.0, 0.0, {}, None, None
+        self.resumed = False  # from a checkpoint of this fit (`resume`)
+        self.phases = Phases(cfg.phases) if cfg.phases else None
+        self.batch_shape = None  # (batch size, image side) of the current training batches
+        self.stage = "training"  # of the current epoch: "pass" (the method's), "training" or "evaluation"
+
+    # --- the step's parts ----------------------------------------------------------------------------
+
+    def _make_step(self) -> Step:
+        """The optimizer and its schedule (the config's, or the method's own), the network to train through
+        (compiled alone, or with the whole step where the hooks are `capturable`) and the EMA, as a Step."""
+        model, data, cfg, ctx, hooks = self.model, self.data, self.cfg, self.ctx, self.hooks
         if self.warmup:
             optimizer = make_optimizer(model, cfg, fused=ctx.fused_optimizer)
             scheduler, per_step = make_scheduler(optimizer, cfg), False
         else:
-            optimizer, scheduler, per_step = make_optimizers(model)
+            optimizer, scheduler, per_step = hooks.optimizer(model)
         # torch.compile takes the whole step where the method's hooks run device work alone; else the network
-        whole_step = ctx.compile != "false" and (hooks is None or getattr(hooks, "capturable", False))
+        whole_step = ctx.compile != "false" and hooks.capturable
         net = ctx.prepare(model, compile_network=not whole_step)
         ema = None
         if cfg.ema:  # on the device beside the model, buffers (batch-norm statistics) averaged too
             multi_avg_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema)
             ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=multi_avg_fn, use_buffers=True)
-        self.step = Step(
+        return Step(
             net, model, optimizer, scheduler, per_step, ctx.grad_scaler(), ctx,
             ctx.pin(data.train.y).to(ctx.device, non_blocking=True), data.num_classes,
-            getattr(hooks, "transform", None), getattr(hooks, "loss", None), cfg.accumulate,
+            hooks.transform, hooks.loss, cfg.accumulate,
             cfg.clip_grad_norm, ema, ctx.stopwatch(), torch.zeros((), device=ctx.device),
             torch.zeros(2, device=ctx.device),
             # the transform's passes through the compiled network, but not through DDP (whose gradient
@@ -992,30 +981,107 @@ class _Loop:
             net if not ctx.distributed else ctx.compiled(model),
             step_fn=ctx.compiled(eager_step) if whole_step else eager_step,
         )  # fmt: skip
-        if ctx.cuda_graph:
-            why = not_capturable(self.step, hooks)
-            if why is None:
-                self.step.graphed = GraphedStep(self.step)
-            elif ctx.is_main:
-                log.info("hardware.cuda_graph: the training step runs eagerly: %s", why)
-        # The linear warm-up, per step: lr x (t + 1) / (W + 1) for steps t < W, times the epoch schedule
-        # (both schedulers are multiplicative, so they compose); its state travels in the checkpoint.
-        self.warmup_lr = None
-        if self.warmup and cfg.warmup_epochs:
-            w = cfg.warmup_epochs * len(EpochBatches(len(data.train.y), cfg.batch_size))
-            self.warmup_lr = torch.optim.lr_scheduler.LinearLR(optimizer, 1 / (w + 1), 1.0, total_iters=w)
-        path = ctx.dir / CHECKPOINT if tag is None else ctx.dir / "checkpoints" / f"{tag}.pt"
-        extra = {"ema": ema, "warmup_lr": self.warmup_lr}
-        self.state = Resumable(path, ctx, model, optimizer, scheduler, self.step.scaler, hooks, extra)
-        self.select = selection(cfg.select) or getattr(hooks, "select", None)
-        self.monitor = Monitor(self.select or ("val/acc", "max"), cfg, path)
-        has_pass = getattr(hooks, "on_epoch_start", None) is not None
-        self.mid_epoch = cfg.checkpoint and (not has_pass or getattr(hooks, "mid_epoch_resume", False))
-        self.last_save = time.monotonic()
-        self.train_s, self.carried_loss, self.history, self.best, self.signals = 0.0, 0.0, {}, None, None
-        self.phases = Phases(cfg.phases) if cfg.phases else None
-        self.batch_shape = None  # (batch size, image side) of the current training batches
-        self.stage = "training"  # of the current epoch: "pass" (the method's), "training" or "evaluation"
+
+    def _capture_step(self) -> None:
+        """`hardware.cuda_graph`: the step captured as one CUDA graph where it can be, else one line why."""
+        why = not_capturable(self.step, self.hooks)
+        if why is None:
+            self.step.graphed = GraphedStep(self.step)
+        elif self.ctx.is_main:
+            log.info("hardware.cuda_graph: the training step runs eagerly: %s", why)
+
+    def _warmup_schedule(self):
+        """The linear warm-up, per step: lr x (t + 1) / (W + 1) for steps t < W, times the epoch schedule
+        (both schedulers are multiplicative, so they compose); its state travels in the checkpoint. None
+        without `train.warmup_epochs` or under the method's own optimizer."""
+        cfg = self.cfg
+        if not (self.warmup and cfg.warmup_epochs):
+            return None
+        w = cfg.warmup_epochs * len(EpochBatches(len(self.data.train.y), cfg.batch_size))
+        return torch.optim.lr_scheduler.LinearLR(self.step.optimizer, 1 / (w + 1), 1.0, total_iters=w)
+
+    # --- fit's steps -----------------------------------------------------------------------------------
+
+    def resume(self) -> tuple[int, int, dict]:
+        """Restore the run dir's checkpoint of this fit, if any (`train.checkpoint`; `resumed` says
+        whether one was): (the epoch to go on from, the step inside it, the checkpoint's `extra`: {}
+        without one), with the loop's bookkeeping restored and the tracker's rows past it dropped."""
+        cfg = self.cfg
+        resumed = self.state.resume() if cfg.checkpoint else None
+        self.resumed = resumed is not None
+        start, first, extra = (0, 0, {}) if resumed is None else resumed
+        if first is None:  # an epoch-end checkpoint
+            start, first = start + 1, 0
+        # Epochs before `start` are logged; an interrupted one is when it completes. Without a checkpoint
+        # this drops the records of an earlier attempt that died before its first one.
+        _truncate(self.ctx, self.tag, start if self.resumed else -1)
+        if self.resumed and self.warmup:
+            _follow_config(self.step.optimizer, self.step.scheduler, cfg)
+        self.history, self.carried_loss = extra.get("history", {}), extra.get("loss_sum", 0.0)
+        if isinstance(self.history, list):  # a checkpoint from before val/acc had a history: test/acc's
+            self.history = {"test/acc": self.history}
+        self.monitor.load_state_dict(extra.get("monitor", {}))
+        # The best epoch by `select`: its value, weights (on the CPU), metrics and calibration bins.
+        self.best = extra.get("best")
+        if self.best is not None:
+            self.best["state"] = {key: value.cpu() for key, value in self.best["state"].items()}
+        return start, first, extra
+
+    def evaluate_before_training(self) -> None:
+        """The untrained model's evaluation, logged as epoch 0 and kept as the `select` best until an
+        epoch beats it; ConfigError where the run does not report the selected metric."""
+        metric = self.select[0]
+        evaluated, calibration = evaluate_all(self.model, self.data, self.ctx, self.cfg, self.hooks)
+        if metric not in evaluated:
+            raise ConfigError(f"train.select=best:{metric}: this run does not report {metric}; "
+                              f"choices: {', '.join(f'best:{key}' for key in evaluated)}")  # fmt: skip
+        self.best = _snapshot(self.model, evaluated, calibration, self.select, 0)
+        _log(self.ctx, self.tag, {"epoch": 0, **evaluated}, -1)
+
+    def run_epochs(self, augment: str, start: int, first: int) -> tuple[dict, dict]:
+        """Epochs `start`.. (the first from step `first`) until the last, an early stop or a stop signal;
+        the last epoch's metrics and calibration bins ({} where none ran)."""
+        metrics: dict = {}
+        calibration: dict = {}
+        with StopSignals() as self.signals:
+            for epoch in range(start, self.cfg.epochs):
+                # after the resume: the data order is seeded by the restored RNG state
+                self.start_batches(augment, epoch)
+                with out_of_memory_stops(functools.partial(self.out_of_memory, epoch)):
+                    metrics, calibration = self.epoch(epoch, first if epoch == start else 0)
+                if self.monitor.stopped:
+                    break
+        return metrics, calibration
+
+    def final_metrics(self, metrics: dict, calibration: dict, extra: dict) -> tuple[dict, dict]:
+        """What the fit returns, and the calibration bins of the model it ends with: the best epoch's
+        (`select`, its weights restored), or the last epoch's (of a finished run resumed: its checkpoint's
+        row, the model evaluated as it is); with which weights they are of, the history summaries, the
+        monitor's best and the training time."""
+        if self.best is not None:
+            metrics, calibration = self._restore_best(metrics)
+        elif not metrics:  # resumed a finished run: its last epoch's row, the model evaluated as it is
+            evaluated, calibration = evaluate_all(self.model, self.data, self.ctx, self.cfg, self.hooks)
+            metrics = {**extra.get("metrics", {}), **evaluated}
+        # which weights the metrics are of (runner-report names them); <key>_last: the last epoch's
+        metrics.setdefault("tested_model", "last")
+        for key, values in self.history.items():
+            metrics.update(history_summary(values, key))
+        metrics.update(self.monitor.summary())
+        metrics["time/train_total_s"] = self.train_s  # this process's training steps (not the resumed part)
+        return metrics, calibration
+
+    def _restore_best(self, metrics: dict) -> tuple[dict, dict]:
+        """The best epoch's weights back in the model: `metrics` with its evaluation, and its bins."""
+        best, key = self.best, self.select[0]
+        self.model.load_state_dict(best["state"])
+        metrics.update(best["metrics"])
+        log.info("%skept the weights of the best %s, %.4f", f"{self.tag}: " if self.tag else "", key,
+                 best["value"])  # fmt: skip
+        metrics |= {"tested_model": f"best:{key}", "tested_epoch": best.get("epoch")}
+        return metrics, best["calibration"]
+
+    # --- one epoch -------------------------------------------------------------------------------------
 
     def start_batches(self, augment: str, epoch: int) -> None:
         """The training batches for `epoch`: at its phase's batch size and image side (`train.phases`),
@@ -1026,15 +1092,14 @@ class _Loop:
             return
         self.batch_shape = shape
         self.sampler = EpochBatches(n, shape[0], ctx.rank, ctx.world_size, torch.initial_seed())
-        if hasattr(self.hooks, "batch_sampler"):
-            self.sampler = self.hooks.batch_sampler(self.sampler)
+        self.sampler = self.hooks.batch_sampler(self.sampler)
         self.train_batches = batches(self.data.train, self.ctx, self.sampler, augment,
                                      self.data.meta.get("crop_pad", 4), shape[1])  # fmt: skip
 
     def epoch(self, epoch: int, first: int) -> tuple[dict, dict]:
         """Epoch `epoch` from step `first` (> 0: resumed inside it): the method's pass, the steps, the
         evaluation, the log row and the epoch-end checkpoint; its metrics and calibration bins."""
-        cfg, ctx, s, t0 = self.cfg, self.ctx, self.step, time.perf_counter()
+        t0 = time.perf_counter()
         renew_host_memory_cap()  # counts memory freed elsewhere since the last epoch
         self.model.train()
         self.stage = "pass"
@@ -1042,12 +1107,33 @@ class _Loop:
             epoch_start(self.hooks, epoch, self.model, self.data)
         self.stage = "training"
         t_pass = time.perf_counter() - t0
+        metrics, timings, checks = self._train(epoch, first, t0 + t_pass, t_pass)
+        self.stage = "evaluation"
+        t_eval = time.perf_counter()
+        evaluated, calibration = self._evaluate(epoch)
+        metrics.update(evaluated)
+        metrics["time/eval_s"] = time.perf_counter() - t_eval
+        metrics.update(self._skipped_images())
+        metrics.update(self.hooks.epoch_metrics())
+        metrics.update(timings)
+        metrics["time/epoch_s"] = time.perf_counter() - t0
+        self._log_row(epoch, metrics)
+        self._save_epoch_end(epoch, evaluated, metrics)
+        self._stop_if_signalled(checks)
+        return metrics, calibration
+
+    def _train(
+        self, epoch: int, first: int, t_start: float, t_pass: float
+    ) -> tuple[dict, dict, DeferredChecks]:
+        """The steps of `epoch` from `first`, then its checks and schedule step: (the row's loss, lr and
+        step statistics; the epoch's time split, `_timings`; the checks, for the stop vote)."""
+        s, ctx = self.step, self.ctx
         self.sampler.set_epoch(epoch, start=first)
         steps = len(self.sampler)  # after set_epoch: a hook's sampler may vary it by epoch
         loss_sum, checks = train_one_epoch(s, self, epoch, first)
         _, first_bad, scale = checks.read()
         self.check(epoch, first_bad, scale)
-        timings = _timings(ctx, t0 + t_pass, t_pass, s.transform_time, steps - first)
+        timings = _timings(ctx, t_start, t_pass, s.transform_time, steps - first)
         self.train_s += timings["time/train_s"]
         if not s.per_step:
             s.scheduler.step()
@@ -1055,32 +1141,36 @@ class _Loop:
         lr = float(s.optimizer.param_groups[0]["lr"])  # a tensor for a captured step
         metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": lr}
         metrics.update(self._step_stats(scale))
-        self.stage = "evaluation"
-        t_eval = time.perf_counter()
-        evaluated, calibration = self._evaluate(epoch)
-        metrics.update(evaluated)
-        metrics["time/eval_s"] = time.perf_counter() - t_eval
-        if getattr(self.data.train, "bad_images", None) == "skip":  # files replaced in the epoch's passes
-            skipped = torch.tensor([UNREADABLE.take()], device=ctx.device)
-            metrics["data/bad_images"] = int(all_reduce_sum(skipped).item())
-        metrics.update(getattr(self.hooks, "epoch_metrics", dict)())
-        metrics.update(timings)
-        metrics["time/epoch_s"] = time.perf_counter() - t0
-        _log(ctx, self.tag, metrics, epoch)
-        if ctx.is_main:
-            if cfg.progress:
-                log.info("%sepoch %d/%d  %s", f"{self.tag}: " if self.tag else "", epoch + 1, cfg.epochs,
-                         _brief(metrics))  # fmt: skip
+        return metrics, timings, checks
+
+    def _skipped_images(self) -> dict:
+        """`data/bad_images`: the unreadable files the epoch's passes replaced (`dataset.bad_images=skip`)."""
+        if getattr(self.data.train, "bad_images", None) != "skip":
+            return {}
+        skipped = torch.tensor([UNREADABLE.take()], device=self.ctx.device)
+        return {"data/bad_images": int(all_reduce_sum(skipped).item())}
+
+    def _log_row(self, epoch: int, metrics: dict) -> None:
+        """The epoch's row to the tracker, and its line with `train.progress`."""
+        _log(self.ctx, self.tag, metrics, epoch)
+        if self.ctx.is_main and self.cfg.progress:
+            log.info("%sepoch %d/%d  %s", f"{self.tag}: " if self.tag else "", epoch + 1, self.cfg.epochs,
+                     _brief(metrics))  # fmt: skip
+
+    def _save_epoch_end(self, epoch: int, evaluated: dict, metrics: dict) -> None:
+        """The monitor follows the epoch's evaluation; the epoch-end checkpoint and its top-k links."""
         watched = self.monitor.after(epoch, evaluated)
-        if ctx.is_main and cfg.checkpoint:
+        if self.ctx.is_main and self.cfg.checkpoint:
             extra = {"history": self.history, "best": self.best, "monitor": watched, "metrics": metrics}
             self.state.save(epoch, None, extra)
             self.monitor.keep_files()
         self.last_save = time.monotonic()
+
+    def _stop_if_signalled(self, checks: DeferredChecks) -> None:
+        """Stop after the epoch on a signal (under DDP: on any rank's, as the ranks vote)."""
         stop = self.signals.signum is not None
-        if stop if not ctx.distributed else checks.read(stop)[0][0]:
+        if stop if not self.ctx.distributed else checks.read(stop)[0][0]:
             self.signals.stop()
-        return metrics, calibration
 
     def _step_stats(self, scale: float) -> dict:
         """The epoch's pre-clip gradient norm (mean of the finite ones) and fp16 skipped steps and scale."""
@@ -1134,16 +1224,15 @@ class _Loop:
         cfg, ctx, batch = self.cfg, self.ctx, self.batch_shape[0]
         kept = f"last good checkpoint: {self.state.last}"
         if self.stage != "training":
-            if self.stage == "evaluation" and not hasattr(self.hooks, "evaluate"):
+            if self.stage == "evaluation" and self.hooks.evaluate is None:
                 where = f"the evaluation at train.eval_batch_size={cfg.eval_batch_size}; lower it"
             else:  # the method's own pass or evaluation, at batches of its own
                 where = "the method's evaluation" if self.stage == "evaluation" else "the method's pass"
             return f"ran out of {memory} in epoch {epoch + 1}, in {where}; {kept}"
         key = f"train.phases.{self.phases.index(epoch)}.batch_size" if self.phases else "train.batch_size"
-        own = getattr(self.hooks, "batch_setting", None)
-        setting = own(epoch) if own else f"{key}={batch}"
+        setting = self.hooks.batch_setting(epoch) or f"{key}={batch}"
         fixes = ["lower it"]
-        if _splits_batches(self.hooks) and batch % (2 * ctx.world_size * cfg.accumulate) == 0:
+        if self.hooks.accumulate_ok and batch % (2 * ctx.world_size * cfg.accumulate) == 0:
             fixes.append(f"keep the batch with train.accumulate={2 * cfg.accumulate} (half as many per pass)")
         if ctx.accelerator and ctx.precision == "fp32":
             fixes.append("use hardware.precision=bf16 (half the bytes per activation)")

@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from runner.data import Data, split_of
 from runner.hardware import RunContext, setup, teardown
+from runner.hooks import MethodHooks
 from runner.models import build_model
 from runner.schema import ConfigError, HardwareConfig, MLPConfig, TrainConfig
 from runner.track import Tracker
@@ -58,7 +59,7 @@ def test_torchrun_two_gloo_ranks_match_one_process(tmp_path):
     assert (tmp_path / "ddp" / "cli.log").read_text().count("tasks.classify: method=erm") == 1
 
 
-class RecordBatches:
+class RecordBatches(MethodHooks):
     """A `fit` hook that keeps the train indices of every step."""
 
     def __init__(self):

@@ -2,16 +2,24 @@
 (`hardware.compile`), followed on the CPU: the same region runs eagerly there, with the captured step's
 fused optimizer and lr tensor, so its trajectory and its host traffic can be checked without a GPU."""
 
+import importlib
 import json
+import pkgutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from test_train import blobs, setup
 
+import runner.hooks
 from runner import device_tracking
-from runner.hooks.mixup import TargetLoss
+from runner.hooks.csot import NoisyLabelHooks
+from runner.hooks.dbot import LossHook
+from runner.hooks.hier_hash import HashHooks
+from runner.hooks.mixup import MixupHooks, TargetLoss
+from runner.method_hooks import MethodHooks, PlainTraining
 from runner.models import build_model
-from runner.train import GraphedStep, fit
+from runner.train import GraphedStep, _method_hooks, fit, not_capturable
 
 SCHEDULES = ["train.schedule=cosine", "train.warmup_epochs=1", "train.momentum=0.9", "train.nesterov=true",
              "train.weight_decay=5e-4", "train.clip_grad_norm=1.0"]  # fmt: skip
@@ -55,6 +63,33 @@ def test_a_method_s_loss_is_captured_only_where_it_says_so(tmp_path, caplog):
             _fit(tmp_path / str(captured), "train.epochs=1", graph=True, hooks=hooks)
         assert ("the training step runs eagerly: the method's hooks (HostLoss)" in caplog.text) != captured
         caplog.clear()
+
+
+# Whether a method's step may be captured as one CUDA graph and compiled whole (`capturable`): plain training
+# (fit's hooks=None) and TargetLoss run device work alone; the others read the host or draw host randomness.
+CAPTURABLE = {PlainTraining: True, TargetLoss: True, MixupHooks: False, NoisyLabelHooks: False,
+              LossHook: False, HashHooks: False}  # fmt: skip
+
+
+def _subclasses(cls) -> set:
+    return {sub for direct in cls.__subclasses__() for sub in {direct} | _subclasses(direct)}
+
+
+def test_each_method_s_step_is_captured_and_compiled_whole_only_where_it_was():
+    for module in pkgutil.iter_modules(runner.hooks.__path__):
+        importlib.import_module(f"runner.hooks.{module.name}")
+    # every hooks class of the runner is in the table, so a new one decides here
+    assert {c for c in _subclasses(MethodHooks) if c.__module__.startswith("runner.")} == set(CAPTURABLE)
+    # a step that the rest of the fit would capture: one process, no loss scaling, no EMA, a fused optimizer
+    ctx = SimpleNamespace(distributed=False, compile="false")
+    s = SimpleNamespace(ctx=ctx, scaler=SimpleNamespace(is_enabled=lambda: False), ema=None,
+                        optimizer=SimpleNamespace(param_groups=[{"fused": True}]))  # fmt: skip
+    decided = {None: _method_hooks(None)} | {cls: object.__new__(cls) for cls in CAPTURABLE}
+    for cls, hooks in decided.items():
+        expected = CAPTURABLE.get(cls, True)  # None: plain training
+        assert hooks.capturable is expected, cls  # the whole-step compile reads this
+        assert (not_capturable(s, hooks) is None) is expected, cls
+    assert MethodHooks.capturable is False  # a new method's hooks opt in, never by inheriting
 
 
 def test_the_captured_region_reads_nothing_from_the_host_and_makes_no_host_tensor(tmp_path):

@@ -17,6 +17,7 @@ from PIL import Image
 from runner.data import Data, Split, split_of
 from runner.data.files import FileSplit, image_transforms
 from runner.hardware import RunContext
+from runner.hooks import MethodHooks
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary
 from runner.schema import TrainConfig
 from runner.train import EpochBatches, batches, fit, in_order, predict
@@ -121,7 +122,7 @@ def test_warmup_is_linear_per_step_then_the_schedule_continues(tmp_path, monkeyp
         train, "make_optimizer", lambda m, cfg, **kw: optimizers.append(make(m, cfg, **kw)) or optimizers[0]
     )
 
-    class RecordLR:  # the loss hook runs once per step: read the lr the step uses
+    class RecordLR(MethodHooks):  # the loss hook runs once per step: read the lr the step uses
         def loss(self, net, x, y_soft, idx, epoch):
             lrs.append(optimizers[0].param_groups[0]["lr"])
             return torch.nn.functional.cross_entropy(net(x), y_soft.argmax(1))
@@ -201,7 +202,7 @@ def test_fit_reports_the_time_split_of_an_epoch(tmp_path):
     split = split_of(rng.normal(size=(40, 3)).astype(np.float32), rng.integers(0, 2, 40))
     data = Data(split, split.subset([]), split.subset([]), 2, (3,))
 
-    class Slow:
+    class Slow(MethodHooks):
         def on_epoch_start(self, epoch, model, data):
             time.sleep(0.05)
 

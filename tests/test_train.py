@@ -12,6 +12,7 @@ from runner.compose import compose
 from runner.data import Data, split_of
 from runner.faults import Diverged, OutOfMemory
 from runner.hardware import RunContext
+from runner.hooks import MethodHooks
 from runner.models import build_model
 from runner.schema import ConfigError, validate
 from runner.track import Tracker
@@ -58,7 +59,7 @@ def test_progress_false_quiets_the_epoch_lines_but_keeps_the_rows(tmp_path, capl
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
 
 
-class KillAt:
+class KillAt(MethodHooks):
     """Raise at the start of `epoch`, as if the process were killed there."""
 
     def __init__(self, epoch):
@@ -92,7 +93,7 @@ def test_resume_on_cuda(tmp_path):
     assert metrics["epoch"] == 3
 
 
-class Recorder:
+class Recorder(MethodHooks):
     """Counts hook calls and replaces the loss with a plain CE on hard labels."""
 
     def __init__(self):
@@ -116,7 +117,7 @@ def test_hooks_are_called_every_batch(tmp_path):
     assert hooks.transforms == hooks.losses == 2 * per_epoch and metrics["test/acc"] > 0.5
 
 
-class SelectWorst:
+class SelectWorst(MethodHooks):
     """Keep the weights of the highest val/loss: the untrained net's, so the restore is visible."""
 
     select = ("val/loss", "max")
@@ -141,7 +142,7 @@ def test_select_restores_the_best_validation_weights_and_reports_them(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4  # no row written twice
 
 
-class LearnThenUnlearn:
+class LearnThenUnlearn(MethodHooks):
     """Cross-entropy in the first epoch, its negative after (the accuracy falls), recording the weights each
     epoch starts from: the best val/acc is epoch 1's, which the last epoch's weights are not."""
 
@@ -238,7 +239,7 @@ def test_evaluate_counts_correct_predictions(tmp_path):
     assert acc == pytest.approx(float((data.test.y_clean == 0).float().mean()))
 
 
-class InfiniteLoss:
+class InfiniteLoss(MethodHooks):
     """A loss whose gradients are never finite: the fp16 scaler skips every step and halves its scale."""
 
     def loss(self, model, x, y_soft, idx, epoch):
@@ -260,7 +261,7 @@ def test_fp16_logs_skipped_steps_and_the_scale_and_stops_when_it_underflows(tmp_
     assert row["train/skipped_steps"] == 5 and row["train/loss_scale"] == 2.0**11
 
 
-class OutOfMemoryAt:
+class OutOfMemoryAt(MethodHooks):
     """A loss that runs out of memory at one step of epoch 2: the device's error, as torch raises it on CUDA,
     or a real failure of the CPU allocator, torch's or numpy's (2^60 bytes, more than any address space)."""
 

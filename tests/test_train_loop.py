@@ -11,6 +11,7 @@ from test_train import KillAt, blobs, setup
 
 import runner.evaluate_run
 import runner.train
+from runner.hooks import MethodHooks
 from runner.models import build_model
 from runner.schema import ConfigError
 from runner.train import CHECKPOINT, fit
@@ -38,7 +39,7 @@ def test_accumulating_micro_batches_takes_the_same_steps(tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
 
 
-class WholeBatch:
+class WholeBatch(MethodHooks):
     def loss(self, model, x, y_soft, idx, epoch):
         return (model(x).log_softmax(1) * -y_soft).sum(1).mean()
 
@@ -48,6 +49,15 @@ def test_accumulation_is_refused_where_a_method_needs_the_whole_batch(tmp_path):
         run(tmp_path, "train.accumulate=2", "train.batch_size=20", hooks=WholeBatch())
     with pytest.raises(ConfigError, match=r"train.batch_size=20: must split evenly .* train.accumulate=3"):
         run(tmp_path, "train.accumulate=3", "train.batch_size=20")
+
+
+def test_hooks_that_do_not_subclass_method_hooks_are_refused(tmp_path):
+    class Duck:  # a loss alone: the loop would read the hooks it lacks
+        def loss(self, model, x, y_soft, idx, epoch):
+            return model(x).sum()
+
+    with pytest.raises(TypeError, match="runner.hooks.MethodHooks; Duck does not"):
+        run(tmp_path, hooks=Duck())
 
 
 def test_clipping_bounds_the_step_and_logs_the_norm_before_it(tmp_path):
@@ -80,7 +90,7 @@ def test_eval_every_skips_evaluations_but_not_the_last(tmp_path):
     assert ["val/acc" in row for row in rows(tmp_path)] == [False, True, False, True, True]
 
 
-class Scripted:
+class Scripted(MethodHooks):
     """val/acc as scripted per epoch (the evaluation replaced), so the monitor's choices are known."""
 
     def __init__(self, values):
@@ -178,7 +188,7 @@ def test_mixup_methods_say_whether_they_accumulate(cli, method, ok):
         assert "train.accumulate=2: this method needs each whole batch" in proc.stderr
 
 
-class SeesTheNetwork:
+class SeesTheNetwork(MethodHooks):
     """Records what the transform is given; the loss runs the eager module (no compile time here)."""
 
     def __init__(self):

@@ -1,8 +1,12 @@
 """The methods' training glue: the `runner.train.fit` hooks (batch transforms, losses, per-epoch passes)
 and feature passes that wire the pure solvers of `runner.methods` into the loop. The import graph reads
-solvers (`runner.methods`) -> loop (`runner.train`) -> hooks (here) -> tasks (`tasks/`)."""
+solvers (`runner.methods`) -> loop (`runner.train`) -> hooks (here) -> tasks (`tasks/`). Every hooks
+class subclasses `MethodHooks` (defined below the loop, in `runner.method_hooks`, which the loop imports)."""
 
+from runner.method_hooks import MethodHooks
 from runner.schema import ConfigError
+
+__all__ = ["MethodHooks", "check_batch"]
 
 
 def check_batch(key: str, batch_size: int, ctx, n_train: int, need: int, why: str, accumulate=1) -> None:

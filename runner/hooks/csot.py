@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from runner.data.samplers import EpochSample, PoolBatches, SampleBatches
 from runner.distributed_passes import broadcast_from_main, predict_all
+from runner.hooks import MethodHooks
 from runner.methods.csot import allocate, curriculum_budget
 from runner.schema import ConfigError
 from runner.train import soft_cross_entropy
@@ -74,7 +75,7 @@ def _numpy(a):
     return a if isinstance(a, np.ndarray) else a.cpu().numpy()
 
 
-class NoisyLabelHooks:
+class NoisyLabelHooks(MethodHooks):
     """`runner.train.fit` hooks: the selection at each epoch start, the two loaders (`batch_sampler`:
     after the first selection each step is a clean batch and an unlabeled batch of `batch_size`, the
     epoch as long as the longer of the two, see `PoolBatches`), the method's loss per batch."""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from runner.augment import PolicyAugment, cutout
 from runner.data import longtail_counts
 from runner.distributed_passes import global_batch
+from runner.hooks import MethodHooks
 from runner.methods.dbot import (
     DBOTLoss,
     class_balanced_weights,
@@ -53,7 +54,7 @@ def longtail_loss(
     return (dbot or DBOTLoss(prior, m.train_delta, m.k_train, m.loss_mode))(logits, y_soft)
 
 
-class LossHook:
+class LossHook(MethodHooks):
     """`fit` hooks: the configured long-tail loss, and the CIFAR-LT batch augmentation."""
 
     def __init__(self, method_cfg, train_counts: np.ndarray, device, epochs: int, stats=None):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from runner.data.samplers import ClassBalancedEpochs, ClassBalancedSampler
 from runner.distributed_passes import global_batch, predict_all
+from runner.hooks import MethodHooks
 from runner.methods import hier_hash as hh
 from runner.models.hashing import PixelMeanInput
 from runner.schema import ConfigError
@@ -72,7 +73,7 @@ def lr_schedule(optimizer, decay_at, decay):
     return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(decay_at), gamma=decay)
 
 
-class HashHooks:
+class HashHooks(MethodHooks):
     """`runner.train.fit` hooks training one net for `method.iters` (or `iters`) iterations: batches of
     `classes_per_batch` x `per_class` (`ClassBalancedSampler`, seeded by `seed`), `loss(net, x)` per
     batch, Adam on `param_groups` with the step decay over iterations. With `val_score` (a function of

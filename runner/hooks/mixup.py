@@ -1,5 +1,5 @@
 """The mixup family in training: `MixupHooks` plugs the batch transforms of `runner.methods.mixup`
-and `runner.methods.comixup` into `runner.train.fit` (the hook protocol of `runner.train`).
+and `runner.methods.comixup` into `runner.train.fit` (the hook protocol of `runner.hooks.MethodHooks`).
 
 One step, as in the Co-Mixup / Puzzle Mix code:
 1. clean pass (when `clean_lam` > 0 or the method needs saliency): forward the clean batch under the
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from runner.hooks import MethodHooks
 from runner.methods.comixup import CONFIG_KEYS as COMIXUP_CONFIG_KEYS
 from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
 from runner.methods.comixup import ComixupPool, _to_device, auto_workers, comixup
@@ -123,7 +124,7 @@ class _AddKept(torch.autograd.Function):
         return grad, None, *torch._foreach_mul(ctx.kept, grad)
 
 
-class TargetLoss:
+class TargetLoss(MethodHooks):
     """The loss hook of plain training with `mixed_loss` of kind `kind` (ERM with the authors' BCE)."""
 
     accumulate_ok = True  # a per-sample loss: micro-batches add up to the batch
@@ -136,7 +137,7 @@ class TargetLoss:
         return mixed_loss(model(x), y_soft, self.kind)
 
 
-class MixupHooks:
+class MixupHooks(MethodHooks):
     """Hooks for `fit`: `transform` mixes the batch (after the clean pass), `loss` scores it.
 
     normalize: the data's per-channel (mean, std), so that raw pixels are x * std + mean (Puzzle Mix's

@@ -1,0 +1,113 @@
+"""`MethodHooks`: every hook through which a method plugs into the training loop (`runner.train.fit`),
+each with the loop's default. It sits below the loop, which imports it, and `runner.hooks` re-exports it
+for the methods' hooks classes (the import graph reads solvers -> loop -> hooks -> tasks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+
+class MethodHooks:
+    """What a method's hooks give `fit`; subclass it and override what the method changes.
+
+    Three kinds of member, each read by the loop as it stands here:
+
+    - optional hooks, None here: where a method leaves one None the loop runs its own step instead (and
+      may decide more on its absence, as each says); a subclass defines it as a method:
+      `on_epoch_start`, `transform`, `loss`, `optimizer`, `evaluate`;
+    - flags, class attributes (or properties) with the cautious default: `capturable`, `accumulate_ok`,
+      `mid_epoch_resume`, `select`;
+    - methods whose default leaves the loop as it is: `batch_sampler`, `batch_setting`,
+      `epoch_metrics`, `state_dict`, `load_state_dict`.
+
+    | hook                                          | default here  | the loop without it                   |
+    |-----------------------------------------------|---------------|---------------------------------------|
+    | on_epoch_start(epoch, model, data)            | None          | no per-epoch pass                     |
+    | transform(x, y_soft, idx, model) -> (x, y)    | None          | the batch as it is, nothing timed     |
+    | loss(model, x, y_soft, idx, epoch) -> scalar  | None          | soft cross-entropy                    |
+    | optimizer(model) -> (opt, sched, per_step)    | None          | train.optimizer, schedule, warm-up    |
+    | evaluate(model) -> dict                       | None          | every evaluation split's metrics      |
+    | capturable                                    | False         | the step is neither captured nor      |
+    |                                               |               | compiled whole                        |
+    | accumulate_ok                                 | False         | train.accumulate > 1 refused          |
+    | mid_epoch_resume                              | False         | with an on_epoch_start: resumed only  |
+    |                                               |               | at epoch ends                         |
+    | select                                        | None          | train.select alone                    |
+    | batch_sampler(default)                        | default       | fit's EpochBatches                    |
+    | batch_setting(epoch)                          | None          | train.batch_size named                |
+    | epoch_metrics()                               | {}            | nothing added to the row              |
+    | state_dict() / load_state_dict(state)         | None / no-op  | no hooks state in the checkpoint      |
+
+    `fit(hooks=None)` trains with `PlainTraining`, whose step is capturable and splits into micro-batches.
+    """
+
+    on_epoch_start: Callable[..., None] | None = None
+    """(epoch, model, data): the method's pass before each epoch's steps (CSOT's sample selection), timed
+    as `time/pass_s`. Its presence makes a resume continue only at epoch ends unless `mid_epoch_resume`."""
+
+    transform: Callable[..., tuple] | None = None
+    """(x, y_soft, idx, model) -> (x, y_soft): a batch transform before the loss (the mixup family);
+    `model` is the network the hooks may run their own passes through. Timed as `time/transform_s`."""
+
+    loss: Callable[..., object] | None = None
+    """(model, x, y_soft, idx, epoch) -> scalar tensor: the step's loss, under the step's autocast, in place
+    of the soft cross-entropy of `model(x)` against `y_soft`."""
+
+    optimizer: Callable[..., tuple] | None = None
+    """(model) -> (optimizer, scheduler, per_step): the method's own optimizer and schedule (stepped after
+    every batch where `per_step`, else after every epoch), in place of `train.optimizer`, its schedule and
+    `train.warmup_epochs`; `train.phases` (which set the config's lr) are then refused."""
+
+    evaluate: Callable[..., dict] | None = None
+    """(model) -> dict: the per-epoch metrics in place of every evaluation split's accuracy, loss and ECE
+    (no calibration bins then); out of memory in it names the method's evaluation."""
+
+    capturable: bool = False
+    """The hooks' share of a step is device work alone, the same every step (no host read, no host
+    randomness): the step may be captured as one CUDA graph (`hardware.cuda_graph`) and compiled whole
+    (`hardware.compile`). False unless a method declares it: one that reads the host must never
+    inherit it."""
+
+    accumulate_ok: bool = False
+    """The batch transform, loss and sampler add up over micro-batches: `train.accumulate` may split a
+    batch (a method that sees the batch as one, e.g. a mix over all of it, refuses it)."""
+
+    mid_epoch_resume: bool = False
+    """`state_dict` holds everything `on_epoch_start` set up, so a resume may continue inside an epoch;
+    hooks without an `on_epoch_start` resume there in any case."""
+
+    select: tuple[str, str] | None = None
+    """(metric, "max" | "min"): while `train.select` is `last`, keep and restore the weights of the best
+    value of that metric (hier_hash's val/p@1)."""
+
+    def batch_sampler(self, default):
+        """The epoch's index batches in place of `default` (fit's `EpochBatches`, which knows this rank's
+        shard): the same protocol (`set_epoch`, a length read after each `set_epoch`), e.g. CSOT's two
+        pools or training by iterations. Here: `default`."""
+        return default
+
+    def batch_setting(self, epoch: int) -> str | None:
+        """The setting that sizes epoch `epoch`'s batches, named when training runs out of memory; None:
+        the config's `train.batch_size` (or its phase's)."""
+        return None
+
+    def epoch_metrics(self) -> dict:
+        """Added to each epoch's metrics row (CSOT's select/*). Here: nothing."""
+        return {}
+
+    def state_dict(self):
+        """The hooks' state kept in checkpoints (their random streams, a selection); None: hooks without
+        state, which checkpoints keep as None."""
+        return None
+
+    def load_state_dict(self, state) -> None:
+        """Restore what `state_dict` returned; called on resume only where the checkpoint holds hooks
+        state. Here: nothing to restore."""
+
+
+class PlainTraining(MethodHooks):
+    """No method (`fit(hooks=None)`): the loop's soft cross-entropy on its own batches, device work alone
+    and per sample, so the step may be captured and compiled whole and split into micro-batches."""
+
+    capturable = True
+    accumulate_ok = True
