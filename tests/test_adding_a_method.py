@@ -41,10 +41,10 @@ def toy_method(tmp_path, monkeypatch):
         (tmp_path / path).write_text(text)
     for where, package in PACKAGES.items():
         monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path / where)])
-    registry = {d: dict(d) for d in (TASKS, TASK_METHODS, METHODS)}
+    registry = [(d, dict(d)) for d in (TASKS, TASK_METHODS, METHODS)]
     before = set(sys.modules)
     yield tmp_path
-    for d, saved in registry.items():
+    for d, saved in registry:
         d.clear()
         d.update(saved)
     for name in set(sys.modules) - before:
@@ -73,8 +73,8 @@ def test_a_new_method_runs_through_the_registry(toy_method, monkeypatch):
     preset, method = ["+experiment=label_smoothing_digits"], ["+method=label_smoothing", "method.eps=0.05"]
     for i, args in enumerate((preset, method)):
         run_dir = toy_method / f"run{i}"
-        smoke = ["+debug=smoke", "logger=none", "--config-dir", conf, f"hydra.run.dir={run_dir}"]
-        run_in_process([*args, *smoke])
+        flags = ["--config-dir", conf]  # before the overrides: Hydra's parser takes one run of them
+        run_in_process([*flags, *args, "+debug=smoke", "logger=none", f"hydra.run.dir={run_dir}"])
         summary = json.loads((run_dir / "summary.json").read_text())
         assert math.isfinite(summary["test/acc"])
         assert (run_dir / "config.yaml").read_text().count("task: smoothing") == 1
@@ -83,7 +83,7 @@ def test_a_new_method_runs_through_the_registry(toy_method, monkeypatch):
 
     assert task_metric({"method": {"task": "smoothing"}}) == ("test/acc", "max")
     with pytest.raises(SystemExit):  # its schema checks a bad value before anything runs
-        run_in_process(["+method=label_smoothing", "method.eps=1.5", "--config-dir", conf, "--cfg", "job"])
+        run_in_process(["--config-dir", conf, "--cfg", "job", "+method=label_smoothing", "method.eps=1.5"])
 
 
 def test_the_page_s_own_tests_pass(toy_method):

@@ -17,7 +17,8 @@ FLOORS = [  # bottom first
      "runner.augment"},
     {"runner.configs", "runner.schema", "runner.metrics"},
     {"runner.data", "runner.models", "runner.hardware"},
-    {"runner.train", "runner.distributed_passes", "runner.rundir", "runner.canvas_metrics", "runner.task"},
+    {"runner.train", "runner.distributed_passes", "runner.rundir", "runner.canvas_metrics", "runner.task",
+     "runner.method_hooks"},
     {"runner.hooks"},
     {"tasks"},  # every task module
     {"runner.sweeper"},  # the Optuna sweeper, whose search-space checks the preflight runs
