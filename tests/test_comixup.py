@@ -842,11 +842,12 @@ def test_expansion_and_brute_solvers_run_one_hot():
 def canvas_data(**overrides):
     from omegaconf import OmegaConf
 
+    from runner.compose import compose
     from runner.data import load_data
     from runner.data.canvas import CanvasConfig
 
-    yaml = OmegaConf.load(CONF / "dataset" / "digits_canvas.yaml")
-    return load_data(OmegaConf.merge(OmegaConf.structured(CanvasConfig), yaml, overrides), 0)
+    dataset = compose(["dataset=digits_canvas"]).dataset
+    return load_data(OmegaConf.merge(OmegaConf.structured(CanvasConfig), dataset, overrides), 0)
 
 
 def test_digits_canvas_places_each_digit_inside_its_box():
