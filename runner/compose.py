@@ -565,24 +565,24 @@ def apply_debug(cfg: DictConfig) -> str | None:
 
 
 def _cap_for_the_cpu(cfg: DictConfig, batch: int, side: int) -> list[str]:
-    """Cap every batch size at `batch` and every image side at `side` in place where the images are larger
-    than 32 px (smaller ones are cheap); what it capped."""
+    """Cap the evaluation batch at `batch` (its subsets are `max_batches` of them: 2 x 1024 CIFAR images
+    took a ResNeXt-29 most of a smoke minute) and, where the images are larger than 32 px (smaller ones
+    train cheaply), every batch size at `batch` and every image side at `side`, in place; what it capped."""
     from runner.data import natural_side
 
-    if max([natural_side(cfg.dataset)] + [phase.image_size for phase in cfg.train.phases]) <= 32:
-        return []
     batches, sides = {}, {}  # the capped keys (a phase's as train.phases.*) and their values
-    for node, key, where in [(cfg.train, "batch_size", "train.batch_size"),
-                             (cfg.train, "eval_batch_size", "train.eval_batch_size")] + [
-        (phase, "batch_size", "train.phases.*.batch_size") for phase in cfg.train.phases
-    ]:  # fmt: skip
+    large = max([natural_side(cfg.dataset)] + [phase.image_size for phase in cfg.train.phases]) > 32
+    keys = [(cfg.train, "batch_size", "train.batch_size")] if large else []
+    keys += [(cfg.train, "eval_batch_size", "train.eval_batch_size")]
+    keys += [(phase, "batch_size", "train.phases.*.batch_size") for phase in cfg.train.phases if large]
+    for node, key, where in keys:
         if node[key] > batch:
             batches.setdefault(where, node[key])
             node[key] = batch
-    if natural_side(cfg.dataset) > side:
+    if large and natural_side(cfg.dataset) > side:
         sides["dataset.image_size"] = natural_side(cfg.dataset)
         cfg.dataset.image_size = side
-    for phase in cfg.train.phases:
+    for phase in cfg.train.phases if large else []:
         if phase.image_size > side:
             sides.setdefault("train.phases.*.image_size", phase.image_size)
             phase.image_size = side

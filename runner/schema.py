@@ -369,7 +369,7 @@ class DebugConfig:
     max_batches: int = 2
     # On the CPU, for images above CIFAR's 32 px: no batch above `cpu_batch` and no image side above
     # `cpu_side` (phases' too), so that a GPU preset's wiring runs in a minute (1024 images of 224 px ran
-    # out of host memory)
+    # out of host memory); at any size no evaluation batch above `cpu_batch`
     cpu_batch: int = 64
     cpu_side: int = 96
     # Set by `validate` where the preset requires pretrained weights (model.pretrained=required): smoke

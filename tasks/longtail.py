@@ -99,8 +99,7 @@ def run(cfg, ctx) -> dict:
     summary = {f"fit/{key}" if key.startswith("test/") else key: value for key, value in fitted.items()}
     summary["train/counts"] = [int(c) for c in train_counts]
     # the DB-OT rules solve where the model ran: float64 on the accelerator, else numpy on the host
-    device = ctx.device if ctx.accelerator else None
-    rules = evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, device)
+    rules = evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, ctx)
     return {**summary, **rules}
 
 

@@ -2,6 +2,7 @@
 
 import importlib.util
 import itertools
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -599,6 +600,31 @@ def hooks_step(workers, seed=3, overlap=True):
     loss = hooks.loss(model, x_mix, y_mix, None, 0)
     loss.backward()
     return x_mix, y_mix, loss.detach(), [p.grad for p in model.parameters()], hooks
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_diverged_network_stops_with_the_diverged_line_not_the_saliency_check(workers):
+    """The mix's input check refused a NaN saliency map, a ValueError traceback: the clean pass's input
+    gradient is NaN once the weights are, before the loop's deferred non-finite check reads the loss."""
+    from runner.configs.classify import CoMixupConfig
+    from runner.faults import Diverged
+    from runner.hooks.mixup import MixupHooks
+    from runner.schema import to_node
+
+    cfg = to_node(CoMixupConfig(grid=2, part=4, preview=False))
+    cfg.workers = workers
+    hooks = MixupHooks(cfg, 5, RunContext(torch.device("cpu"), ROOT, tracker=None), seed=3)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(5))
+    x, y, _ = batch(3, 9, size=8)
+    model(x)
+    with torch.no_grad():
+        model[0].weight[0, 0, 0, 0] = math.nan  # a diverged step's weights
+    try:
+        with pytest.raises(Diverged, match="^non-finite saliency maps .*lower train.lr"):
+            hooks.transform(x, y, None, model)
+    finally:
+        if hooks.pool is not None:
+            hooks.pool.close()
 
 
 @pytest.mark.parametrize("overlap", [True, False])

@@ -519,6 +519,44 @@ def test_predict_per_batch_solves_each_batch_alone():
         dbot_predict(logits, prior, batch_size=0)
 
 
+def test_predict_on_a_device_reads_it_once_per_convergence_check():
+    """The checks of the inputs and the labels come back with the solver's convergence checks, one read
+    each: a solve that converges at its k-th check reads the device k times."""
+    rng = np.random.default_rng(4)
+    logits, prior = 3 * rng.normal(size=(64, 5)), np.array([0.4, 0.3, 0.15, 0.1, 0.05])
+    checks = 0
+    for delta in (0.0, 0.5):
+        b_low, b_up = (1 - delta) * prior, (1 + delta) * prior
+        _, log = dbot(-logits, np.full(64, 1 / 64), b_low, b_up, 1.0, log=True)
+        assert log["converged"] and log["n_iter"] > 10  # more than one check
+        checks += math.ceil(log["n_iter"] / 10)
+    with DeviceTracker() as tracker:
+        on_device = torch.tensor(logits, device=STAND_IN)
+        with tracker.in_phase("eval"):
+            labels = [dbot_predict(on_device, prior, delta) for delta in (0.0, 0.5)]
+    assert tracker.counts["eval"] == {"sync": checks}, tracker.report()["sites"]
+    for delta, got in zip((0.0, 0.5), labels):
+        np.testing.assert_array_equal(got, dbot_predict(logits, prior, delta))
+
+
+def test_bad_input_on_a_device_is_named_as_on_the_host():
+    """The device's checks are read late, with the first convergence check: the error is the host's."""
+    cost, a, _, _ = random_problem(0, m=6, n=3)
+    cost, a = torch.tensor(cost, device=STAND_IN), torch.tensor(a, device=STAND_IN)
+    with pytest.raises(ValueError, match="^infeasible bounds: sum\\(b_low\\)"):
+        dbot(cost, a, torch.full((3,), 0.5, dtype=torch.float64, device=STAND_IN), 1.0, 0.1)
+    with pytest.raises(ValueError, match="^a\\[0\\]="):
+        dbot(cost, -a, 0.0, 1.0, 0.1)
+    with pytest.raises(ValueError, match="^b_low\\[1\\]=0.5 > b_up\\[1\\]=0.4"):
+        dbot(cost, a, torch.tensor([0.1, 0.5, 0.1], device=STAND_IN), [1.0, 0.4, 1.0], 0.1)
+    logits = torch.zeros(4, 3, device=STAND_IN)
+    logits[2, 1] = math.nan
+    with pytest.raises(ValueError, match="^cost has non-finite entries"):
+        dbot_predict(logits, [1, 1, 1])
+    with pytest.raises(ValueError, match="^prior\\[2\\]=-1.0"):
+        dbot_predict(torch.zeros(4, 3, device=STAND_IN), torch.tensor([1.0, 1.0, -1.0], device=STAND_IN))
+
+
 # ----------------------------------------------------------------------------------------------------
 # 14. The solver convention (runner.methods._common): reg, deprecated eps, log keys, warnings
 def test_lp_oracle_is_feasible_and_below_the_entropic_objective():

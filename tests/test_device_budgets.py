@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from runner import device_tracking
+from runner import cli, device_tracking
 from runner.device_tracking import STAND_IN, DeviceTracker
 
 SHRUNK = ["logger=none", "dataset=fake", "dataset.like=cifar100", "dataset.train_size=256",
@@ -56,6 +56,45 @@ def test_training_step_waits_for_the_device_at_most_twice(tmp_path, name):
     assert counts.get("epoch_start", {}).get("sync", 0) <= EPOCH_START_SYNCS * epochs, sites
     # evaluation: per split, the labels copied to the device and the sums read once (not per batch)
     assert counts.get("eval", {}).get("sync", 0) <= 2 * 3 * epochs + 2, sites
+
+
+def _in_phase(tracker, monkeypatch, module, names, phase):
+    """`module.NAME` for each of `names` counted in `phase` while the test runs."""
+
+    def counted(fn):
+        def wrapped(*args, **kwargs):
+            with tracker.in_phase(phase):
+                return fn(*args, **kwargs)
+
+        return wrapped
+
+    for name in names:
+        monkeypatch.setattr(module, name, counted(getattr(module, name)))
+
+
+@pytest.mark.parametrize("preset", ["dbot", "dbot_cluster"])
+def test_dbot_evaluation_reads_the_device_at_most_twice_per_split(tmp_path, monkeypatch, preset):
+    """DB-OT's evaluation after training. Long-tailed classification: the test logits and features are
+    predicted and copied to the host once each, then on each of the 3 resampled test sets the two DB-OT
+    rules solve on the device, each solve's input checks, convergence test and labels in one read (these
+    solves converge at their first check; each further check is one more read). Clustering: the one
+    split's inputs decoded and copied to the host, the solver on the host."""
+    import tasks.clustering
+    import tasks.longtail
+
+    blobs = ["logger=none", "hardware.num_workers=0", "+experiment=dbot_cluster_blobs", "method.plot=false"]
+    overrides = [*SHRUNK, *PRESETS["dbot"]] if preset == "dbot" else blobs
+    with device_tracking.tracking() as tracker:
+        _in_phase(tracker, monkeypatch, tasks.longtail, ("predict_all", "evaluate_rules"), "dbot_eval")
+        _in_phase(tracker, monkeypatch, tasks.clustering, ("_samples", "dbot_cluster"), "dbot_eval")
+        cli.run_in_process([*overrides, f"hydra.run.dir={tmp_path / 'run'}"])
+    report = tracker.report()
+    evaluation, sites = report["counts"].get("dbot_eval", {}), "\n".join(report["sites"][:15])
+    assert evaluation.get("mix", 0) == 0 and evaluation.get("numpy", 0) == 0, sites
+    splits, per_evaluation = (3, 2) if preset == "dbot" else (1, 0)
+    assert 0 < evaluation.get("sync", 0) <= 2 * splits + per_evaluation, sites
+    if preset == "dbot":  # the DB-OT rules did solve on the device
+        assert any("converged" in site for site in report["sites"]), sites
 
 
 def test_the_tracker_counts_what_would_wait_and_what_would_fail():

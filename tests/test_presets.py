@@ -217,8 +217,10 @@ def test_smoke_on_the_cpu_caps_batches_and_image_sides_phases_included_and_says_
         "+debug=smoke: on the CPU, train.batch_size, train.eval_batch_size, train.phases.*.batch_size at 64 "
         "and dataset.image_size, train.phases.*.image_size at 96 px (debug.cpu_batch, debug.cpu_side)"
     )
-    cfg, note = _smoke_config("+experiment=csot_digits")  # 8-px digits: nothing to cap
-    assert note is None and cfg.train.batch_size == compose(["+experiment=csot_digits"]).train.batch_size
+    # 8-px digits: the training batch as it is; evaluation batches capped at every size
+    cfg, note = _smoke_config("+experiment=csot_digits")
+    assert cfg.train.batch_size == compose(["+experiment=csot_digits"]).train.batch_size
+    assert note == "+debug=smoke: on the CPU, train.eval_batch_size at 64 (debug.cpu_batch, debug.cpu_side)"
 
 
 def test_smoke_runs_a_preset_that_requires_pretrained_weights_from_random_ones():

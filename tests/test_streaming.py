@@ -148,7 +148,8 @@ def test_smoke_bounds_any_order_and_writes_summary(cli, tmp_path):
     cli("logger=none", "train.batch_size=32", "+debug=smoke", "hydra.run.dir=smoke")
     summary = json.loads((tmp_path / "smoke" / "summary.json").read_text())
     saved = OmegaConf.load(tmp_path / "smoke" / "config.yaml")
-    assert saved.train.epochs == 1 and saved.dataset.max_train == 64 and saved.dataset.max_eval == 2048
+    assert saved.train.epochs == 1 and saved.dataset.max_train == 64
+    assert saved.dataset.max_eval == 2 * saved.train.eval_batch_size  # 64 on the CPU, 1024 elsewhere
     records = (tmp_path / "smoke" / "metrics.jsonl").read_text().splitlines()
     assert len(records) == 1 and "test/acc" in summary
 

@@ -24,6 +24,9 @@ from runner.methods.dbot import (
 from runner.schema import ConfigError
 from runner.train import soft_cross_entropy
 
+# the inference rules that solve DB-OT (on the device, on an accelerator)
+DBOT_RULES = ("sinkhorn", "dbot")
+
 __all__ = ["LossHook", "evaluate_rules", "group_accuracies", "infer", "longtail_loss", "resampled_test_sets"]
 
 
@@ -104,9 +107,10 @@ def resampled_test_sets(y: np.ndarray, num_classes: int, imbalance: float, names
     }
 
 
-def infer(rule: str, m, logits, feats, weight, train_prior, test_prior, device=None) -> np.ndarray:
+def infer(rule: str, m, logits, feats, weight, train_prior, test_prior) -> np.ndarray:
     """Predicted classes (N,) of `rule` from logits (N, K) (and features/classifier weights for cls_norm);
-    the DB-OT rules solve on `device`, an accelerator (None: numpy on the host, there the faster path)."""
+    the DB-OT rules solve where the logits live (a tensor on an accelerator; numpy on the host, there the
+    faster path), the others take numpy."""
     if rule == "argmax":
         return logits.argmax(1)
     if rule == "cls_norm":
@@ -121,8 +125,6 @@ def infer(rule: str, m, logits, feats, weight, train_prior, test_prior, device=N
         return (logits + shift).argmax(1)
     delta = 0.0 if rule == "sinkhorn" else m.delta
     batch = m.batch_size if m.scope == "batch" else None
-    if device is not None:
-        logits = torch.as_tensor(logits, dtype=torch.float64, device=device)
     try:
         pred = dbot_predict(logits, test_prior, delta, m.eps, batch, m.solver, m.max_iter, m.tol)
     except FloatingPointError:  # the Gibbs kernel exp(logit / eps) underflows at this run's logit range
@@ -131,7 +133,7 @@ def infer(rule: str, m, logits, feats, weight, train_prior, test_prior, device=N
             f"method.eps={m.eps} is too small for method.solver={m.solver} at this run's logits (range "
             f"{span:.3g}: the Gibbs kernel underflows); set method.solver=dual or a larger method.eps"
         ) from None
-    return pred.cpu().numpy() if isinstance(pred, torch.Tensor) else pred
+    return pred.numpy() if isinstance(pred, torch.Tensor) else pred  # a tensor's come back on the host
 
 
 def group_accuracies(correct: np.ndarray, y: np.ndarray, train_counts: np.ndarray, m) -> dict:
@@ -149,13 +151,17 @@ def group_accuracies(correct: np.ndarray, y: np.ndarray, train_counts: np.ndarra
     return out
 
 
-def evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, device=None) -> dict:
+def evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, ctx=None) -> dict:
     """Every rule of `m.inference` on every test set (index arrays into the test split), by class group,
     and the headline: `test/acc` (argmax on the uniform test set) and `test/acc_<m.predict>`; the DB-OT
-    rules solve on `device`, an accelerator or None (see :func:`infer`)."""
+    rules solve on the run's device where it is an accelerator, else on the host (see :func:`infer`)."""
     k = len(train_counts)
     train_prior = train_counts / train_counts.sum()
     summary: dict = {}
+    on_device = None
+    if ctx is not None and ctx.accelerator and any(rule in DBOT_RULES for rule in m.inference):
+        # copied once without waiting (float64, as predicted); each test set's rows are gathered on the device
+        on_device = ctx.pin(torch.from_numpy(logits)).to(ctx.device, non_blocking=True)
     for name, idx in test_sets.items():
         y = y_test[idx]
         test_prior = {
@@ -164,8 +170,11 @@ def evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, de
             "uniform": np.full(k, 1.0 / k),
         }[m.prior]
         summary[f"{name}/n"] = len(idx)
+        if on_device is not None:
+            rows = ctx.pin(torch.from_numpy(idx)).to(ctx.device, non_blocking=True)
         for rule in m.inference:
-            pred = infer(rule, m, logits[idx], feats[idx], weight, train_prior, test_prior, device)
+            given = on_device[rows] if rule in DBOT_RULES and on_device is not None else logits[idx]
+            pred = infer(rule, m, given, feats[idx], weight, train_prior, test_prior)
             accs = group_accuracies(pred == y, y, train_counts, m)
             summary |= {f"{name}/{rule}/{group}": acc for group, acc in accs.items()}
     main_set = "uniform" if "uniform" in test_sets else m.test_sets[0]

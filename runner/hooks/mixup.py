@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from runner.faults import Diverged
 from runner.hooks import MethodHooks
 from runner.methods.comixup import CONFIG_KEYS as COMIXUP_CONFIG_KEYS
 from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
@@ -109,6 +110,17 @@ def _own_parameters(module: torch.nn.Module) -> list:
     return [p for p in module.parameters(recurse=False) if p.requires_grad]
 
 
+def _diverged_saliency(saliency_maps) -> None:
+    """Diverged where a mix refused a non-finite saliency map: the clean pass's input gradient is not
+    finite once the network (or the data) is, which the loop's deferred non-finite check would report only
+    some steps later. A read of the device, on the error path only."""
+    if saliency_maps is not None and not bool(torch.isfinite(saliency_maps).all()):
+        raise Diverged(
+            "non-finite saliency maps (the clean pass's input gradient): the network diverged; lower "
+            "train.lr (or check the data)"
+        ) from None
+
+
 class _AddKept(torch.autograd.Function):
     """Identity on the loss; its backward hands each parameter its kept gradient times the loss's incoming
     gradient (1, or the fp16 loss scale), in one `torch._foreach_mul`: the surrogate sum(p * g) did the same
@@ -178,19 +190,23 @@ class MixupHooks(MethodHooks):
         lag = pool is not None and self.cfg.lag
         overlap = pool is not None and self.cfg.overlap and not lag
         saliency_maps = self._clean_pass(model, x, y_soft, defer_weights=overlap)
-        if pool is None:
-            with torch.no_grad():
-                x_mix, y_mix = self._mix(x, y_soft, saliency_maps)
-        else:
-            with torch.no_grad():
-                options = self._comixup_options()
-                pending = pool.submit(x, y_soft, saliency_maps, rng=self.rng, with_masks=False, **options)
-            if lag:  # this batch's cuts run through the next step; this one trains on the previous mix
-                pending, self._lagged = self._lagged, pending
-            self._weight_backward()  # a deferred one (overlap): on the device while the workers solve
-            with torch.no_grad():
-                x_mix, y_mix = (x, y_soft) if pending is None else pending.result()
-            y_mix = y_mix.to(y_soft.dtype)
+        try:
+            if pool is None:
+                with torch.no_grad():
+                    x_mix, y_mix = self._mix(x, y_soft, saliency_maps)
+            else:
+                with torch.no_grad():
+                    options = self._comixup_options()
+                    pending = pool.submit(x, y_soft, saliency_maps, rng=self.rng, with_masks=False, **options)
+                if lag:  # this batch's cuts run through the next step; this one trains on the previous mix
+                    pending, self._lagged = self._lagged, pending
+                self._weight_backward()  # a deferred one (overlap): on the device while the workers solve
+                with torch.no_grad():
+                    x_mix, y_mix = (x, y_soft) if pending is None else pending.result()
+                y_mix = y_mix.to(y_soft.dtype)
+        except ValueError:
+            _diverged_saliency(saliency_maps)
+            raise
         if self._preview:
             self._preview = False
             path = save_mixup_preview(x_mix, y_mix, Path(self.ctx.dir) / "mixup_preview.png", self.cfg.name)

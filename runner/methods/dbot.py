@@ -144,13 +144,89 @@ def check_problem(cost, a, b_low, b_up, reg: float):
     return cost, a, b_low, b_up.clip(max=mass)
 
 
-def marginal_violation(row_sums, col_sums, a, b_low, b_up) -> float:
-    """L1 violation of the constraints: ||P1 - a||_1 + ||(b_low - P^T 1)_+||_1 + ||(P^T 1 - b_up)_+||_1."""
-    return float(
+def _upload(values: np.ndarray, device) -> torch.Tensor:
+    """Host values on `device` without waiting for it (page-locked first on CUDA)."""
+    host = torch.from_numpy(values)
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+
+
+def _tensor_problem(cost, a, b_low, b_up):
+    """:func:`check_problem` for a tensor cost, without reading its device: shapes, and the values of
+    a, b_low, b_up given on the host, are checked here; the values on the cost's device are checked there
+    into ``valid`` (a 0-dim bool), which the solver reads with its first convergence check
+    (:class:`_Stopping`). Returns float64 (cost, a, b_low, b_up clipped at sum(a), sum(a), valid) there."""
+    cost = cost.detach().to(torch.float64)
+    if cost.ndim != 2 or 0 in cost.shape:
+        raise ValueError(f"cost has shape {tuple(cost.shape)}: must be a non-empty (m, n) matrix")
+    m, n = cost.shape
+    checks = [cost.isfinite().all()]
+    vectors = []
+    for x, size, name, allow_inf in ((a, m, "a", False), (b_low, n, "b_low", False), (b_up, n, "b_up", True)):
+        if isinstance(x, torch.Tensor) and x.device == cost.device:
+            x = x.detach().to(torch.float64)
+            x = x.expand(size) if x.ndim == 0 else x
+            if tuple(x.shape) != (size,):
+                raise ValueError(
+                    f"{name} has shape {tuple(x.shape)}: must be a scalar or have shape ({size},)"
+                )
+            checks.append(~(x.isnan() | (x < 0) | ((x == math.inf) & (not allow_inf))).any())
+        else:
+            host = x.detach().cpu() if isinstance(x, torch.Tensor) else x
+            x = _upload(_vector(host, size, name, allow_inf), cost.device)
+        vectors.append(x)
+    a, b_low, b_up = vectors
+    mass = a.sum()
+    slack = 1e-9 * mass
+    checks += [(b_low <= b_up).all(), mass > 0, b_low.sum() <= mass + slack, b_up.sum() >= mass - slack]
+    return cost, a, b_low, torch.minimum(b_up, mass), mass, torch.stack(checks).all()
+
+
+def _violation(row_sums, col_sums, a, b_low, b_up):
+    """:func:`marginal_violation` as a scalar of the inputs' backend (a tensor stays on its device)."""
+    return (
         abs(row_sums - a).sum()
         + (b_low - col_sums).clip(min=0.0).sum()
         + (col_sums - b_up).clip(min=0.0).sum()
     )
+
+
+def marginal_violation(row_sums, col_sums, a, b_low, b_up) -> float:
+    """L1 violation of the constraints: ||P1 - a||_1 + ||(b_low - P^T 1)_+||_1 + ||(P^T 1 - b_up)_+||_1."""
+    return float(_violation(row_sums, col_sums, a, b_low, b_up))
+
+
+class _Stopping:
+    """The solvers' stopping test: the L1 marginal violation (:func:`marginal_violation`) below
+    tol * sum(a). A tensor problem is read from its device once per check, in one copy: the violation,
+    sum(a) and the validity flag of :func:`_tensor_problem` (``invalid()`` runs when it is false, the
+    host's check that raises the error naming the value) and, with ``labels``, each row's argmax of the
+    current plan: what :func:`dbot_predict` returns, the final plan's when that check stops the solver.
+    """
+
+    def __init__(self, a, b_low, b_up, tol: float, mass, valid=None, invalid=None, labels: bool = False):
+        self.a, self.b_low, self.b_up, self.tol = a, b_low, b_up, tol
+        self.mass, self.valid, self.invalid, self.want_labels = mass, valid, invalid, labels
+        self.total = None if isinstance(mass, torch.Tensor) else float(mass)  # sum(a) on the host
+        self.err, self.labels = math.inf, None
+
+    @property
+    def stop(self) -> float:
+        return self.tol * self.total
+
+    def converged(self, row_sums, col_sums, plan) -> bool:
+        """Whether the plan of these sums is within tol; ``plan()`` makes it (only for ``labels``)."""
+        err = _violation(row_sums, col_sums, self.a, self.b_low, self.b_up)
+        if isinstance(err, torch.Tensor):
+            head = torch.stack([err, self.mass, self.valid.to(err.dtype)])
+            rows = [plan().argmax(1).to(err.dtype)] if self.want_labels else []
+            values = torch.cat([head, *rows]).cpu().numpy()  # the one read of the device per check
+            err, self.total, valid = values[0], float(values[1]), values[2]
+            if not valid:
+                self.invalid()
+                self.valid = torch.ones((), dtype=torch.bool, device=self.a.device)  # the host's check won
+            self.labels = values[3:].astype(np.int64) if self.want_labels else None
+        self.err = float(err)
+        return self.err < self.stop
 
 
 @renamed_kwargs(eps="reg")
@@ -191,7 +267,7 @@ def _checkpoint(n_iter: int, max_iter: int, check_every: int) -> bool:
     return n_iter % check_every == 0 or n_iter == max_iter
 
 
-def _solve_sinkhorn(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every):
+def _solve_sinkhorn(nx, cost, a, b_low, b_up, reg, max_iter, stopping, check_every):
     """Solver II (Sinkhorn-Knopp with three scalings), one sweep:
     u = a / K(q v);  kappa = K^T u;  q = max(b_low / (kappa v), 1);  v = min(b_up / (kappa q), 1).
     """
@@ -199,7 +275,6 @@ def _solve_sinkhorn(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every):
     kernel = nx.exp((offset - cost) / reg)
     n = cost.shape[1]
     q, v = nx.ones(n, type_as=cost), nx.ones(n, type_as=cost)
-    stop = tol * float(a.sum())
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         u = a / nx.dot(kernel, q * v)
         kappa = nx.dot(u, kernel)
@@ -208,18 +283,18 @@ def _solve_sinkhorn(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every):
             v = _fmin(b_up / (kappa * q), 1.0)
             kw = nx.dot(kernel, q * v)
             # The row sums of the current plan come for free here, so checking costs O(m + n).
-            if _checkpoint(n_iter, max_iter, check_every):
-                err = marginal_violation(u * kw, kappa * q * v, a, b_low, b_up)
-                if err < stop:
-                    break
+            if _checkpoint(n_iter, max_iter, check_every) and stopping.converged(
+                u * kw, kappa * q * v, lambda: u[:, None] * kernel * (q * v)[None, :]  # noqa: B023 (called at once)
+            ):
+                break
             u = a / kw
             kappa = nx.dot(u, kernel)
         plan = u[:, None] * kernel * (q * v)[None, :]
         duals = dict(f=reg * nx.log(u) + offset[:, 0], g=reg * nx.log(q), h=reg * nx.log(v))
-    return plan, n_iter, err, duals
+    return plan, n_iter, duals
 
 
-def _solve_dual(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every):
+def _solve_dual(nx, cost, a, b_low, b_up, reg, max_iter, stopping, check_every):
     """Solver III (dual block ascent in the log domain, potentials in units of reg), one sweep:
     f = log a - LSE_j(g_j + h_j - C_ij/reg);  lam = LSE_i(f_i - C_ij/reg);
     g = max(log b_low - lam - h, 0);  h = min(log b_up - lam - g, 0).
@@ -229,7 +304,6 @@ def _solve_dual(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every):
         log_a, log_low, log_up = nx.log(a), nx.log(b_low), nx.log(b_up)
     n = cost.shape[1]
     g, h = nx.zeros(n, type_as=cost), nx.zeros(n, type_as=cost)
-    stop = tol * float(a.sum())
     with np.errstate(invalid="ignore", over="ignore"):
         f = log_a - logsumexp(neg_cost, axis=1)
         lam = logsumexp(neg_cost + f[:, None], axis=0)
@@ -237,17 +311,19 @@ def _solve_dual(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every):
             g = _fmax(log_low - lam - h, 0.0)  # b_low_j = 0 gives -inf -> g_j = 0; fmax drops NaN
             h = _fmin(log_up - lam - g, 0.0)
             row_lse = logsumexp(neg_cost + (g + h)[None, :], axis=1)
-            if _checkpoint(n_iter, max_iter, check_every):
-                err = marginal_violation(nx.exp(f + row_lse), nx.exp(lam + g + h), a, b_low, b_up)
-                if err < stop:
-                    break
+            if _checkpoint(n_iter, max_iter, check_every) and stopping.converged(
+                nx.exp(f + row_lse),
+                nx.exp(lam + g + h),
+                lambda: nx.exp(neg_cost + f[:, None] + (g + h)[None, :]),  # noqa: B023 (called at once)
+            ):
+                break
             f = log_a - row_lse
             lam = logsumexp(neg_cost + f[:, None], axis=0)
     plan = nx.exp(neg_cost + f[:, None] + (g + h)[None, :])
-    return plan, n_iter, err, dict(f=reg * f, g=reg * g, h=reg * h)
+    return plan, n_iter, dict(f=reg * f, g=reg * g, h=reg * h)
 
 
-def _solve_bregman(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every, dykstra):
+def _solve_bregman(nx, cost, a, b_low, b_up, reg, max_iter, stopping, check_every, dykstra):
     """Solver I (KL projections of the plan itself), one sweep starting from P = K:
     P <- diag(a / P1) P;  P <- P diag(max(b_low / P^T 1, 1));  P <- P diag(min(b_up / P^T 1, 1)).
 
@@ -259,7 +335,6 @@ def _solve_bregman(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every, dy
     plan = nx.exp((nx.min(cost, axis=1, keepdims=True) - cost) / reg)
     n = cost.shape[1]
     undo = {"low": nx.ones(n, type_as=cost), "up": nx.ones(n, type_as=cost)}
-    stop = tol * float(a.sum())
     row_sums = plan.sum(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         for n_iter in range(1, max_iter + 1):
@@ -276,11 +351,11 @@ def _solve_bregman(nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every, dy
                     undo[key] = nx.where(step > 0, 1.0 / step, nx.ones(n, type_as=cost))
             plan *= column_scale[None, :]
             row_sums = plan.sum(axis=1)
-            if _checkpoint(n_iter, max_iter, check_every):
-                err = marginal_violation(row_sums, col_sums, a, b_low, b_up)
-                if err < stop:
-                    break
-    return plan, n_iter, err, {}
+            if _checkpoint(n_iter, max_iter, check_every) and stopping.converged(
+                row_sums, col_sums, lambda: plan  # noqa: B023 (called at once)
+            ):
+                break
+    return plan, n_iter, {}
 
 
 @renamed_kwargs(eps="reg")
@@ -311,7 +386,8 @@ def dbot(
     max_iter : maximum number of sweeps.
     tol : stop once the L1 marginal violation (:func:`marginal_violation`) is below tol * sum(a);
         it is checked every ``check_every`` sweeps and at the cap. A ``UserWarning`` says when
-        ``max_iter`` is reached first.
+        ``max_iter`` is reached first. A tensor problem is checked where it lives: each check reads
+        its device once, and the first brings the checks of the inputs (a bad value raises there).
     log : also return a dict with ``n_iter``, ``err`` (final violation), ``converged`` and, for
         "sinkhorn" and "dual", the dual potentials ``f`` (m,), ``g`` >= 0, ``h`` <= 0 (n,).
 
@@ -325,6 +401,14 @@ def dbot(
     >>> np.round(plan, 4).tolist()
     [[0.3655, 0.1345], [0.1345, 0.3655]]
     """
+    plan, info, _ = _solve(cost, a, b_low, b_up, reg, method, max_iter, tol, check_every)
+    return (plan, info) if log else plan
+
+
+def _solve(cost, a, b_low, b_up, reg, method, max_iter, tol, check_every, labels: bool = False):
+    """:func:`dbot`'s checks and solve: (plan, log, its :class:`_Stopping`). A tensor problem is checked
+    where it lives, its flag read with the first convergence check; ``labels`` reads each row's argmax
+    with every check (see :class:`_Stopping`)."""
     if method not in SOLVERS:
         raise ValueError(f"method={method!r}: must be one of {SOLVERS}")
     if not (isinstance(max_iter, (int, np.integer)) and max_iter >= 1):
@@ -333,21 +417,32 @@ def dbot(
         raise ValueError(f"check_every={check_every}: must be an integer >= 1")
     if not tol > 0:
         raise ValueError(f"tol={tol}: must be > 0")
-    cost, a, b_low, b_up = check_problem(cost, a, b_low, b_up, reg)
-    nx = get_backend(cost)
-    args = (nx, cost, a, b_low, b_up, reg, max_iter, tol, check_every)
-    if method == "sinkhorn":
-        plan, n_iter, err, duals = _solve_sinkhorn(*args)
-    elif method == "dual":
-        plan, n_iter, err, duals = _solve_dual(*args)
+    _check_reg(reg)
+    if isinstance(cost, torch.Tensor):
+        given = (cost, a, b_low, b_up)
+        cost, a, b_low, b_up, mass, valid = _tensor_problem(*given)
+
+        def invalid():  # the error path: the host's check, on copies, names the bad value
+            check_problem(*(x.detach().cpu() if isinstance(x, torch.Tensor) else x for x in given), reg)
+
+        stopping = _Stopping(a, b_low, b_up, tol, mass, valid, invalid, labels)
     else:
-        plan, n_iter, err, duals = _solve_bregman(*args, dykstra=method == "bregman")
-    if not math.isfinite(err):
+        cost, a, b_low, b_up = check_problem(cost, a, b_low, b_up, reg)
+        stopping = _Stopping(a, b_low, b_up, tol, a.sum(), labels=labels)
+    nx = get_backend(cost)
+    args = (nx, cost, a, b_low, b_up, reg, max_iter, stopping, check_every)
+    if method == "sinkhorn":
+        plan, n_iter, duals = _solve_sinkhorn(*args)
+    elif method == "dual":
+        plan, n_iter, duals = _solve_dual(*args)
+    else:
+        plan, n_iter, duals = _solve_bregman(*args, dykstra=method == "bregman")
+    if not math.isfinite(stopping.err):
         raise FloatingPointError(
             f"reg={reg} is too small for method={method!r} (the Gibbs kernel underflows): use method='dual'"
         )
-    info = convergence_log(f"dbot(method={method!r})", n_iter, err, tol * float(a.sum()), **duals)
-    return (plan, info) if log else plan
+    info = convergence_log(f"dbot(method={method!r})", n_iter, stopping.err, stopping.stop, **duals)
+    return plan, info, stopping
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -725,18 +820,22 @@ def dbot_predict(
 
     Returns
     -------
-    (N,) int64 predicted classes: a numpy array, or a tensor on the logits' device.
+    (N,) int64 predicted classes: a numpy array, or for tensor logits a CPU tensor. A device is read
+    once per convergence check of each solve (the labels come with the check that stops it), and
+    once for a prior that lives there.
 
     >>> logits = np.array([[2.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
     >>> dbot_predict(logits, [2, 1]).tolist(), dbot_predict(logits, [1, 2]).tolist()
     ([0, 0, 1], [0, 1, 1])
     """
-    logits = _float64(logits.detach() if isinstance(logits, torch.Tensor) else logits)
+    on_device = isinstance(logits, torch.Tensor)
+    logits = logits.detach().to(torch.float64) if on_device else np.asarray(logits, dtype=np.float64)
     if logits.ndim != 2:
         raise ValueError(f"logits has shape {tuple(logits.shape)}: must be (N, K)")
     n, n_classes = logits.shape
-    prior = _vector(prior, n_classes, "prior", like=logits)
-    if float(prior.sum()) <= 0:
+    # checked on the host, once (a read where the prior lives on a device); the logits with each solve
+    prior = _vector(prior.detach().cpu() if isinstance(prior, torch.Tensor) else prior, n_classes, "prior")
+    if prior.sum() <= 0:
         raise ValueError("prior sums to 0: must have a positive entry")
     if not delta >= 0:
         raise ValueError(f"delta={delta}: must be >= 0")
@@ -744,11 +843,17 @@ def dbot_predict(
         raise ValueError(f"batch_size={batch_size}: must be None or an integer >= 1")
     prior = prior / prior.sum()
     b_low, b_up = max(1.0 - delta, 0.0) * prior, (1.0 + delta) * prior
-    step = n if batch_size is None else batch_size
+    if on_device:
+        b_low, b_up = _upload(b_low, logits.device), _upload(b_up, logits.device)
+    nx, step = get_backend(logits), n if batch_size is None else batch_size
     labels = []
     for start in range(0, n, step):
         chunk = logits[start : start + step]
-        a = _float64(np.full(len(chunk), 1.0 / len(chunk)), like=chunk)
-        plan = dbot(-chunk, a, b_low, b_up, reg, method=method, max_iter=max_iter, tol=tol)
-        labels.append(plan.argmax(1))
-    return get_backend(logits).concatenate(labels, axis=0)
+        a = nx.full((len(chunk),), 1.0 / len(chunk), type_as=chunk)
+        plan, info, stopping = _solve(-chunk, a, b_low, b_up, reg, method, max_iter, tol, 10, on_device)
+        if on_device and info["converged"]:  # read with the check that stopped the solver
+            labels.append(stopping.labels)
+        else:  # numpy, or stopped at max_iter: the final plan's (a read of the device)
+            labels.append(plan.argmax(1).cpu().numpy() if on_device else plan.argmax(1))
+    labels = np.concatenate(labels)
+    return torch.from_numpy(labels) if on_device else labels
