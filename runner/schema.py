@@ -98,6 +98,11 @@ class DatasetConfig:
         check_range("dataset.test_fraction", self.test_fraction, 0.0, 1.0, hi_open=True)
         check_choice("dataset.augment", self.augment, ("none", "crop_flip", "rrc_flip"))
         check_range("dataset.crop_pad", self.crop_pad, 0)
+        if self.imagenet_boxes and self.name != "imagenet":  # the key of one option (the others' default)
+            raise ConfigError(
+                f"unknown key dataset.imagenet_boxes for dataset={self.name}: the val box annotations of "
+                "dataset=imagenet"
+            )
         check_range("dataset.image_size", self.image_size, 0)
         check_range("dataset.eval_resize", self.eval_resize, 0)
         check_range("dataset.max_train", self.max_train, 0)
@@ -120,6 +125,11 @@ class SyntheticConfig(DatasetConfig):
         check_lowest("dataset", self, {"num_classes": 2, "dim": 1, "n_samples": 10, "separation": 0.0})
 
 
+# The networks with post-activation residual blocks (a batch norm ends each residual branch), where
+# `model.zero_init_residual` applies (runner.models.zero_init_residual finds those norms).
+POST_ACTIVATION = ("resnet10", "resnet18", "resnet32", "resnet50", "resnext29")
+
+
 @dataclass
 class ModelConfig:
     name: str = "mlp"
@@ -131,6 +141,11 @@ class ModelConfig:
     zero_init_residual: bool = False
 
     def __post_init__(self):
+        if self.zero_init_residual and self.name not in POST_ACTIVATION:  # checked before any run starts
+            raise ConfigError(
+                f"model.zero_init_residual=true: model={self.name} has no post-activation residual blocks; "
+                f"use it with {', '.join(POST_ACTIVATION)}"
+            )
         if self.pretrained == "none":  # random initialisation, chosen knowingly over a preset's "required"
             self.pretrained = False
         if self.pretrained == "required":  # a preset that starts from pretrained weights (csot_clothing1m)

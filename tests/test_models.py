@@ -255,8 +255,10 @@ def test_pretrained_weights_file(tmp_path):
 
 
 def test_model_configs_compose_and_check_their_keys():
+    from runner.compose import compose
+
     for path in sorted(CONF.glob("*.yaml")):
-        checked = model_config(OmegaConf.load(path))
+        checked = model_config(compose([f"model={path.stem}"]).model)
         assert checked.pretrained is False, path.name
     with pytest.raises(ConfigError, match="unknown key model.stem_stride"):
         model_config(OmegaConf.create({"name": "resnet18", "stem_stride": 2}))

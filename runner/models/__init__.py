@@ -12,7 +12,7 @@ from runner.models.base import Classifier
 from runner.models.cifar import NIN, BasicBlock, PreActResNet18, ResNet32, ResNeXt29, ResNeXtBlock, WideResNet
 from runner.models.imagenet import INCEPTION_MIN_SIDE, RESNETS, ImageNetResNet, InceptionResNetV2
 from runner.models.weights import load_weights
-from runner.schema import ConfigError, model_config
+from runner.schema import POST_ACTIVATION, ConfigError, model_config
 
 
 class MLP(Classifier):
@@ -86,7 +86,7 @@ def zero_init_residual(model: nn.Module, name: str) -> None:
     if not norms:
         raise ConfigError(
             f"model.zero_init_residual=true: model={name} has no post-activation residual blocks (no batch "
-            "norm ends a residual branch); use it with resnet10, resnet18, resnet50, resnet32 or resnext29"
+            f"norm ends a residual branch); use it with {', '.join(POST_ACTIVATION)}"
         )
     for norm in norms:
         nn.init.zeros_(norm.weight)
