@@ -272,13 +272,8 @@ def old_mix_host(y_onehot, W, problem):
     """The host half of the old `_mix`: the cells' two sources and weights, the masks (B, n, B), y_mixed."""
     index, g = problem["index"], problem["grid"]
     B, n = int((index >= 0).sum()), g * g
-    out_rows = index.ravel() >= 0
-    top2 = np.argsort(W, axis=-1)[..., -2:]  # (P, m', n, 2) partition slots of the two largest weights
-    weights = np.take_along_axis(W, top2, axis=-1).reshape(-1, n, 2)[out_rows]
-    sources = index[np.arange(len(index))[:, None, None, None], top2].reshape(-1, n, 2)[out_rows]
-    order = np.argsort(index.ravel()[out_rows])  # outputs back in batch order
-    sources, weights = sources[order], weights[order]
-    sources[..., 0] = np.where(weights[..., 0] > 0, sources[..., 0], sources[..., 1])  # no padding index
+    packed = _cell_sources(W, index)  # the cells' two sources and weights, as the new path packs them
+    sources, weights = packed[..., :2].astype(np.int64), packed[..., 2:].astype(W.dtype)
     masks = np.zeros((B, n, B), np.float32)
     for p, row in enumerate(index):
         m = int((row >= 0).sum())
