@@ -54,8 +54,8 @@ def test_default_run_trains_digits_and_logs_to_wandb_offline(cli, tmp_path):
     assert len(accs) == 30 and accs[-1] == pytest.approx(summary["test/acc"])
 
 
-def test_print_config_shows_the_validated_config_on_the_console(cli, tmp_path):
-    proc = cli("print_config=true", "train.epochs=1", "logger=none")
+def test_print_config_shows_the_validated_config_on_the_console(cli_here, tmp_path):
+    proc = cli_here("print_config=true", "train.epochs=1", "logger=none")
     assert "config (validated):\nseed: 0\nname: run\ndataset:\n  name: digits" in proc.stdout
 
 
@@ -100,10 +100,10 @@ def test_restart_in_same_dir_resumes(cli, tmp_path):
         (["hardware=gpu"], "no CUDA device"),
     ],
 )
-def test_bad_input_exits_nonzero_with_one_line(cli, args, expected):
+def test_bad_input_exits_nonzero_with_one_line(cli_here, args, expected):
     if args == ["hardware=gpu"] and torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    proc = cli(*args, "logger=none", check=False)
+    proc = cli_here(*args, "logger=none", check=False)
     assert proc.returncode == 2
     assert expected in proc.stderr
     assert "Traceback" not in proc.stderr

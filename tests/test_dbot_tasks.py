@@ -288,9 +288,9 @@ def test_clustering_raw_features_of_a_file_backed_dataset_ask_for_network_featur
     )
 
 
-def test_clustering_cli_more_clusters_than_samples_is_one_line(cli):
-    proc = cli("+method=dbot_cluster", "dataset=blobs", "method.per_class=2", "method.k=20", "logger=none",
-               check=False)  # fmt: skip
+def test_clustering_cli_more_clusters_than_samples_is_one_line(cli_here):
+    proc = cli_here("+method=dbot_cluster", "dataset=blobs", "method.per_class=2", "method.k=20",
+                    "logger=none", check=False)  # fmt: skip
     assert proc.returncode == 2 and "method.k=20" in proc.stderr and "Traceback" not in proc.stderr
 
 

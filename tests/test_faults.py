@@ -1,4 +1,4 @@
-"""Never lose a run (issue 16), each case in a subprocess: bad input refused up front, stop signals and
+"""Never lose a run (issue 16), each case in a subprocess (bad input in the test's process): bad input refused up front, stop signals and
 kill -9 followed by a restart that ends exactly as an uninterrupted run, a corrupt checkpoint, divergence,
 a full disk, a busy run dir, a failing task, a diverging Optuna trial, one W&B run across restarts."""
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import run_cli
+from conftest import run_cli, run_cli_here
 from test_cli import wandb_records
 
 from runner.faults import Interrupted, StopSignals
@@ -96,21 +96,6 @@ def copy_run(straight: Path, tmp_path: Path) -> Path:
 
 # ------------------------------------------------------------------------------------ bad input
 
-DRIVER = """
-import contextlib, io, json, sys
-from runner.cli import main
-out = []
-for argv in json.loads(sys.argv[1]):
-    sys.argv, err, code = ["runner", *argv], io.StringIO(), 0
-    with contextlib.redirect_stderr(err):
-        try:
-            main()
-        except SystemExit as e:
-            code = e.code
-    out.append([code, err.getvalue()])
-print(json.dumps(out))
-"""
-
 BAD = [
     (["seed=-1"], "seed=-1 is out of range; must be in [0, 4294967295]"),
     (["train.lr=nan"], "train.lr=nan: must be a finite number"),
@@ -144,11 +129,9 @@ def test_bad_input_is_one_line_before_anything_runs(straight, tmp_path):
     ]  # fmt: skip
     saved = {p: p.read_bytes() for p in (straight / "config.yaml", straight / ".hydra" / "overrides.yaml")}
     cases = [(["logger=none", *args], expected) for args, expected in BAD] + resume
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([args for args, _ in cases])],
-                          cwd=tmp_path, env=ENV, text=True, capture_output=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for (args, expected), (code, err) in zip(cases, json.loads(proc.stdout.splitlines()[-1])):
-        assert code == 2 and expected in one_line(err), (args, err)
+    for args, expected in cases:  # in this process: no start-up per case
+        proc = run_cli_here(args, tmp_path, check=False)
+        assert proc.returncode == 2 and expected in one_line(proc.stderr), (args, proc.stderr)
     assert not (tmp_path / "outputs").exists()  # no job started, no trial run
     assert {p: p.read_bytes() for p in saved} == saved  # the refused resumes left the record alone
 
@@ -232,7 +215,8 @@ def test_corrupt_checkpoint_is_named_and_kept(straight, tmp_path):
 
 def test_running_out_of_memory_outside_the_steps_is_one_line(tmp_path):
     # a hidden layer of 2^52 units: 2^60 bytes of weights, more than any address space holds (2^57 bytes)
-    proc = run_cli([*BASE, "model.hidden=[4503599627370496]", "hydra.run.dir=run"], tmp_path, check=False)
+    args = [*BASE, "model.hidden=[4503599627370496]", "hydra.run.dir=run"]
+    proc = run_cli_here(args, tmp_path, check=False)
     assert proc.returncode == 1
     assert one_line(proc.stderr) == (
         "runner: error: ran out of host memory (it tried to allocate 1073741824.00 GiB) outside the training "

@@ -385,8 +385,9 @@ def test_cli_pretrained_base_train_table_and_resume(cli, tmp_path):
     }
 
 
-def test_cli_bad_method_value_is_one_line(cli):
-    proc = cli("+method=hier_hash", "dataset=synthetic_hier", "method.ks=[0]", "logger=none", check=False)
+def test_cli_bad_method_value_is_one_line(cli_here):
+    proc = cli_here("+method=hier_hash", "dataset=synthetic_hier", "method.ks=[0]", "logger=none",
+                    check=False)  # fmt: skip
     assert proc.returncode == 2 and "method.ks=[0]" in proc.stderr and "Traceback" not in proc.stderr
 
 

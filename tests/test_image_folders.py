@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, run_cli_here
 from fixtures_data import write_image
 from omegaconf import OmegaConf
 from PIL import Image
@@ -162,7 +162,7 @@ def test_skip_finishes_names_each_bad_file_once_and_counts_them_per_epoch(tmp_pa
         write_bad(tmp_path / "pets" / "val" / "dog" / "empty.jpg", "empty"),
     ]
     run = tmp_path / "run"
-    proc = run_cli(cli_args(tmp_path / "pets", run, "dataset.bad_images=skip"), tmp_path)
+    proc = run_cli_here(cli_args(tmp_path / "pets", run, "dataset.bad_images=skip"), tmp_path)
     output = proc.stdout + proc.stderr
     assert data_line({**counts, "train": counts["train"] + 1, "val": counts["val"] + 1}) in output
     for path in bad:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_cli
+from conftest import run_cli_here
 from omegaconf import OmegaConf
 
 from runner.augment import OPS, PolicyAugment, apply_ops, cutout, policy_table, shift
@@ -645,7 +645,7 @@ def test_paper_presets_compose():
 
 
 def test_clothing1m_refuses_to_start_without_imagenet_weights(tmp_path):
-    proc = run_cli(["+experiment=csot_clothing1m", f"hydra.run.dir={tmp_path}"], tmp_path, check=False)
+    proc = run_cli_here(["+experiment=csot_clothing1m", f"hydra.run.dir={tmp_path}"], tmp_path, check=False)
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.pretrained" in lines[0] and "model.pretrained=none" in lines[0], lines

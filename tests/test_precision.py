@@ -50,11 +50,11 @@ def test_bad_precision_is_one_line():
 
 
 @pytest.mark.parametrize("method", ["comixup", pytest.param("manifold_mixup", marks=pytest.mark.slow)])
-def test_mixup_hooks_under_bf16(cli, method):
+def test_mixup_hooks_under_bf16(cli_here, method):
     # saliency gradients (Co-Mixup) and the manifold-mixup stage hooks under autocast
     extra = ["method.workers=0"] if method == "comixup" else []
-    out = cli("logger=none", "model=cnn", "train.epochs=1", "hardware.precision=bf16", f"+method={method}",
-              "+debug=smoke", *extra)  # fmt: skip
+    out = cli_here("logger=none", "model=cnn", "train.epochs=1", "hardware.precision=bf16",
+                   f"+method={method}", "+debug=smoke", *extra)  # fmt: skip
     assert "test/acc=" in out.stdout
 
 

@@ -42,12 +42,12 @@ SMALL_FOLDER = ["dataset=imagefolder", "dataset.image_size=16"]
         ),
     ],
 )
-def test_bad_input_exits_nonzero_with_one_line(cli, tmp_path, args, expected):
+def test_bad_input_exits_nonzero_with_one_line(cli_here, tmp_path, args, expected):
     if SMALL_FOLDER[0] in args:
         write_class_folders(tmp_path / "small", "train", [f"c{i}" for i in range(8)], 4, ".jpg")
         write_class_folders(tmp_path / "small", "val", [f"c{i}" for i in range(8)], 2, ".png")
         args = [*args, f"dataset.root={tmp_path / 'small'}"]
-    proc = cli(*args, "logger=none", "train.progress=false", check=False)
+    proc = cli_here(*args, "logger=none", "train.progress=false", check=False)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     (line,) = proc.stderr.splitlines()

@@ -49,8 +49,9 @@ def test_every_preset_shows_its_progress_and_keeps_what_runner_eval_reads(compos
     """A line per epoch in every preset (a CPU study that printed nothing for minutes looked hung), and
     checkpoints wherever `runner-eval` evaluates the task's network again."""
     for preset in PRESETS:
-        train = composed(f"+experiment={preset}")["train"]
-        task = METHODS[composed(f"+experiment={preset}")["method"]["name"]]().task
+        job = composed(f"+experiment={preset}")  # composed once: a compose is a good part of a second
+        train = job["train"]
+        task = METHODS[job["method"]["name"]]().task
         assert train["progress"], preset
         assert train["checkpoint"] or not TASKS[task].evaluable, preset
 

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli_here
 from omegaconf import OmegaConf
 
 from runner.models import build_model
@@ -19,7 +19,7 @@ NEW_HEAD = "its classifier is for another class count; starting from a new one"
 def checkpoint(tmp_path_factory):
     """checkpoints/last.pt of a one-epoch digits run (64 inputs, 10 classes)."""
     cwd = tmp_path_factory.mktemp("source")
-    run_cli([*SMALL, f"hydra.run.dir={cwd / 'run'}"], cwd)
+    run_cli_here([*SMALL, f"hydra.run.dir={cwd / 'run'}"], cwd)
     return cwd / "run" / "checkpoints" / "last.pt"
 
 
@@ -45,7 +45,7 @@ def test_a_runner_checkpoint_starts_the_network_and_a_new_head_where_the_classes
 
 def test_fine_tune_from_an_earlier_run_on_another_class_count(checkpoint, tmp_path):
     data = ["dataset=synthetic", "dataset.dim=64", "dataset.num_classes=3"]
-    proc = run_cli(
+    proc = run_cli_here(
         [*SMALL, *data, f"model.pretrained={checkpoint}", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path
     )
     log = proc.stdout + proc.stderr

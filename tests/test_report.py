@@ -9,8 +9,6 @@ import logging
 import re
 import shutil
 import statistics
-import subprocess
-import sys
 import traceback
 import weakref
 from pathlib import Path
@@ -18,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import run_cli_here
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import RunMode
 from omegaconf import OmegaConf
@@ -472,8 +471,7 @@ def test_claims_file_names_existing_presets_and_is_well_formed():
 
 
 def test_help_opens_with_the_name_and_a_line_per_config_group():
-    out = subprocess.run([sys.executable, "-m", "runner.cli", "--help"], capture_output=True, text=True,
-                         check=True, cwd=CONF_DIR.parent).stdout  # fmt: skip
+    out = run_cli_here(["--help"], CONF_DIR.parent).stdout
     assert out.startswith("runner: ") and "powered by Hydra" not in out
     intro, usage = out.split("\nUsage:\n")
     groups = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")

@@ -11,7 +11,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from conftest import run_cli, summaries
+from conftest import run_cli_here, summaries
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
@@ -73,9 +73,9 @@ def test_a_failed_job_is_reported_and_the_others_summarized(cli, tmp_path):
     assert "- 0 (dataset=cifar10): failed: ConfigError: cifar10 not found" in out
 
 
-def test_optuna_search_of_4_trials_reports_its_best_parameters(cli, tmp_path):
+def test_optuna_search_of_4_trials_reports_its_best_parameters(cli_here, tmp_path):
     sweep = tmp_path / "study"
-    proc = cli("-m", "+sweep=erm", *FAST, "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={sweep}")
+    proc = cli_here("-m", "+sweep=erm", *FAST, "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={sweep}")
     assert "direction maximize" in proc.stdout  # test/acc: the task's METRIC direction
     log = proc.stdout + proc.stderr
     assert "\x1b[" not in log and "setup plugin" not in log  # no Optuna colour codes, no alembic noise
@@ -176,7 +176,7 @@ def test_a_trial_falling_behind_is_pruned_after_its_first_epoch(tmp_path):
               f"hydra.sweeper.storage=sqlite:///{db}", "hydra.sweeper.study_name=s"]  # fmt: skip
     args = ["-m", "logger=none", "train.epochs=3", "train.progress=false",
             *search, f"hydra.sweep.dir={sweep}"]  # fmt: skip
-    proc = run_cli(args, tmp_path)
+    proc = run_cli_here(args, tmp_path)
     lrs, epochs = {}, {}
     for run_dir in sorted(p for p in sweep.iterdir() if p.is_dir()):
         overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())

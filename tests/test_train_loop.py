@@ -136,15 +136,18 @@ def test_top_k_needs_a_validation_metric(tmp_path):
         fit(build_model(model_cfg, (4,), 3), data, train_cfg, ctx)
 
 
-def test_runner_eval_scores_the_best_checkpoint_again_and_on_other_data(cli, tmp_path, monkeypatch, capsys):
-    cli("logger=none", "train.epochs=4", "train.lr=2", "train.save_top_k=1", "hydra.run.dir=run")
+def test_runner_eval_scores_the_best_checkpoint_again_and_on_other_data(cli_here, tmp_path, monkeypatch,
+                                                                        capsys):  # fmt: skip
+    cli_here("logger=none", "train.epochs=4", "train.lr=2", "train.save_top_k=1", "hydra.run.dir=run")
     best = min(rows(tmp_path / "run"), key=lambda row: (-row["val/acc"], row["epoch"]))
-    proc = evaluate(tmp_path / "run", check=True)
-    again = json.loads((tmp_path / "run" / "eval-test.json").read_text())
-    assert again["checkpoint"].endswith("best.pt") and f"test/acc={best['test/acc']:.4f}" in proc.stdout
-    assert again["test/acc"] == pytest.approx(best["test/acc"], abs=1e-12)
     capsys.readouterr()
-    with pytest.raises(SystemExit) as stop:  # in this process from here on: no start-up per call
+    # in this process: no start-up per call (`runner-eval` as a command: the noisy-label run's test below)
+    runner.evaluate_run.main([str(tmp_path / "run")])
+    again = json.loads((tmp_path / "run" / "eval-test.json").read_text())
+    out = capsys.readouterr().out
+    assert again["checkpoint"].endswith("best.pt") and f"test/acc={best['test/acc']:.4f}" in out
+    assert again["test/acc"] == pytest.approx(best["test/acc"], abs=1e-12)
+    with pytest.raises(SystemExit) as stop:
         runner.evaluate_run.main([str(tmp_path / "run"), "model=cnn"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("runner-eval: error: ") and "does not fit cnn" in err
@@ -180,9 +183,9 @@ def test_a_run_resumed_inside_its_warm_up_continues_it_exactly(tmp_path):
 
 
 @pytest.mark.parametrize("method, ok", [("input_mixup", True), ("cutmix", True), ("comixup", False)])
-def test_mixup_methods_say_whether_they_accumulate(cli, method, ok):
-    proc = cli("logger=none", f"+method={method}", "train.epochs=1", "train.accumulate=2", "+debug=smoke",
-               check=False)  # fmt: skip
+def test_mixup_methods_say_whether_they_accumulate(cli_here, method, ok):
+    proc = cli_here("logger=none", f"+method={method}", "train.epochs=1", "train.accumulate=2",
+                    "+debug=smoke", check=False)  # fmt: skip
     assert (proc.returncode == 0) == ok, proc.stderr[-500:]
     if not ok:
         assert "train.accumulate=2: this method needs each whole batch" in proc.stderr
@@ -210,8 +213,8 @@ def test_the_transform_runs_through_the_compiled_network(tmp_path):
     assert hooks.seen == ["OptimizedModule"] * 2  # a saliency pass gets the compiled speed-up too
 
 
-def test_runner_eval_rebuilds_a_noisy_label_run_s_network(cli, tmp_path):
-    cli("logger=none", "+experiment=csot_digits", "train.epochs=2", "method.warmup=1",
+def test_runner_eval_rebuilds_a_noisy_label_run_s_network(cli_here, tmp_path):
+    cli_here("logger=none", "+experiment=csot_digits", "train.epochs=2", "method.warmup=1",
         "train.checkpoint=true", "hydra.run.dir=run")  # fmt: skip
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     evaluate(tmp_path / "run", check=True)
@@ -219,8 +222,8 @@ def test_runner_eval_rebuilds_a_noisy_label_run_s_network(cli, tmp_path):
     assert again["test/acc"] == pytest.approx(summary["test/acc"], abs=1e-12)  # standardised as the run
 
 
-def test_a_run_states_its_config_and_parameter_count_and_carries_its_name_and_tags(cli, tmp_path):
-    cli("logger=none", "+debug=smoke", "name=baseline", "logger.tags=[a,b]", "hydra.run.dir=run")
+def test_a_run_states_its_config_and_parameter_count_and_carries_its_name_and_tags(cli_here, tmp_path):
+    cli_here("logger=none", "+debug=smoke", "name=baseline", "logger.tags=[a,b]", "hydra.run.dir=run")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["name"] == "baseline" and summary["tags"] == ["a", "b"]
     assert summary["model/params"] == summary["model/trainable_params"] > 0

@@ -45,10 +45,10 @@ def test_runner_checkpoints_with_numpy_state_still_load(tmp_path):
     assert loaded["rng"][1].tolist() == state["rng"][1].tolist() and loaded["scalar"] == 0.5
 
 
-def test_pwc_method_checkpoint_that_would_run_code_is_refused(cli, tmp_path):
+def test_pwc_method_checkpoint_that_would_run_code_is_refused(cli_here, tmp_path):
     path, marker = _malicious(tmp_path, torch.save)
-    proc = cli("logger=none", "+method=pwc", "method.features=net", "method.n_app=60", "method.n_dev=60",
-               "method.k=6", f"method.checkpoint={path}", check=False)  # fmt: skip
+    proc = cli_here("logger=none", "+method=pwc", "method.features=net", "method.n_app=60", "method.n_dev=60",
+                    "method.k=6", f"method.checkpoint={path}", check=False)  # fmt: skip
     assert proc.returncode != 0 and not marker.exists()
     assert f"method.checkpoint='{path}': not a runner checkpoint" in proc.stderr
     assert "could run code" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
