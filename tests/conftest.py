@@ -17,7 +17,12 @@ from unittest import mock
 
 import pytest
 
-import runner  # noqa: F401  (first: its environment for POT, set before a test module imports POT)
+# One intra-op thread, in this process and the CLI's subprocesses: the tests' tensors are small, and on a
+# shared 2-core machine a second thread mostly waits for the first (the same tests took 20-25% longer with
+# two, and 2-3x as long on a loaded machine). Read by torch when it loads; OMP_NUM_THREADS=N overrides it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import runner  # noqa: E402, F401  (first: its environment for POT, set before a test module imports POT)
 
 
 def run_cli(args, cwd, check=True, timeout=300):
