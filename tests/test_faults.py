@@ -1,6 +1,7 @@
-"""Never lose a run (issue 16), each case in a subprocess (bad input in the test's process): bad input refused up front, stop signals and
-kill -9 followed by a restart that ends exactly as an uninterrupted run, a corrupt checkpoint, divergence,
-a full disk, a busy run dir, a failing task, a diverging Optuna trial, one W&B run across restarts."""
+"""Never lose a run (issue 16), each case in a subprocess (bad input in the test's process): bad input
+refused up front, stop signals and kill -9 followed by a restart that ends exactly as an uninterrupted run,
+a corrupt checkpoint, divergence, a full disk, a busy run dir, a failing task, a diverging Optuna trial,
+one W&B run across restarts."""
 
 import json
 import math
