@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/runner
 
-test: $(STAMP)
-	$(PY) -m pytest
+test: $(STAMP)  # one test process per core (pytest-xdist); a single file: .venv/bin/python -m pytest FILE
+	$(PY) -m pytest -n auto
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
