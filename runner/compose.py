@@ -30,9 +30,9 @@ from pathlib import Path
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-import runner.data  # noqa: F401  (registers the datasets and their schemas)
 import runner.hardware  # noqa: F401  (registers the resolvers of hardware=auto)
 from runner.configs import METHODS, TASKS
+from runner.data import natural_side  # the import registers the datasets and their schemas
 from runner.schema import (
     OPTION_SCHEMAS,
     SCALARS,
@@ -79,17 +79,11 @@ _FLAGS_WITH_VALUE = {
     "--config-dir",
     "--experimental-rerun",
 }
-
-
 # Hydra's error for a group option no search path holds, squeezed to one line: group, value, options.
 _MISSING_OPTION = (
     r"Could not (?:find|load) '([^']+)/([^']*)'.*?Available options in '[^']+':(.*?)(?:Config search path|$)"
 )
-
-
 _UNKNOWN_KEY = r"Could not override '([^']+)'"  # Hydra's error for a key the config lacks
-
-
 _INFO_VALUES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 
 
@@ -568,8 +562,6 @@ def _cap_for_the_cpu(cfg: DictConfig, batch: int, side: int) -> list[str]:
     """Cap the evaluation batch at `batch` (its subsets are `max_batches` of them: 2 x 1024 CIFAR images
     took a ResNeXt-29 most of a smoke minute) and, where the images are larger than 32 px (smaller ones
     train cheaply), every batch size at `batch` and every image side at `side`, in place; what it capped."""
-    from runner.data import natural_side
-
     batches, sides = {}, {}  # the capped keys (a phase's as train.phases.*) and their values
     large = max([natural_side(cfg.dataset)] + [phase.image_size for phase in cfg.train.phases]) > 32
     keys = [(cfg.train, "batch_size", "train.batch_size")] if large else []

@@ -253,7 +253,7 @@ def markdown(report: Report, plots: list[Path] = ()) -> str:
     if results.exists():  # written by the Optuna sweeper
         best = yaml.safe_load(results.read_text()) or {}
         if "best_params" in best:
-            from runner.cli import objective_key  # what the search optimised: val/acc for test/acc
+            from runner.schema import objective_key  # what the search optimised: val/acc for test/acc
 
             params = " ".join(f"{k}={_show(v)}" for k, v in best["best_params"].items())
             value = _show(best.get("best_value"))
