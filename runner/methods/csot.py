@@ -46,6 +46,7 @@ line search; with the gradient's ``F (F^T X)`` that is two ``B x D x C`` product
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import numpy as np
@@ -581,15 +582,7 @@ def csot_plan(
     if bool(nx.any(probs < 0)) or float(nx.max(nx.abs(nx.sum(probs, axis=1) - 1))) > 1e-5:
         raise ValueError("probs must be non-negative with rows summing to one (softmax outputs)")
     m = _check_budget(m)
-    _check_positive(reg, "reg")
-    for name, kappa in (("kappa_p", kappa_p), ("kappa_l", kappa_l)):
-        if not kappa >= 0:
-            raise ValueError(f"{name}={kappa}: must be >= 0")
-    _check_iters(max_iter, "max_iter")
-    _check_iters(inner_max_iter, "inner_max_iter")
-    _check_memory(anderson)
-    if (kappa_p or kappa_l) and features is None:
-        raise ValueError("features are required when kappa_p or kappa_l > 0")
+    _check_plan_settings(features, reg, kappa_p, kappa_l, max_iter, inner_max_iter, anderson)
 
     n_rows, n_cols = probs.shape
     cost = -nx.log(nx.maximum(probs, _TINY))
@@ -666,6 +659,14 @@ def _neg_entropy(nx, plan):
     return float(nx.sum(plan * nx.log(nx.maximum(plan, _TINY))))
 
 
+def _cubic_coefficients(phi0, slope, t, value, t_prev, phi_prev):
+    """(a, b) of the cubic phi0 + slope s + b s^2 + a s^3 through (t_prev, phi_prev) and (t, value), the
+    interpolation of :func:`_armijo`'s backtracking (Nocedal & Wright, Sec. 3.5); floats or tensors."""
+    r1, r0 = value - phi0 - slope * t, phi_prev - phi0 - slope * t_prev
+    denom = t * t * t_prev * t_prev * (t - t_prev)
+    return (t_prev * t_prev * r1 - t * t * r0) / denom, (-(t_prev**3) * r1 + t**3 * r0) / denom
+
+
 def _armijo(phi, phi0, slope, c1=1e-4, first=0.99, max_evals=30):
     """Armijo backtracking on [0, 1]: first trial ``first``, then the minimiser of the quadratic
     and afterwards cubic interpolant of phi, safeguarded to [0.1, 0.5] of the last trial
@@ -681,10 +682,7 @@ def _armijo(phi, phi0, slope, c1=1e-4, first=0.99, max_evals=30):
         if t_prev is None:  # quadratic through phi0, slope, phi(t)
             t_new = -slope * t * t / (2 * (value - phi0 - slope * t))
         else:  # cubic through phi0, slope, phi(t_prev), phi(t)
-            r1, r0 = value - phi0 - slope * t, phi_prev - phi0 - slope * t_prev
-            denom = t * t * t_prev * t_prev * (t - t_prev)
-            a = (t_prev * t_prev * r1 - t * t * r0) / denom
-            b = (-(t_prev**3) * r1 + t**3 * r0) / denom
+            a, b = _cubic_coefficients(phi0, slope, t, value, t_prev, phi_prev)
             disc = b * b - 3 * a * slope
             t_new = (-b + math.sqrt(disc)) / (3 * a) if a != 0 and disc >= 0 else t / 2
         t_new = min(max(t_new, 0.1 * t), 0.5 * t) if math.isfinite(t_new) else t / 2
@@ -1011,30 +1009,15 @@ class _BatchedCoherence(_Coherence):
         return (self.sq_norms * x * y).sum((1, 2)) - (sk * sk_y).sum((1, 2))
 
 
-def batched_csot_plan(
-    probs,
-    features,
-    labels,
-    m,
-    valid=None,
-    reg=0.1,
-    kappa_p=1.0,
-    kappa_l=1.0,
-    max_iter=10,
-    inner_max_iter=100,
-    omega_p_input="softmax",
-    tol=1e-6,
-    inner_tol=1e-6,
-    anderson=5,
-    check_every=20,
-):
+def batched_csot_plan(probs, features, labels, m, valid=None, check_every=20, **settings):
     r""":func:`csot_plan` of P chunks at once, torch tensors on one device, without waiting for it but
     once per ``check_every`` inner scaling steps and once per line-search round.
 
     ``probs`` (P, B, C), ``features`` (P, B, D) (None when both kappas are 0), ``labels`` (P, B);
     ``valid`` (P, B) bool marks each chunk's rows (default: all): the others are padding, with row cap 0
-    (no mass), so chunk p is the problem of its ``B_p`` rows, caps ``1 / B_p``. Each chunk takes the
-    steps of :func:`csot_plan`, from :math:`Q^0 = a b^\top`,
+    (no mass), so chunk p is the problem of its ``B_p`` rows, caps ``1 / B_p``. ``settings``: the solver
+    keywords of :func:`csot_plan` (``reg``, ``kappa_p``, ..., ``anderson``), with its defaults. Each chunk
+    takes the steps of :func:`csot_plan`, from :math:`Q^0 = a b^\top`,
 
     .. math::
         \tilde Q = \mathrm{CurriculumOT}(\hat C + \kappa\nabla\Omega(Q^i)),\qquad
@@ -1061,18 +1044,13 @@ def batched_csot_plan(
     Returns (plan (P, B, C) float64, {``n_iter``, ``err``, ``converged``: (P,) tensors}) as the log of
     :func:`csot_plan` per chunk.
     """
+    reg, kappa_p, kappa_l, max_iter, inner_max_iter, omega_p_input, tol, inner_tol, anderson = (
+        _plan_settings(settings).values()
+    )
     probs, features, labels = _check_batch(probs, features if (kappa_p or kappa_l) else None, labels)
     m = _check_budget(m)
-    _check_positive(reg, "reg")
-    for name, kappa in (("kappa_p", kappa_p), ("kappa_l", kappa_l)):
-        if not kappa >= 0:
-            raise ValueError(f"{name}={kappa}: must be >= 0")
-    for name, value in (("max_iter", max_iter), ("inner_max_iter", inner_max_iter)):
-        _check_iters(value, name)
+    _check_plan_settings(features, reg, kappa_p, kappa_l, max_iter, inner_max_iter, anderson)
     _check_iters(check_every, "check_every")
-    _check_memory(anderson)
-    if (kappa_p or kappa_l) and features is None:
-        raise ValueError("features are required when kappa_p or kappa_l > 0")
     n_chunks, n_rows, n_cols = probs.shape
     if valid is None:
         valid = torch.ones(probs.shape[:2], dtype=torch.bool, device=probs.device)
@@ -1136,6 +1114,33 @@ def batched_csot_plan(
     return plan, {"n_iter": n_iter, "err": err, "converged": converged}
 
 
+def _check_plan_settings(features, reg, kappa_p, kappa_l, max_iter, inner_max_iter, anderson):
+    """The checks of :func:`csot_plan`'s solver keywords, shared with :func:`batched_csot_plan`."""
+    _check_positive(reg, "reg")
+    for name, kappa in (("kappa_p", kappa_p), ("kappa_l", kappa_l)):
+        if not kappa >= 0:
+            raise ValueError(f"{name}={kappa}: must be >= 0")
+    _check_iters(max_iter, "max_iter")
+    _check_iters(inner_max_iter, "inner_max_iter")
+    _check_memory(anderson)
+    if (kappa_p or kappa_l) and features is None:
+        raise ValueError("features are required when kappa_p or kappa_l > 0")
+
+
+def _plan_settings(settings: dict) -> dict:
+    """`settings` over :func:`csot_plan`'s defaults of its solver keywords, in its order (the defaults'
+    one place); a name it does not take is refused as Python refuses an unknown keyword."""
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(csot_plan).parameters.items()
+        if p.default is not inspect.Parameter.empty and name not in ("log", "warn")
+    }
+    if unknown := sorted(set(settings) - set(defaults)):
+        takes = ", ".join(defaults)
+        raise TypeError(f"batched_csot_plan() takes no keyword {unknown[0]!r} (only {takes})")
+    return defaults | settings
+
+
 def _batched_neg_entropy(plan):
     """sum Q log Q per chunk of a (P, B, C) plan (0 log 0 = 0)."""
     return (plan * torch.log(plan.clamp(min=_TINY))).sum((1, 2))
@@ -1160,10 +1165,7 @@ def _batched_armijo(phi, phi0, slope, live, going_on, c1=1e-4, first=0.99, max_e
         if t_prev is None:  # quadratic through phi0, slope, phi(t)
             t_new = -slope * t * t / (2 * (value - phi0 - slope * t))
         else:  # cubic through phi0, slope, phi(t_prev), phi(t)
-            r1, r0 = value - phi0 - slope * t, phi_prev - phi0 - slope * t_prev
-            denom = t * t * t_prev * t_prev * (t - t_prev)
-            a = (t_prev * t_prev * r1 - t * t * r0) / denom
-            b = (-(t_prev**3) * r1 + t**3 * r0) / denom
+            a, b = _cubic_coefficients(phi0, slope, t, value, t_prev, phi_prev)
             disc = b * b - 3 * a * slope
             t_new = torch.where((a != 0) & (disc >= 0), (-b + disc.sqrt()) / (3 * a), t / 2)
         t_new = torch.where(t_new.isfinite(), torch.minimum(torch.maximum(t_new, 0.1 * t), 0.5 * t), t / 2)
