@@ -24,10 +24,16 @@ def check_choice(key: str, value: Any, choices) -> None:
         )
 
 
-def check_lowest(group: str, obj, lowest: dict) -> None:
-    """`check_range` of each key of `lowest` of the schema object `obj` from its lowest allowed value."""
-    for key, lo in lowest.items():
-        check_range(f"{group}.{key}", getattr(obj, key), lo)
+def at_least(default, lowest):
+    """A schema field: its default and the lowest value it allows, checked by `check_lowest`."""
+    return dataclasses.field(default=default, metadata={"lowest": lowest})
+
+
+def check_lowest(group: str, obj) -> None:
+    """`check_range` of each field of the schema object `obj` declared by `at_least`, from its lowest."""
+    for field in dataclasses.fields(obj):
+        if "lowest" in field.metadata:
+            check_range(f"{group}.{field.name}", getattr(obj, field.name), field.metadata["lowest"])
 
 
 def check_range(key: str, value, lo=None, hi=None, lo_open=False, hi_open=False) -> None:

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from runner.checks import (
     ConfigError,
+    at_least,
     build,
     check_choice,
     check_lowest,
@@ -79,50 +80,43 @@ class DatasetConfig:
     val_fraction: float = 0.1
     test_fraction: float = 0.2
     augment: str = "none"  # training augmentation: none | crop_flip | rrc_flip (RandomResizedCrop + flip)
-    crop_pad: int = 4  # crop_flip: zero padding before the random crop
-    image_size: int = 0  # file-backed images: the side after resizing/cropping (0: the dataset's default)
-    eval_resize: int = 0  # rrc_flip's evaluation view: resize to this side, then crop (0: image_size / 0.875)
+    crop_pad: int = at_least(4, 0)  # crop_flip: zero padding before the random crop
+    # file-backed images: the side after resizing/cropping (0: the dataset's default)
+    image_size: int = at_least(0, 0)
+    # rrc_flip's evaluation view: resize to this side, then crop (0: image_size / 0.875)
+    eval_resize: int = at_least(0, 0)
     label_noise: LabelNoiseConfig = field(default_factory=LabelNoiseConfig)
-    imbalance: float = 1.0
-    max_train: int = 0  # at most this many training samples, a random subset (0: all); +debug=smoke sets it
-    max_eval: int = 0  # likewise for each evaluation split
-    min_per_class: int = 0  # > 0: the max_train subset keeps this many of every class, max_eval ones one
+    imbalance: float = at_least(1.0, 1.0)
+    # at most this many training samples, a random subset (0: all); +debug=smoke sets it
+    max_train: int = at_least(0, 0)
+    max_eval: int = at_least(0, 0)  # likewise for each evaluation split
+    # > 0: the max_train subset keeps this many of every class, max_eval ones one
+    min_per_class: int = at_least(0, 0)
     imagenet_boxes: str = ""  # dataset=imagenet: val box XMLs -> CAM localisation, corruption metrics
     # > 0: each epoch a fresh class-balanced sample of this many training samples (noisy_labels task;
     # DivideMix's Clothing1M protocol); 0: all of them
-    epoch_samples: int = 0
+    epoch_samples: int = at_least(0, 0)
     bad_images: str = "error"  # error | skip: an unreadable image file stops the run, or is replaced
 
     def __post_init__(self):
         check_range("dataset.val_fraction", self.val_fraction, 0.0, 1.0, hi_open=True)
         check_range("dataset.test_fraction", self.test_fraction, 0.0, 1.0, hi_open=True)
         check_choice("dataset.augment", self.augment, ("none", "crop_flip", "rrc_flip"))
-        check_range("dataset.crop_pad", self.crop_pad, 0)
         if self.imagenet_boxes and self.name != "imagenet":  # the key of one option (the others' default)
             raise ConfigError(
                 f"unknown key dataset.imagenet_boxes for dataset={self.name}: the val box annotations of "
                 "dataset=imagenet"
             )
-        check_range("dataset.image_size", self.image_size, 0)
-        check_range("dataset.eval_resize", self.eval_resize, 0)
-        check_range("dataset.max_train", self.max_train, 0)
-        check_range("dataset.max_eval", self.max_eval, 0)
-        check_range("dataset.min_per_class", self.min_per_class, 0)
-        check_range("dataset.epoch_samples", self.epoch_samples, 0)
-        check_range("dataset.imbalance", self.imbalance, 1.0)
         check_choice("dataset.bad_images", self.bad_images, ("error", "skip"))
+        check_lowest("dataset", self)
 
 
 @dataclass
 class SyntheticConfig(DatasetConfig):
-    num_classes: int = 5
-    dim: int = 10
-    n_samples: int = 2000
-    separation: float = 3.0
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_lowest("dataset", self, {"num_classes": 2, "dim": 1, "n_samples": 10, "separation": 0.0})
+    num_classes: int = at_least(5, 2)
+    dim: int = at_least(10, 1)
+    n_samples: int = at_least(2000, 10)
+    separation: float = at_least(3.0, 0.0)
 
 
 # The networks with post-activation residual blocks (a batch norm ends each residual branch), where
@@ -380,19 +374,19 @@ class DebugConfig:
     """`+debug=smoke`: bound a run to `epochs` epochs of `max_batches` batches (see `apply_debug`)."""
 
     name: str = "smoke"
-    epochs: int = 1
-    max_batches: int = 2
+    epochs: int = at_least(1, 1)
+    max_batches: int = at_least(2, 1)
     # On the CPU, for images above CIFAR's 32 px: no batch above `cpu_batch` and no image side above
     # `cpu_side` (phases' too), so that a GPU preset's wiring runs in a minute (1024 images of 224 px ran
     # out of host memory); at any size no evaluation batch above `cpu_batch`
-    cpu_batch: int = 64
-    cpu_side: int = 96
+    cpu_batch: int = at_least(64, 1)
+    cpu_side: int = at_least(96, 1)
     # Set by `validate` where the preset requires pretrained weights (model.pretrained=required): smoke
     # checks the wiring, which random weights share.
     random_weights: bool = False
 
     def __post_init__(self):
-        check_lowest("debug", self, {"epochs": 1, "max_batches": 1, "cpu_batch": 1, "cpu_side": 1})
+        check_lowest("debug", self)
 
 
 @dataclass
@@ -427,11 +421,13 @@ OPTION_SCHEMAS = {"dataset": DATASET_SCHEMAS, "model": MODEL_SCHEMAS}
 
 def store_schemas() -> None:
     """Store each group's schema defaults in Hydra's ConfigStore, the base its YAML options extend and the
-    one place a default is written: `schema/train`, `schema/hardware`, `schema/logger`, and per group with
-    option schemas `schema/<group>/base` (the group's) and `schema/<group>/<option>` (an option's own)."""
+    one place a default is written: `schema/train`, `schema/hardware`, `schema/logger`, `schema/debug`, and
+    per group with option schemas `schema/<group>/base` (the group's) and `schema/<group>/<option>` (an
+    option's own)."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
+    store.store(group="schema", name="debug", node=dataclasses.asdict(DebugConfig()), provider="runner")
     for group, schema in TOP_LEVEL.items():
         options = OPTION_SCHEMAS.get(group)
         if options is None:

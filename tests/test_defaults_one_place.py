@@ -13,12 +13,14 @@ import yaml
 import runner.data  # noqa: F401  (registers the datasets' schemas)
 from runner.compose import CONF_DIR
 from runner.configs import METHODS
-from runner.schema import OPTION_SCHEMAS, TOP_LEVEL, TrainConfig
+from runner.schema import OPTION_SCHEMAS, TOP_LEVEL, DebugConfig, TrainConfig
 
 
 def schema_of(group: str, name: str) -> type:
     if group == "method":
         return METHODS[name]
+    if group == "debug":
+        return DebugConfig
     return OPTION_SCHEMAS.get(group, {}).get(name, TOP_LEVEL[group])
 
 
@@ -37,7 +39,7 @@ def restated(node: dict, defaults: dict, where: str) -> list[str]:
     return found
 
 
-GROUPS = ("dataset", "model", "hardware", "logger", "method")
+GROUPS = ("dataset", "model", "hardware", "logger", "method", "debug")
 OPTIONS = sorted(path for group in GROUPS for path in (CONF_DIR / group).glob("*.yaml"))
 
 

@@ -13,28 +13,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runner.checks import check_lowest
+from runner.checks import at_least
 from runner.data import Data, register_dataset, split_of
 from runner.schema import DatasetConfig
 
 
 @dataclass
 class SyntheticHierConfig(DatasetConfig):
-    n_super: int = 8
-    n_sub: int = 8
-    dim: int = 32
-    super_std: float = 2.0
-    class_std: float = 1.0
-    noise_std: float = 1.5
-    train_per_class: int = 100
-    val_per_class: int = 0
-    test_per_class: int = 30
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_lowest("dataset", self, {"n_super": 1, "n_sub": 1, "dim": 1, "super_std": 0.0, "class_std": 0.0,
-                                       "noise_std": 0.0, "train_per_class": 1, "val_per_class": 0,
-                                       "test_per_class": 1})  # fmt: skip
+    n_super: int = at_least(8, 1)
+    n_sub: int = at_least(8, 1)
+    dim: int = at_least(32, 1)
+    super_std: float = at_least(2.0, 0.0)
+    class_std: float = at_least(1.0, 0.0)
+    noise_std: float = at_least(1.5, 0.0)
+    train_per_class: int = at_least(100, 1)
+    val_per_class: int = at_least(0, 0)
+    test_per_class: int = at_least(30, 1)
 
 
 @register_dataset("synthetic_hier", schema=SyntheticHierConfig)
