@@ -19,9 +19,38 @@ def main() -> None:
     load (a few seconds) stops with one line too."""
     import sys
 
+    deliver_dropped_interrupts()
     try:
         from runner.cli import main as cli_main
     except KeyboardInterrupt:
         print("runner: interrupted while starting; nothing was run", file=sys.stderr)
         sys.exit(130)
     cli_main()
+
+
+def deliver_dropped_interrupts() -> None:
+    """Make a Ctrl-C that Python would drop stop the command like any other.
+
+    SIGINT raises KeyboardInterrupt in whatever Python code runs at that moment. Where that is a callback
+    the interpreter itself called (a weakref's, run by the garbage collector, or a `__del__`), the
+    exception cannot propagate: Python prints "Exception ignored ... Traceback ... KeyboardInterrupt" and
+    goes on, and a sweep then ran to its end. The hook below takes that case instead and interrupts the
+    main thread again a moment later, from a timer thread, once the callback has returned: an interrupt
+    requested from the main thread itself would be raised inside the hook, and dropped the same way."""
+    import _thread
+    import signal
+    import sys
+    import threading
+
+    previous = sys.unraisablehook
+    if getattr(previous, "delivers_interrupts", False):
+        return
+
+    def redeliver(unraisable) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            threading.Timer(0.05, _thread.interrupt_main, (signal.SIGINT,)).start()
+        else:
+            previous(unraisable)
+
+    redeliver.delivers_interrupts = True
+    sys.unraisablehook = redeliver
