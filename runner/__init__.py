@@ -19,7 +19,7 @@ def main() -> None:
     load (a few seconds) stops with one line too."""
     import sys
 
-    deliver_dropped_interrupts()
+    handle_dropped_exceptions()
     try:
         from runner.cli import main as cli_main
     except KeyboardInterrupt:
@@ -28,29 +28,33 @@ def main() -> None:
     cli_main()
 
 
-def deliver_dropped_interrupts() -> None:
-    """Make a Ctrl-C that Python would drop stop the command like any other.
+def handle_dropped_exceptions() -> None:
+    """Take the exceptions Python drops (raised in a callback the interpreter itself called: a weakref's,
+    run by the garbage collector, or a `__del__`; it prints "Exception ignored ... Traceback" and goes on)
+    where they come from a stop the user asked for.
 
-    SIGINT raises KeyboardInterrupt in whatever Python code runs at that moment. Where that is a callback
-    the interpreter itself called (a weakref's, run by the garbage collector, or a `__del__`), the
-    exception cannot propagate: Python prints "Exception ignored ... Traceback ... KeyboardInterrupt" and
-    goes on, and a sweep then ran to its end. The hook below takes that case instead and interrupts the
-    main thread again a moment later, from a timer thread, once the callback has returned: an interrupt
-    requested from the main thread itself would be raised inside the hook, and dropped the same way."""
+    - KeyboardInterrupt: SIGINT raises it in whatever Python code runs at that moment; dropped, a sweep ran
+      to its end. The main thread is interrupted again a moment later, from a timer thread, once the
+      callback has returned (an interrupt requested from the main thread would be raised inside this hook,
+      and dropped the same way).
+    - A DataLoader worker killed by a signal, found as its iterator is freed: a SIGTERM to the process group
+      (Slurm's) reaches the workers too; the run has already stopped on that signal and said so.
+    Anything else goes to the previous hook."""
     import _thread
     import signal
     import sys
     import threading
 
     previous = sys.unraisablehook
-    if getattr(previous, "delivers_interrupts", False):
+    if getattr(previous, "handles_dropped_exceptions", False):
         return
 
-    def redeliver(unraisable) -> None:
-        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+    def hook(unraisable) -> None:
+        error, where = unraisable.exc_value, getattr(unraisable.object, "__qualname__", "")
+        if isinstance(error, KeyboardInterrupt):
             threading.Timer(0.05, _thread.interrupt_main, (signal.SIGINT,)).start()
-        else:
+        elif not (where.endswith("DataLoaderIter.__del__") and "is killed by signal" in str(error)):
             previous(unraisable)
 
-    redeliver.delivers_interrupts = True
-    sys.unraisablehook = redeliver
+    hook.handles_dropped_exceptions = True
+    sys.unraisablehook = hook

@@ -21,7 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from runner import deliver_dropped_interrupts, rundir
+from runner import handle_dropped_exceptions, rundir
 from runner.compose import (
     CONF_DIR,
     apply_debug,
@@ -296,5 +296,5 @@ def run_in_process(args: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    deliver_dropped_interrupts()
+    handle_dropped_exceptions()
     main()

@@ -405,7 +405,7 @@ def test_optuna_goes_on_past_a_diverging_trial(tmp_path):
     one_epoch = [a for a in BASE if not a.startswith("train.epochs=")] + ["train.epochs=1"]
     args = ["-m", *one_epoch, *trials, "train.lr=choice(0.05,1e6,0.1)", f"hydra.sweep.dir={sweep}"]
     proc = run_cli(args, tmp_path)
-    assert "Failed experiment: non-finite loss at epoch 1" in proc.stdout  # told to Optuna as failed
+    assert "Failed experiment: runner: error: Diverged: non-finite loss at epoch 1" in proc.stdout  # Optuna
     assert "3 runs: 2 completed, 1 failed" in proc.stdout
     done = {}
     for path in sweep.glob("*/summary.json"):
