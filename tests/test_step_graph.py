@@ -14,6 +14,7 @@ from test_train import blobs, setup
 
 import runner.hooks
 from runner import device_tracking
+from runner.configs.classify import MIXUP
 from runner.hooks.csot import NoisyLabelHooks
 from runner.hooks.dbot import LossHook
 from runner.hooks.hier_hash import HashHooks
@@ -67,13 +68,25 @@ def test_a_method_s_loss_is_captured_only_where_it_says_so(tmp_path, caplog):
 
 
 # Whether a method's step may be captured as one CUDA graph and compiled whole (`capturable`): plain training
-# (fit's hooks=None) and TargetLoss run device work alone; the others read the host or draw host randomness.
-CAPTURABLE = {PlainTraining: True, TargetLoss: True, MixupHooks: False, NoisyLabelHooks: False,
-              LossHook: False, HashHooks: False}  # fmt: skip
+# (fit's hooks=None), TargetLoss, the pair mixups (their draws made before the step), DB-OT's and CSOT's
+# losses run device work alone; Co-Mixup, Puzzle Mix and hashing solve on the host inside the step.
+CAPTURABLE = {PlainTraining: True, TargetLoss: True, NoisyLabelHooks: True, LossHook: True, HashHooks: False,
+              MixupHooks: {"input_mixup": True, "cutmix": True, "manifold_mixup": True, "puzzle_mix": False,
+                           "comixup": False}}  # fmt: skip
 
 
 def _subclasses(cls) -> set:
     return {sub for direct in cls.__subclasses__() for sub in {direct} | _subclasses(direct)}
+
+
+def _hooks_of_each_kind() -> dict:
+    """(class, mixup method or None) -> an instance, as far as the flags read it (no __init__ run)."""
+    kinds = {}
+    for cls, capturable in CAPTURABLE.items():
+        for name in capturable if isinstance(capturable, dict) else [None]:
+            kinds[cls, name] = hooks = object.__new__(cls)
+            hooks.cfg = SimpleNamespace(name=name)
+    return kinds
 
 
 def test_each_method_s_step_is_captured_and_compiled_whole_only_where_it_was():
@@ -84,30 +97,66 @@ def test_each_method_s_step_is_captured_and_compiled_whole_only_where_it_was():
     ours = {c for c in _subclasses(MethodHooks) if c.__module__.startswith("runner.")}
     ours = {c for c in ours if c.__module__ in sys.modules}
     assert ours == set(CAPTURABLE)
+    assert set(CAPTURABLE[MixupHooks]) == {c.name for c in MIXUP}  # and every method of the mixup family
     # a step that the rest of the fit would capture: one process, no loss scaling, no EMA, a fused optimizer
     ctx = SimpleNamespace(distributed=False, compile="false")
     s = SimpleNamespace(ctx=ctx, scaler=SimpleNamespace(is_enabled=lambda: False), ema=None,
                         optimizer=SimpleNamespace(param_groups=[{"fused": True}]))  # fmt: skip
-    decided = {None: _method_hooks(None)} | {cls: object.__new__(cls) for cls in CAPTURABLE}
-    for cls, hooks in decided.items():
-        expected = CAPTURABLE.get(cls, True)  # None: plain training
-        assert hooks.capturable is expected, cls  # the whole-step compile reads this
-        assert (not_capturable(s, hooks) is None) is expected, cls
+    decided = {(None, None): _method_hooks(None)} | _hooks_of_each_kind()
+    for (cls, name), hooks in decided.items():
+        expected = True if cls is None else CAPTURABLE[cls] if name is None else CAPTURABLE[cls][name]
+        assert hooks.capturable is expected, (cls, name)  # the whole-step compile reads this
+        why = not_capturable(s, hooks)
+        assert why is None if expected else why.endswith(hooks.why_not_capturable), (cls, name)
+    # the mixups whose draws go before the step are those captured; the others draw inside their solve
+    assert [name for (cls, name), hooks in decided.items() if cls is MixupHooks and hooks.draw] == [
+        "input_mixup", "cutmix", "manifold_mixup"]  # fmt: skip
+    assert "saliency of the step's own clean pass" in MixupHooks.why_not_capturable
     assert MethodHooks.capturable is False  # a new method's hooks opt in, never by inheriting
 
 
-def test_the_captured_region_reads_nothing_from_the_host_and_makes_no_host_tensor(tmp_path):
-    # the comixup CIFAR preset's ERM step at CPU size, as hardware=auto runs it on a recent GPU
+def _track(tmp_path, *overrides) -> dict:
+    """The tracking harness's report of a CPU-size run with the step captured (`hardware.cuda_graph`)."""
     out = tmp_path / "counts.json"
-    device_tracking.main([
-        "+experiment=comixup_cifar100_preactresnet18", "+method=erm", "logger=none", "dataset=fake",
-        "dataset.like=cifar100", "dataset.train_size=128", "dataset.test_size=16", "dataset.image_size=8",
-        "train.batch_size=16", "train.epochs=1", "hardware=gpu", "hardware.num_workers=0",
-        "hardware.cuda_graph=true", "train.phases=[]", f"hydra.run.dir={tmp_path / 'run'}",
-        "--json", str(out),
-    ])  # fmt: skip
-    report = json.loads(out.read_text())
-    assert report["steps"] == report["entered"][device_tracking.CAPTURED] == 8, report  # every step in it
+    run_dir = f"hydra.run.dir={tmp_path / 'run'}"
+    device_tracking.main([*overrides, "logger=none", "hardware=gpu", "hardware.num_workers=0",
+                          "hardware.cuda_graph=true", run_dir, "--json", str(out)])  # fmt: skip
+    return json.loads(out.read_text())
+
+
+# the comixup CIFAR preset at CPU size, as hardware=auto runs it on a recent GPU
+CIFAR_AT_CPU_SIZE = ["+experiment=comixup_cifar100_preactresnet18", "dataset=fake", "dataset.like=cifar100",
+                     "dataset.train_size=128", "dataset.test_size=16", "dataset.image_size=8",
+                     "train.batch_size=16", "train.epochs=1", "train.phases=[]"]  # fmt: skip
+
+
+def test_the_captured_region_reads_nothing_from_the_host_and_makes_no_host_tensor(tmp_path):
+    report = _track(tmp_path, *CIFAR_AT_CPU_SIZE, "+method=erm")
+    # every step past the warm-up ones (eager on CUDA too, where lazy state is made) is in the region
+    assert report["steps"] == 8 and report["entered"][device_tracking.CAPTURED] == 8 - GraphedStep.WARMUP
+    assert report["counts"].get(device_tracking.CAPTURED, {}) == {}, report["sites"]
+
+
+# The newly capturable steps at CPU size: the pair mixups on the CIFAR preset; DB-OT's loss on CIFAR-10-LT with
+# its AutoAugment + Cutout batch augmentation, and LDAM-DRW, whose re-weighting epoch recaptures; CSOT's
+# paper loss on its digits preset past the warm-up (its selection epochs recapture).
+LT_AT_CPU_SIZE = ["dataset=fake", "dataset.like=cifar10", "dataset.imbalance=10", "dataset.train_size=1000",
+                  "dataset.test_size=64", "dataset.image_size=32", "train.batch_size=64", "train.epochs=2",
+                  "model=mlp", "model.hidden=[16]"]  # fmt: skip
+METHOD_RUNS = {
+    "input_mixup": [*CIFAR_AT_CPU_SIZE, "+method=input_mixup", "method.clean_lam=1"],
+    "cutmix": [*CIFAR_AT_CPU_SIZE, "+method=cutmix"],
+    "manifold_mixup": [*CIFAR_AT_CPU_SIZE, "+method=manifold_mixup"],
+    "dbot": ["+experiment=dbot_cifar10_lt", *LT_AT_CPU_SIZE, "method.augment=autoaugment_cutout"],
+    "ldam_drw": ["+experiment=dbot_cifar10_lt", *LT_AT_CPU_SIZE, "+method=ldam", "method.drw_start=0.5"],
+    "csot": ["+experiment=csot_digits", "method.loss=paper", "method.warmup=1", "train.epochs=3"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("method", METHOD_RUNS)
+def test_each_method_s_captured_region_reads_nothing_from_the_host(tmp_path, method):
+    report = _track(tmp_path, *METHOD_RUNS[method])
+    assert report["entered"].get(device_tracking.CAPTURED, 0) > 0, report  # steps past each warm-up
     assert report["counts"].get(device_tracking.CAPTURED, {}) == {}, report["sites"]
 
 
