@@ -235,13 +235,16 @@ class NoisyLabelHooks(MethodHooks):
         return self.selecting, self.stage2, self.selecting and tuple(self.sampler.layout)
 
     def draw(self, x, y_soft, idx, model):
+        return self._paper_ratio(x.device)
+
+    def _paper_ratio(self, device) -> tuple:
         """The paper loss's mixup ratio max(lambda, 1 - lambda), lambda ~ Beta(alpha, alpha) from numpy's
-        global stream (the authors' `np.random.beta`), as a float64 0-dim tensor on x's device, for a step
+        global stream (the authors' `np.random.beta`), as a float64 0-dim tensor on `device`, for a step
         with a clean batch; () otherwise."""
         if not (self.selecting and self.cfg.loss == "paper" and self.sampler.layout[0]):
             return ()
         lam = float(np.random.beta(self.cfg.mixup_alpha, self.cfg.mixup_alpha))
-        return (_to_device(np.float64(max(lam, 1 - lam)), x.device),)
+        return (_to_device(np.float64(max(lam, 1 - lam)), device),)
 
     def loss(self, net, x, y_soft, idx, epoch, drawn=None):
         if not self.selecting:  # warm-up (or plain CE): CE on the noisy labels of fit's batch, weak view
@@ -253,7 +256,7 @@ class NoisyLabelHooks(MethodHooks):
         if self.cfg.loss == "simple":
             return self._simple_loss(net, labeled, unlabeled)
         if drawn is None:  # called outside the loop: draw here
-            drawn = self.draw(x, y_soft, idx, net)
+            drawn = self._paper_ratio(x.device)
         return self._paper_loss(net, labeled, unlabeled, *drawn)
 
     def _warmup_loss(self, net, x, y_soft):

@@ -46,6 +46,7 @@ from runner.plots import new_figure, save_figure
 from runner.train import soft_cross_entropy
 
 SALIENCY_METHODS = ("comixup", "puzzle_mix")
+INPUT_PAIR_MIXUPS = ("input_mixup", "cutmix")  # mix the batch in `transform`; manifold mixup in `loss`
 PUZZLE_KEYS = ("alpha", "beta", "gamma", "eta", "n_labels", "grid", "neigh_size", "transport", "t_eps",
                "t_size")  # fmt: skip
 
@@ -231,7 +232,7 @@ class MixupHooks(MethodHooks):
         return default_mixup_layers(getattr(model, "module", model))  # DDP wraps the model
 
     def transform(self, x, y_soft, idx, model, drawn=None):
-        if self.draw is not None and drawn is None:  # called outside the loop: draw here
+        if drawn is None and self.cfg.name in INPUT_PAIR_MIXUPS:  # called outside the loop: draw here
             drawn = self._draw_pair(x, y_soft, idx, model)
         pool = self._comixup_pool(x)
         lag = pool is not None and self.cfg.lag
