@@ -58,7 +58,8 @@ class MethodHooks:
 
     transform: Callable[..., tuple] | None = None
     """(x, y_soft, idx, model) -> (x, y_soft): a batch transform before the loss (the mixup family);
-    `model` is the network the hooks may run their own passes through. Timed as `time/transform_s`."""
+    `model` is the network the hooks may run their own passes through. Timed as `time/transform_s` (but in
+    a step captured as a CUDA graph, where it is part of the one replay)."""
 
     loss: Callable[..., object] | None = None
     """(model, x, y_soft, idx, epoch) -> scalar tensor: the step's loss, under the step's autocast, in place

@@ -588,6 +588,8 @@ class GraphedStep:
 
     def __init__(self, s: Step, capture_key=lambda epoch: None):
         self.s, self.capture_key, self.cuda = s, capture_key, s.ctx.device.type == "cuda"
+        # the batch transform runs inside the one graph: not timed apart (time/transform_s stays 0)
+        s.transform_time = Stopwatch(self.cuda, timing=False)
         for group in s.optimizer.param_groups:
             if not isinstance(group["lr"], torch.Tensor):
                 group["lr"] = torch.tensor(float(group["lr"]), device=s.ctx.device)

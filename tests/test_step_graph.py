@@ -201,28 +201,34 @@ def test_the_whole_step_compiled_follows_the_eager_trajectory(tmp_path):
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4)
 
 
+def _input_mixup(tmp_path) -> MixupHooks:
+    """Input mixup's hooks for blobs, on the CPU RunContext the hooks keep (their preview off)."""
+    cfg = to_node(InputMixupConfig(loss="ce", preview=False))
+    return MixupHooks(cfg, 3, RunContext(torch.device("cpu"), tmp_path, tracker=None), seed=0)
+
+
 @pytest.mark.slow
 def test_a_pair_mixup_s_whole_step_compiled_follows_the_eager_trajectory(tmp_path):
-    def mixup():  # drawn before the step, its ratio and partners enter the compiled step as tensors
-        cfg = to_node(InputMixupConfig(loss="ce", preview=False))
-        return MixupHooks(cfg, 3, RunContext(torch.device("cpu"), tmp_path, tracker=None), seed=0)
-
-    _, eager_rows = _fit(tmp_path / "eager", "train.epochs=2", hooks=mixup())
-    _, compiled_rows = _fit(tmp_path / "compiled", "train.epochs=2", hooks=mixup(), compile="default")
+    # drawn before the step, its ratio and partners enter the compiled step as tensors
+    _, eager_rows = _fit(tmp_path / "eager", "train.epochs=2", hooks=_input_mixup(tmp_path))
+    _, compiled_rows = _fit(tmp_path / "compiled", "train.epochs=2", hooks=_input_mixup(tmp_path),
+                            compile="default")  # fmt: skip
     # the same draws; inductor's fusions reassociate float32 sums, as for ERM above
     for a, b in zip(eager_rows, compiled_rows):
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_replayed_graph_trains_as_the_eager_step(tmp_path):
+@pytest.mark.parametrize("method", ["erm", "input_mixup"])
+def test_on_cuda_the_replayed_graph_trains_as_the_eager_step(tmp_path, method):
     def fit_on_cuda(name, graph):
         model_cfg, train_cfg, ctx = setup(tmp_path / name, "train.epochs=3", "train.batch_size=20",
                                           *SCHEDULES)
         ctx.device, ctx.cuda_graph = torch.device("cuda"), graph
         torch.manual_seed(0)
         model = build_model(model_cfg, (4,), 3)
-        fit(model, blobs(), train_cfg, ctx)
+        # input mixup: each replay must take the step's own ratio and partners from the static buffers
+        fit(model, blobs(), train_cfg, ctx, _input_mixup(tmp_path) if method == "input_mixup" else None)
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         return model, rows
 
