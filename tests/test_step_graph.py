@@ -114,7 +114,9 @@ def test_each_method_s_step_is_captured_and_compiled_whole_only_where_it_was():
     # the mixups whose draws go before the step are those captured; the others draw inside their solve
     assert [name for (cls, name), hooks in decided.items() if cls is MixupHooks and hooks.draw] == [
         "input_mixup", "cutmix", "manifold_mixup"]  # fmt: skip
+    # the reason names the host work inside the step
     assert "saliency of the step's own clean pass" in MixupHooks.why_not_capturable
+    assert "min-cost flow" in HashHooks.why_not_capturable
     assert MethodHooks.capturable is False  # a new method's hooks opt in, never by inheriting
 
 
