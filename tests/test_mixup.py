@@ -102,7 +102,8 @@ def test_the_draws_given_as_tensors_mix_to_the_bits_of_the_host_numbers(seed):
     # tensors; a masked paste; a where at every site) against the host-number code it replaced (slices,
     # one hook at the drawn site): float32 values and gradients equal to the bit, so the CPU studies stay
     rng = np.random.default_rng(seed)
-    x, y = torch.randn(8, 3, 6, 6), torch.eye(8)[rng.integers(0, 8, 8)]
+    x = torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(seed))
+    y = torch.eye(8)[rng.integers(0, 8, 8)]
     lam, perm = float(rng.beta(1, 1)), torch.from_numpy(rng.permutation(8))
     lam_t = torch.tensor(lam, dtype=torch.float64)
     mixed, y_mixed = mix_pairs(x, y, lam_t, perm)
@@ -116,10 +117,11 @@ def test_the_draws_given_as_tensors_mix_to_the_bits_of_the_host_numbers(seed):
     box, keep_t = torch.tensor([r0, r1, c0, c1]), torch.tensor(keep, dtype=torch.float64)
     assert torch.equal(paste_box(x, y, box, keep_t, perm)[0], pasted)
     assert torch.equal(paste_box(x, y, box, keep_t, perm)[1], _mix_targets(y, keep, perm))
-    torch.manual_seed(seed)
     nn = torch.nn
-    model = nn.Sequential(nn.Flatten(), nn.Linear(108, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
-                          nn.Linear(16, 8))  # fmt: skip
+    with torch.random.fork_rng():  # the later tests' draws from the global stream stay as they were
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(108, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                              nn.Linear(16, 8))  # fmt: skip
     layers = [model[2], model[4]]
 
     def logits_and_grads(forward, site):
