@@ -75,13 +75,17 @@ def is_accelerator(device: torch.device) -> bool:
 
 class Stopwatch:
     """The time spent in `span()`s, summed; on CUDA measured between events recorded on the stream, so a
-    span waits for nothing and `seconds()` (once per epoch) waits once."""
+    span waits for nothing and `seconds()` (once per epoch) waits once. `timing=False`: spans are not
+    timed (inside a captured CUDA graph, whose events the host cannot read), `seconds()` stays 0."""
 
-    def __init__(self, cuda: bool):
-        self.cuda, self.total, self.events = cuda, 0.0, []
+    def __init__(self, cuda: bool, timing: bool = True):
+        self.cuda, self.timing, self.total, self.events = cuda, timing, 0.0, []
 
     @contextlib.contextmanager
     def span(self):
+        if not self.timing:
+            yield
+            return
         if not self.cuda:
             start = time.perf_counter()
             yield

@@ -14,15 +14,17 @@ class MethodHooks:
 
     - optional hooks, None here: where a method leaves one None the loop runs its own step instead (and
       may decide more on its absence, as each says); a subclass defines it as a method:
-      `on_epoch_start`, `transform`, `loss`, `optimizer`, `evaluate`;
-    - flags, class attributes (or properties) with the cautious default: `capturable`, `accumulate_ok`,
-      `mid_epoch_resume`, `select`;
-    - methods whose default leaves the loop as it is: `batch_sampler`, `batch_setting`,
+      `on_epoch_start`, `draw`, `transform`, `loss`, `optimizer`, `evaluate`;
+    - flags, class attributes (or properties) with the cautious default: `capturable` (and its
+      `why_not_capturable`), `accumulate_ok`, `mid_epoch_resume`, `select`;
+    - methods whose default leaves the loop as it is: `batch_sampler`, `batch_setting`, `capture_key`,
       `epoch_metrics`, `state_dict`, `load_state_dict`.
 
     | hook                                          | default here  | the loop without it                   |
     |-----------------------------------------------|---------------|---------------------------------------|
     | on_epoch_start(epoch, model, data)            | None          | no per-epoch pass                     |
+    | draw(x, y_soft, idx, model) -> tensors        | None          | nothing drawn before the step; with   |
+    |                                               |               | it, transform and loss get `drawn=`   |
     | transform(x, y_soft, idx, model) -> (x, y)    | None          | the batch as it is, nothing timed     |
     | loss(model, x, y_soft, idx, epoch) -> scalar  | None          | soft cross-entropy                    |
     | optimizer(model) -> (opt, sched, per_step)    | None          | train.optimizer, schedule, warm-up    |
@@ -35,6 +37,7 @@ class MethodHooks:
     | select                                        | None          | train.select alone                    |
     | batch_sampler(default)                        | default       | fit's EpochBatches                    |
     | batch_setting(epoch)                          | None          | train.batch_size named                |
+    | capture_key(epoch)                            | None          | one captured step per batch shape     |
     | epoch_metrics()                               | {}            | nothing added to the row              |
     | state_dict() / load_state_dict(state)         | None / no-op  | no hooks state in the checkpoint      |
 
@@ -45,9 +48,18 @@ class MethodHooks:
     """(epoch, model, data): the method's pass before each epoch's steps (CSOT's sample selection), timed
     as `time/pass_s`. Its presence makes a resume continue only at epoch ends unless `mid_epoch_resume`."""
 
+    draw: Callable[..., tuple] | None = None
+    """(x, y_soft, idx, model) -> tuple of tensors on x's device: what the step draws on the host for one
+    micro-batch (a mixup's ratio and partners), called before the step, outside what a CUDA graph
+    captures, in the order the step would have drawn it; `transform` and `loss` then get that tuple as
+    the keyword `drawn` (called without it, e.g. by a test, they draw for themselves). A captured step
+    copies the values into its static buffers before each replay, as it does the batch, so the host's
+    random stream (and with it every CPU number) stays as it was."""
+
     transform: Callable[..., tuple] | None = None
     """(x, y_soft, idx, model) -> (x, y_soft): a batch transform before the loss (the mixup family);
-    `model` is the network the hooks may run their own passes through. Timed as `time/transform_s`."""
+    `model` is the network the hooks may run their own passes through. Timed as `time/transform_s` (but in
+    a step captured as a CUDA graph, where it is part of the one replay)."""
 
     loss: Callable[..., object] | None = None
     """(model, x, y_soft, idx, epoch) -> scalar tensor: the step's loss, under the step's autocast, in place
@@ -63,10 +75,13 @@ class MethodHooks:
     (no calibration bins then); out of memory in it names the method's evaluation."""
 
     capturable: bool = False
-    """The hooks' share of a step is device work alone, the same every step (no host read, no host
-    randomness): the step may be captured as one CUDA graph (`hardware.cuda_graph`) and compiled whole
-    (`hardware.compile`). False unless a method declares it: one that reads the host must never
-    inherit it."""
+    """The hooks' share of a step is device work alone, the same every step (no host read; host randomness
+    only through `draw`; what else varies, through `capture_key`): the step may be captured as one CUDA
+    graph (`hardware.cuda_graph`) and compiled whole (`hardware.compile`). False unless a method declares
+    it: one that reads the host must never inherit it."""
+
+    why_not_capturable: str = "they read the host or draw host randomness in a step"
+    """Where not `capturable`: what in the hooks' step needs the host, the reason the log line gives."""
 
     accumulate_ok: bool = False
     """The batch transform, loss and sampler add up over micro-batches: `train.accumulate` may split a
@@ -85,6 +100,12 @@ class MethodHooks:
         shard): the same protocol (`set_epoch`, a length read after each `set_epoch`), e.g. CSOT's two
         pools or training by iterations. Here: `default`."""
         return default
+
+    def capture_key(self, epoch: int):
+        """What decides the step's device work in epoch `epoch` besides the batch's shape and the drawn
+        values (DRW's re-weighting, CSOT's stage): a captured step whose key changes is warmed up and
+        captured anew, as a new batch shape is. Here: None (the same work every epoch)."""
+        return None
 
     def batch_setting(self, epoch: int) -> str | None:
         """The setting that sizes epoch `epoch`'s batches, named when training runs out of memory; None:

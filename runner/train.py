@@ -469,10 +469,10 @@ class Step:
     """What one training step uses (`train_step`): the network to train through (compiled, or wrapped
     in DDP) and the model the hooks see (`hook_net`: the same, compiled if asked, for the batch
     transform's own passes), the optimizer, its scheduler (stepped per batch if `per_step`)
-    and loss scaler, the training labels on the device, the method's `transform` and `loss` hooks, the
-    micro-batches per step (`accumulate`), the gradient-norm bound (`clip`, 0: none) and the EMA of the
-    weights (`ema`, an `AveragedModel`, or None). Kept on the device for the epoch's row: the steps the
-    fp16 scaler skipped, and the sum and count of finite pre-clip gradient norms."""
+    and loss scaler, the training labels on the device, the method's `transform`, `loss` and `draw`
+    hooks, the micro-batches per step (`accumulate`), the gradient-norm bound (`clip`, 0: none) and the
+    EMA of the weights (`ema`, an `AveragedModel`, or None). Kept on the device for the epoch's row: the
+    steps the fp16 scaler skipped, and the sum and count of finite pre-clip gradient norms."""
 
     net: torch.nn.Module
     model: torch.nn.Module
@@ -493,27 +493,40 @@ class Step:
     grad_norm: torch.Tensor | None = None  # [sum, count]
     hook_net: torch.nn.Module | None = None  # what the transform runs its own passes (saliency) through
     step_fn: object = None  # eager_step, or its torch.compile'd twin (set by _Loop)
+    draw: object = None  # the method's host draws before each step (`MethodHooks.draw`)
     graphed: GraphedStep | None = None  # the step captured as one CUDA graph (hardware.cuda_graph)
 
 
 def train_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
-    """One training step: replayed from its CUDA graph (`s.graphed`), or run by `s.step_fn` (`eager_step`,
-    compiled where asked); the batch's mean loss, on the device."""
+    """One training step: the method's host draws (`draw_step`), then the step replayed from its CUDA graph
+    (`s.graphed`) or run by `s.step_fn` (`eager_step`, compiled where asked); the batch's mean loss, on the
+    device."""
+    drawn = draw_step(s, x, idx)
     if s.graphed is not None:
-        return s.graphed(x, idx, epoch)
-    return s.step_fn(s, x, idx, epoch)
+        return s.graphed(x, idx, epoch, drawn)
+    return s.step_fn(s, x, idx, epoch, drawn)
 
 
-def eager_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
-    """batch -> transform -> loss -> backward (per micro-batch) -> clip -> optimizer step -> EMA;
-    returns the batch's mean loss, detached, on the device (nothing here waits for the device)."""
+def draw_step(s: Step, x: torch.Tensor, idx: torch.Tensor) -> list[tuple]:
+    """The method's host draws for each micro-batch of the step (`MethodHooks.draw`), in the order the step
+    takes them, on the device; [] for a method that draws nothing on the host."""
+    if s.draw is None:
+        return []
+    return [s.draw(x_part, _targets(s, idx_part), idx_part, s.hook_net)
+            for x_part, idx_part in zip(x.chunk(s.accumulate), idx.chunk(s.accumulate))]  # fmt: skip
+
+
+def eager_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int, drawn: list[tuple]) -> torch.Tensor:
+    """batch -> transform -> loss -> backward (per micro-batch, each with its `drawn` values) -> clip ->
+    optimizer step -> EMA; returns the batch's mean loss, detached, on the device (nothing here waits for
+    the device)."""
     s.optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for i, (x_part, idx_part) in enumerate(zip(x.chunk(s.accumulate), idx.chunk(s.accumulate))):
         # Under DDP the gradients are all-reduced once, with the last micro-batch's backward.
         last = i == s.accumulate - 1
         with contextlib.nullcontext() if last or not hasattr(s.net, "no_sync") else s.net.no_sync():
-            loss = _loss(s, x_part, idx_part, epoch)
+            loss = _loss(s, x_part, idx_part, epoch, drawn[i] if drawn else None)
             s.scaler.scale(loss / s.accumulate if s.accumulate > 1 else loss).backward()
         total = total + loss.detach()
     if s.clip:
@@ -532,10 +545,12 @@ def eager_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch
     return total / s.accumulate
 
 
-def captured_region(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
+def captured_region(
+    s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int, drawn: list[tuple]
+) -> torch.Tensor:
     """What `GraphedStep` captures: the step on its static inputs (`runner.device_tracking` counts what
     runs here: no host read and no host-made tensor may, or the replays would repeat stale values)."""
-    return s.step_fn(s, x, idx, epoch)
+    return s.step_fn(s, x, idx, epoch, drawn)
 
 
 def not_capturable(s: Step, hooks: MethodHooks) -> str | None:
@@ -551,7 +566,7 @@ def not_capturable(s: Step, hooks: MethodHooks) -> str | None:
     if ctx.compile == "reduce-overhead":
         return "torch.compile's reduce-overhead mode captures graphs of its own"
     if not hooks.capturable:
-        return f"the method's hooks ({type(hooks).__name__}) read the host or draw host randomness in a step"
+        return f"the method's hooks ({type(hooks).__name__}): {hooks.why_not_capturable}"
     if not all(group.get("fused") for group in s.optimizer.param_groups):
         return "the method's optimizer is not fused (its lr would be read on the host)"
     return None
@@ -561,60 +576,82 @@ class GraphedStep:
     """`captured_region` captured as one CUDA graph and replayed each step: one launch for the network's
     forward, backward, loss and optimizer step, where the eager step launches hundreds from Python.
 
-    The batch is copied into static buffers before each replay; the lr lives in a tensor on the device
-    (`set_lr` and the schedulers write it in place), so the schedules hold. Each batch shape is first run
-    `WARMUP` times eagerly on a side stream (cuDNN's autotuning, the optimizer's lazy state), then
-    captured: a new shape (a training phase's) is captured anew. Off CUDA nothing is captured and the
-    same region runs eagerly, which is how the CPU tests follow it."""
+    The batch and the method's host draws (`MethodHooks.draw`) are copied into static buffers before each
+    replay; the lr lives in a tensor on the device (`set_lr` and the schedulers write it in place), so the
+    schedules hold. Each batch shape (with the hooks' `capture_key`) is first run `WARMUP` times eagerly
+    on a side stream (cuDNN's autotuning, the optimizer's lazy state, a method's constants made at its
+    first call), then captured: a new shape (a training phase's) or key is captured anew. Off CUDA nothing
+    is captured: the warm-up steps and then the same region run eagerly, which is how the CPU tests
+    follow it."""
 
     WARMUP = 3
 
-    def __init__(self, s: Step):
-        self.s, self.cuda = s, s.ctx.device.type == "cuda"
+    def __init__(self, s: Step, capture_key=lambda epoch: None):
+        self.s, self.capture_key, self.cuda = s, capture_key, s.ctx.device.type == "cuda"
+        # the batch transform runs inside the one graph: not timed apart (time/transform_s stays 0)
+        s.transform_time = Stopwatch(self.cuda, timing=False)
         for group in s.optimizer.param_groups:
             if not isinstance(group["lr"], torch.Tensor):
                 group["lr"] = torch.tensor(float(group["lr"]), device=s.ctx.device)
-        self.graph = self.pool = self.shape = None
+        self.graph = self.pool = self.key = None
         self.warm: dict[tuple, int] = {}
 
-    def __call__(self, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, idx: torch.Tensor, epoch: int, drawn: list[tuple]) -> torch.Tensor:
+        inputs = (x, idx, *(t for part in drawn for t in part))
+        key = (*((t.shape, t.stride(), t.dtype) for t in inputs), self.capture_key(epoch))
+        if self.warm.get(key, 0) < self.WARMUP:
+            self.warm[key] = self.warm.get(key, 0) + 1
+            return self.warm_up(x, idx, epoch, drawn)
         if not self.cuda:
-            return captured_region(self.s, x, idx, epoch)
-        shape = (x.shape, x.stride(), x.dtype, idx.shape)
-        if self.warm.get(shape, 0) < self.WARMUP:
-            self.warm[shape] = self.warm.get(shape, 0) + 1
-            side = torch.cuda.Stream(self.s.ctx.device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                loss = captured_region(self.s, x, idx, epoch)
-            torch.cuda.current_stream().wait_stream(side)
-            return loss
-        if shape != self.shape:
-            self.capture(x, idx, epoch, shape)
+            return captured_region(self.s, x, idx, epoch, drawn)
+        if key != self.key:
+            self.capture(inputs, epoch, drawn, key)
         else:
-            self.x.copy_(x, non_blocking=True)
-            self.idx.copy_(idx, non_blocking=True)
+            for static, value in zip(self.inputs, inputs):
+                static.copy_(value, non_blocking=True)
         self.graph.replay()
         return self.loss.clone()
 
-    def capture(self, x, idx, epoch: int, shape: tuple) -> None:
+    def warm_up(self, x, idx, epoch: int, drawn: list[tuple]) -> torch.Tensor:
+        """One eager step (on a side stream on CUDA), outside what is captured."""
+        if not self.cuda:
+            return self.s.step_fn(self.s, x, idx, epoch, drawn)
+        side = torch.cuda.Stream(self.s.ctx.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            loss = self.s.step_fn(self.s, x, idx, epoch, drawn)
+        torch.cuda.current_stream().wait_stream(side)
+        return loss
+
+    def capture(self, inputs: tuple, epoch: int, drawn: list[tuple], key: tuple) -> None:
         self.graph = None  # the last shape's graph: its memory back to the pool
-        self.x, self.idx, self.shape = x.clone(), idx.clone(), shape
+        self.inputs, self.key = tuple(t.clone() for t in inputs), key
+        x, idx, *flat = self.inputs
+        parts = iter(flat)  # the static draws, grouped per micro-batch again
+        static_drawn = [tuple(next(parts) for _ in part) for part in drawn]
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the DataLoader's pin-memory thread keeps calling CUDA while this thread captures
         with torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local"):
-            self.loss = captured_region(self.s, self.x, self.idx, epoch)
+            self.loss = captured_region(self.s, x, idx, epoch, static_drawn)
         self.pool = self.graph.pool()
         log.info("training step captured as one CUDA graph (batch %s)", tuple(x.shape))
 
 
-def _loss(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
-    y_soft = F.one_hot(s.y_train[idx], s.num_classes).float()
+def _targets(s: Step, idx: torch.Tensor) -> torch.Tensor:
+    """The batch's one-hot targets, float, on the device."""
+    return F.one_hot(s.y_train[idx], s.num_classes).float()
+
+
+def _loss(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int, drawn: tuple | None) -> torch.Tensor:
+    y_soft = _targets(s, idx)
+    given = {} if s.draw is None else {"drawn": drawn}  # a method's transform and loss take its draws
     if s.transform is not None:
         with s.transform_time.span():
-            x, y_soft = s.transform(x, y_soft, idx, s.hook_net)
+            x, y_soft = s.transform(x, y_soft, idx, s.hook_net, **given)
     with s.ctx.autocast():
-        return s.loss(s.net, x, y_soft, idx, epoch) if s.loss else soft_cross_entropy(s.net(x), y_soft)
+        if s.loss is None:
+            return soft_cross_entropy(s.net(x), y_soft)
+        return s.loss(s.net, x, y_soft, idx, epoch, **given)
 
 
 # The loop reads the device every AGREE_EVERY steps (the non-finite check, the fp16 loss scale and, under
@@ -979,14 +1016,14 @@ class _Loop:
             # the transform's passes through the compiled network, but not through DDP (whose gradient
             # hooks expect one backward per forward): under DDP a compiled twin of the model
             net if not ctx.distributed else ctx.compiled(model),
-            step_fn=ctx.compiled(eager_step) if whole_step else eager_step,
+            step_fn=ctx.compiled(eager_step) if whole_step else eager_step, draw=hooks.draw,
         )  # fmt: skip
 
     def _capture_step(self) -> None:
         """`hardware.cuda_graph`: the step captured as one CUDA graph where it can be, else one line why."""
         why = not_capturable(self.step, self.hooks)
         if why is None:
-            self.step.graphed = GraphedStep(self.step)
+            self.step.graphed = GraphedStep(self.step, self.hooks.capture_key)
         elif self.ctx.is_main:
             log.info("hardware.cuda_graph: the training step runs eagerly: %s", why)
 

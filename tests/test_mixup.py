@@ -9,11 +9,15 @@ import torch
 
 from runner.methods.comixup import grid_cut
 from runner.methods.mixup import (
+    _mix_targets,
     cutmix,
     default_mixup_layers,
     input_mixup,
     manifold_mixup,
+    mix_hidden,
+    mix_pairs,
     none,
+    paste_box,
     puzzle_costs,
     puzzle_mix,
     transport_plan,
@@ -90,6 +94,57 @@ def test_manifold_mixup_mixes_the_hidden_state_of_the_chosen_layer():
         seen.add(hit.index(True))
     assert seen == {0, 1}  # both the input and the hidden layer get chosen
     assert torch.allclose(model(x), second(torch.tanh(first(x))))  # the hook is gone
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_draws_given_as_tensors_mix_to_the_bits_of_the_host_numbers(seed):
+    # what a captured step runs (`MixupHooks.draw`: a float64 ratio and share, partners, a box and a site as
+    # tensors; a masked paste; a where at every site) against the host-number code it replaced (slices,
+    # one hook at the drawn site): float32 values and gradients equal to the bit, so the CPU studies stay
+    rng = np.random.default_rng(seed)
+    x = torch.randn(8, 3, 6, 6, generator=torch.Generator().manual_seed(seed))
+    y = torch.eye(8)[rng.integers(0, 8, 8)]
+    lam, perm = float(rng.beta(1, 1)), torch.from_numpy(rng.permutation(8))
+    lam_t = torch.tensor(lam, dtype=torch.float64)
+    mixed, y_mixed = mix_pairs(x, y, lam_t, perm)
+    assert torch.equal(mixed, lam * x + (1 - lam) * x[perm])
+    assert torch.equal(y_mixed, _mix_targets(y, lam, perm))
+    r0, r1 = sorted(rng.integers(0, 7, 2))
+    c0, c1 = sorted(rng.integers(0, 7, 2))
+    keep = 1.0 - (r1 - r0) * (c1 - c0) / 36
+    pasted = x.clone()
+    pasted[..., r0:r1, c0:c1] = x[perm, ..., r0:r1, c0:c1]
+    box, keep_t = torch.tensor([r0, r1, c0, c1]), torch.tensor(keep, dtype=torch.float64)
+    assert torch.equal(paste_box(x, y, box, keep_t, perm)[0], pasted)
+    assert torch.equal(paste_box(x, y, box, keep_t, perm)[1], _mix_targets(y, keep, perm))
+    nn = torch.nn
+    with torch.random.fork_rng():  # the later tests' draws from the global stream stay as they were
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Flatten(), nn.Linear(108, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                              nn.Linear(16, 8))  # fmt: skip
+    layers = [model[2], model[4]]
+
+    def logits_and_grads(forward, site):
+        model.zero_grad()
+        logits = forward(site)
+        logits.square().sum().backward()
+        return [logits] + [p.grad for p in model.parameters()]
+
+    def one_hook_at(site):
+        if site == 0:
+            return model(lam * x + (1 - lam) * x[perm])
+        handle = layers[site - 1].register_forward_hook(lambda m, i, h: lam * h + (1 - lam) * h[perm])
+        try:
+            return model(x)
+        finally:
+            handle.remove()
+
+    def at_every_site(site):
+        return mix_hidden(model, x, y, lam_t, perm, torch.tensor(site), layers)[0]
+
+    for site in range(3):
+        expected, got = logits_and_grads(one_hook_at, site), logits_and_grads(at_every_site, site)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got)), site
 
 
 def test_default_mixup_layers_end_the_first_two_stages():

@@ -380,7 +380,7 @@ def test_each_step_takes_a_clean_batch_and_an_unlabeled_batch(tmp_path, loss):
     assert len(sampler) == len(batches) == steps
     seen = {"labeled": [], "unlabeled": []}
     calls = []
-    hooks._paper_loss = hooks._simple_loss = lambda net, lab, unl: calls.append((lab, unl)) or 0.0
+    hooks._paper_loss = hooks._simple_loss = lambda net, lab, unl, *lam: calls.append((lab, unl)) or 0.0
     for idx in batches:  # what the loss makes of fit's batch: its first 16 labeled, the rest unlabeled
         calls.clear()
         hooks.loss(model, data.train.x[idx], None, idx, 1)
@@ -403,7 +403,8 @@ def test_fit_epochs_run_for_the_longer_loader(tmp_path):
     hooks, model, ctx = _hooks("csot", data, tmp_path, batch_size=16, loss="simple")
     steps = []
     loss = hooks.loss
-    hooks.loss = lambda net, x, y, idx, epoch: steps.append((epoch, len(idx))) or loss(net, x, y, idx, epoch)
+    hooks.loss = lambda net, x, y, idx, epoch, **drawn: steps.append((epoch, len(idx))) or loss(
+        net, x, y, idx, epoch, **drawn)  # fmt: skip
     train = OmegaConf.structured(TrainConfig(epochs=3, batch_size=16, progress=False, checkpoint=False))
     fit(model, data, train, ctx, hooks)
     per_epoch = [sum(1 for e, _ in steps if e == epoch) for epoch in range(3)]
@@ -429,11 +430,11 @@ def test_stop_mid_epoch_then_resume_matches_the_uninterrupted_run(tmp_path, epoc
         calls = []
         loss = hooks.loss
 
-        def counted(net, x, y, idx, epoch):
+        def counted(net, x, y, idx, epoch, **drawn):
             calls.append(epoch)
             if len(calls) == stop_at:
                 os.kill(os.getpid(), signal.SIGUSR1)
-            return loss(net, x, y, idx, epoch)
+            return loss(net, x, y, idx, epoch, **drawn)
 
         hooks.loss = counted
         fit(model, data, train, ctx, hooks)

@@ -14,12 +14,16 @@ from test_train import blobs, setup
 
 import runner.hooks
 from runner import device_tracking
+from runner.cli import run_in_process
+from runner.configs.classify import MIXUP, InputMixupConfig
+from runner.hardware import RunContext
 from runner.hooks.csot import NoisyLabelHooks
 from runner.hooks.dbot import LossHook
 from runner.hooks.hier_hash import HashHooks
 from runner.hooks.mixup import MixupHooks, TargetLoss
 from runner.method_hooks import MethodHooks, PlainTraining
 from runner.models import build_model
+from runner.schema import to_node
 from runner.train import GraphedStep, _method_hooks, fit, not_capturable
 
 SCHEDULES = ["train.schedule=cosine", "train.warmup_epochs=1", "train.momentum=0.9", "train.nesterov=true",
@@ -67,13 +71,25 @@ def test_a_method_s_loss_is_captured_only_where_it_says_so(tmp_path, caplog):
 
 
 # Whether a method's step may be captured as one CUDA graph and compiled whole (`capturable`): plain training
-# (fit's hooks=None) and TargetLoss run device work alone; the others read the host or draw host randomness.
-CAPTURABLE = {PlainTraining: True, TargetLoss: True, MixupHooks: False, NoisyLabelHooks: False,
-              LossHook: False, HashHooks: False}  # fmt: skip
+# (fit's hooks=None), TargetLoss, the pair mixups (their draws made before the step), DB-OT's and CSOT's
+# losses run device work alone; Co-Mixup, Puzzle Mix and hashing solve on the host inside the step.
+CAPTURABLE = {PlainTraining: True, TargetLoss: True, NoisyLabelHooks: True, LossHook: True, HashHooks: False,
+              MixupHooks: {"input_mixup": True, "cutmix": True, "manifold_mixup": True, "puzzle_mix": False,
+                           "comixup": False}}  # fmt: skip
 
 
 def _subclasses(cls) -> set:
     return {sub for direct in cls.__subclasses__() for sub in {direct} | _subclasses(direct)}
+
+
+def _hooks_of_each_kind() -> dict:
+    """(class, mixup method or None) -> an instance, as far as the flags read it (no __init__ run)."""
+    kinds = {}
+    for cls, capturable in CAPTURABLE.items():
+        for name in capturable if isinstance(capturable, dict) else [None]:
+            kinds[cls, name] = hooks = object.__new__(cls)
+            hooks.cfg = SimpleNamespace(name=name)
+    return kinds
 
 
 def test_each_method_s_step_is_captured_and_compiled_whole_only_where_it_was():
@@ -84,30 +100,75 @@ def test_each_method_s_step_is_captured_and_compiled_whole_only_where_it_was():
     ours = {c for c in _subclasses(MethodHooks) if c.__module__.startswith("runner.")}
     ours = {c for c in ours if c.__module__ in sys.modules}
     assert ours == set(CAPTURABLE)
+    assert set(CAPTURABLE[MixupHooks]) == {c.name for c in MIXUP}  # and every method of the mixup family
     # a step that the rest of the fit would capture: one process, no loss scaling, no EMA, a fused optimizer
     ctx = SimpleNamespace(distributed=False, compile="false")
     s = SimpleNamespace(ctx=ctx, scaler=SimpleNamespace(is_enabled=lambda: False), ema=None,
                         optimizer=SimpleNamespace(param_groups=[{"fused": True}]))  # fmt: skip
-    decided = {None: _method_hooks(None)} | {cls: object.__new__(cls) for cls in CAPTURABLE}
-    for cls, hooks in decided.items():
-        expected = CAPTURABLE.get(cls, True)  # None: plain training
-        assert hooks.capturable is expected, cls  # the whole-step compile reads this
-        assert (not_capturable(s, hooks) is None) is expected, cls
+    decided = {(None, None): _method_hooks(None)} | _hooks_of_each_kind()
+    for (cls, name), hooks in decided.items():
+        expected = True if cls is None else CAPTURABLE[cls] if name is None else CAPTURABLE[cls][name]
+        assert hooks.capturable is expected, (cls, name)  # the whole-step compile reads this
+        why = not_capturable(s, hooks)
+        assert why is None if expected else why.endswith(hooks.why_not_capturable), (cls, name)
+    # the mixups whose draws go before the step are those captured; the others draw inside their solve
+    assert [name for (cls, name), hooks in decided.items() if cls is MixupHooks and hooks.draw] == [
+        "input_mixup", "cutmix", "manifold_mixup"]  # fmt: skip
+    # the reason names the host work inside the step
+    assert "saliency of the step's own clean pass" in MixupHooks.why_not_capturable
+    assert "min-cost flow" in HashHooks.why_not_capturable
     assert MethodHooks.capturable is False  # a new method's hooks opt in, never by inheriting
 
 
-def test_the_captured_region_reads_nothing_from_the_host_and_makes_no_host_tensor(tmp_path):
-    # the comixup CIFAR preset's ERM step at CPU size, as hardware=auto runs it on a recent GPU
+def _track(tmp_path, *overrides) -> dict:
+    """The tracking harness's report of a CPU-size run with the step captured (`hardware.cuda_graph`)."""
     out = tmp_path / "counts.json"
-    device_tracking.main([
-        "+experiment=comixup_cifar100_preactresnet18", "+method=erm", "logger=none", "dataset=fake",
-        "dataset.like=cifar100", "dataset.train_size=128", "dataset.test_size=16", "dataset.image_size=8",
-        "train.batch_size=16", "train.epochs=1", "hardware=gpu", "hardware.num_workers=0",
-        "hardware.cuda_graph=true", "train.phases=[]", f"hydra.run.dir={tmp_path / 'run'}",
-        "--json", str(out),
-    ])  # fmt: skip
-    report = json.loads(out.read_text())
-    assert report["steps"] == report["entered"][device_tracking.CAPTURED] == 8, report  # every step in it
+    run_dir = f"hydra.run.dir={tmp_path / 'run'}"
+    device_tracking.main([*overrides, "logger=none", "hardware=gpu", "hardware.num_workers=0",
+                          "hardware.cuda_graph=true", run_dir, "--json", str(out)])  # fmt: skip
+    return json.loads(out.read_text())
+
+
+# the comixup CIFAR preset at CPU size, as hardware=auto runs it on a recent GPU
+CIFAR_AT_CPU_SIZE = ["+experiment=comixup_cifar100_preactresnet18", "dataset=fake", "dataset.like=cifar100",
+                     "dataset.train_size=128", "dataset.test_size=16", "dataset.image_size=8",
+                     "train.batch_size=16", "train.epochs=1", "train.phases=[]"]  # fmt: skip
+
+
+def test_the_captured_region_reads_nothing_from_the_host_and_makes_no_host_tensor(tmp_path):
+    report = _track(tmp_path, *CIFAR_AT_CPU_SIZE, "+method=erm")
+    # every step past the warm-up ones (eager on CUDA too, where lazy state is made) is in the region
+    assert report["steps"] == 8 and report["entered"][device_tracking.CAPTURED] == 8 - GraphedStep.WARMUP
+    assert report["counts"].get(device_tracking.CAPTURED, {}) == {}, report["sites"]
+
+
+# The newly capturable steps at CPU size: the pair mixups on the CIFAR preset; DB-OT's loss on CIFAR-10-LT
+# with its AutoAugment + Cutout batch augmentation, and LDAM-DRW, whose re-weighting epoch recaptures;
+# CSOT's paper loss on its digits preset past the warm-up (its selection epochs recapture).
+LT_AT_CPU_SIZE = ["dataset=fake", "dataset.like=cifar10", "dataset.imbalance=10", "dataset.train_size=1000",
+                  "dataset.test_size=64", "dataset.image_size=32", "train.batch_size=64", "train.epochs=2",
+                  "model=mlp", "model.hidden=[16]"]  # fmt: skip
+METHOD_RUNS = {
+    "input_mixup": [*CIFAR_AT_CPU_SIZE, "train.epochs=2", "+method=input_mixup", "method.clean_lam=1"],
+    "cutmix": [*CIFAR_AT_CPU_SIZE, "train.epochs=2", "+method=cutmix"],
+    "manifold_mixup": [*CIFAR_AT_CPU_SIZE, "train.epochs=2", "+method=manifold_mixup"],
+    "dbot": ["+experiment=dbot_cifar10_lt", *LT_AT_CPU_SIZE, "method.augment=autoaugment_cutout"],
+    "ldam_drw": ["+experiment=dbot_cifar10_lt", *LT_AT_CPU_SIZE, "+method=ldam", "method.drw_start=0.5"],
+    "csot": ["+experiment=csot_digits", "method.loss=paper", "method.warmup=1", "train.epochs=3"],
+}  # fmt: skip
+
+
+# the captures each run makes (1: one batch shape, one key): LDAM-DRW's second at its re-weighting epoch,
+# CSOT's at the warm-up's end (its selection epochs' batches, and their key)
+CAPTURES = {"ldam_drw": 2, "csot": 2}
+
+
+@pytest.mark.parametrize("method", METHOD_RUNS)
+def test_each_method_s_captured_region_reads_nothing_from_the_host(tmp_path, method):
+    report = _track(tmp_path, *METHOD_RUNS[method])
+    # every step is in the region but each capture's warm-up ones, so a key that changes is warmed up anew
+    captured = report["steps"] - CAPTURES.get(method, 1) * GraphedStep.WARMUP
+    assert report["entered"].get(device_tracking.CAPTURED, 0) == captured > 0, report
     assert report["counts"].get(device_tracking.CAPTURED, {}) == {}, report["sites"]
 
 
@@ -142,15 +203,34 @@ def test_the_whole_step_compiled_follows_the_eager_trajectory(tmp_path):
         assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4)
 
 
+def _input_mixup(tmp_path) -> MixupHooks:
+    """Input mixup's hooks for blobs, on the CPU RunContext the hooks keep (their preview off)."""
+    cfg = to_node(InputMixupConfig(loss="ce", preview=False))
+    return MixupHooks(cfg, 3, RunContext(torch.device("cpu"), tmp_path, tracker=None), seed=0)
+
+
+@pytest.mark.slow
+def test_a_pair_mixup_s_whole_step_compiled_follows_the_eager_trajectory(tmp_path):
+    # drawn before the step, its ratio and partners enter the compiled step as tensors
+    _, eager_rows = _fit(tmp_path / "eager", "train.epochs=2", hooks=_input_mixup(tmp_path))
+    _, compiled_rows = _fit(tmp_path / "compiled", "train.epochs=2", hooks=_input_mixup(tmp_path),
+                            compile="default")  # fmt: skip
+    # the same draws; inductor's fusions reassociate float32 sums, as for ERM above
+    for a, b in zip(eager_rows, compiled_rows):
+        assert b["train/loss"] == pytest.approx(a["train/loss"], rel=1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_replayed_graph_trains_as_the_eager_step(tmp_path):
+@pytest.mark.parametrize("method", ["erm", "input_mixup"])
+def test_on_cuda_the_replayed_graph_trains_as_the_eager_step(tmp_path, method):
     def fit_on_cuda(name, graph):
         model_cfg, train_cfg, ctx = setup(tmp_path / name, "train.epochs=3", "train.batch_size=20",
                                           *SCHEDULES)
         ctx.device, ctx.cuda_graph = torch.device("cuda"), graph
         torch.manual_seed(0)
         model = build_model(model_cfg, (4,), 3)
-        fit(model, blobs(), train_cfg, ctx)
+        # input mixup: each replay must take the step's own ratio and partners from the static buffers
+        fit(model, blobs(), train_cfg, ctx, _input_mixup(tmp_path) if method == "input_mixup" else None)
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         return model, rows
 
@@ -163,3 +243,47 @@ def test_on_cuda_the_replayed_graph_trains_as_the_eager_step(tmp_path):
         assert b["lr"] == pytest.approx(a["lr"], rel=1e-6)
     for p, q in zip(eager.parameters(), graphed.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+
+
+def _cli_rows(run_dir, *overrides) -> list[dict]:
+    run_in_process([*overrides, "logger=none", "train.progress=false", f"hydra.run.dir={run_dir}"])
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _series(rows: list[dict], name: str) -> list[float]:
+    """`name`'s values over the rows, under a fit's tag too (the long-tail task's `fit/...`)."""
+    return [value for row in rows for key, value in row.items() if key == name or key.endswith(f"/{name}")]
+
+
+# several epochs with a per-step warm-up and a cosine: the lr tensor is written in place between replays
+WITH_SCHEDULES = ["train.schedule=cosine", "train.warmup_epochs=1"]
+
+
+@pytest.mark.parametrize("method", METHOD_RUNS)
+def test_each_method_s_graph_ready_step_follows_its_eager_trajectory(tmp_path, method):
+    runs = [*METHOD_RUNS[method], *WITH_SCHEDULES]
+    eager = _cli_rows(tmp_path / "eager", *runs)
+    graphed = _cli_rows(tmp_path / "graph", *runs, "hardware.cuda_graph=true")
+    assert _series(graphed, "lr") == pytest.approx(_series(eager, "lr"), rel=1e-6)
+    # The same draws and the same device ops on the CPU (the draws are made before the step in both): only the
+    # optimizer differs, the graph's fused kernel with its float32 lr tensor (0.2 rounds by 1.5e-8 relative)
+    # against foreach's float lr, a few ulp per step, as in the ERM test above. The training map then carries
+    # them on: here they stay at 0 to 2e-7 relative, but for input mixup on the PreAct ResNet (lr 0.2, batch
+    # norm, random labels), 5e-5 by epoch 2, as its ERM step shows too; 5e-4 bounds that with room.
+    assert _series(graphed, "train/loss") == pytest.approx(_series(eager, "train/loss"), rel=5e-4)
+
+
+@pytest.mark.parametrize("method", ["input_mixup", "cutmix", "manifold_mixup", "csot"])
+def test_drawing_before_the_step_keeps_the_cpu_numbers(tmp_path, method, monkeypatch):
+    before = _cli_rows(tmp_path / "before", *METHOD_RUNS[method])
+    # without `draw` the loop hands nothing, and the hooks draw inside the step, as they did before
+    monkeypatch.setattr(NoisyLabelHooks if method == "csot" else MixupHooks, "draw", None)
+    inside = _cli_rows(tmp_path / "inside", *METHOD_RUNS[method])
+    # the same random draws in the same order, and the same float arithmetic (a float64 ratio on the device
+    # rounds as the host's number did; a masked paste and a where at each site select the same values)
+    assert _untimed(before) == _untimed(inside)
+
+
+def _untimed(rows: list[dict]) -> list[dict]:
+    """The rows without their timings (`time/...`, CSOT's `select/solver_s`)."""
+    return [{k: v for k, v in row.items() if not (k.startswith("time/") or k.endswith("_s"))} for row in rows]

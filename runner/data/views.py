@@ -41,8 +41,8 @@ def random_resized_crop_flip(
     fits = (box_w >= 1) & (box_w <= w) & (box_h >= 1) & (box_h <= h)
     first = fits.float().argmax(1, keepdim=True)  # the first draw that fits (0 if none does)
     ok = fits.any(1)
-    box_w = torch.where(ok, box_w.gather(1, first)[:, 0], torch.tensor(float(w), device=x.device))
-    box_h = torch.where(ok, box_h.gather(1, first)[:, 0], torch.tensor(float(h), device=x.device))
+    box_w = torch.where(ok, box_w.gather(1, first)[:, 0], float(w))  # a scalar: no host-made tensor
+    box_h = torch.where(ok, box_h.gather(1, first)[:, 0], float(h))
     top = torch.floor(torch.rand(b, device=x.device) * (h - box_h + 1))
     left = torch.floor(torch.rand(b, device=x.device) * (w - box_w + 1))
     index = torch.arange(b, device=x.device, dtype=left.dtype)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from runner.data.samplers import EpochSample, PoolBatches, SampleBatches
 from runner.distributed_passes import broadcast_from_main, predict_all
 from runner.hooks import MethodHooks
+from runner.methods.comixup import _to_device
 from runner.methods.csot import allocate, curriculum_budget
 from runner.schema import ConfigError
 from runner.train import soft_cross_entropy
@@ -81,6 +82,9 @@ class NoisyLabelHooks(MethodHooks):
     epoch as long as the longer of the two, see `PoolBatches`), the method's loss per batch."""
 
     mid_epoch_resume = True  # state_dict holds the selection; the epoch's batches follow from it
+    # device work once the paper loss's mixup ratio is drawn before the step (`draw`); the selection
+    # lands in the same buffers each epoch, and its stage recaptures (`capture_key`)
+    capturable = True
 
     def __init__(self, cfg, model, data, ctx, views, asymmetric, seed, batch_size, epoch_samples=0):
         self.cfg, self.model, self.ctx, self.views = cfg, model, ctx, views
@@ -179,10 +183,11 @@ class NoisyLabelHooks(MethodHooks):
             out[rows] = values
             return out
 
-        self.clean = to_device(on_all(clean, False), torch.bool)
-        self.corrected = to_device(on_all(corrected, False), torch.bool)
-        self.pseudo = to_device(on_all(pseudo, 0), torch.long)
-        self.weight = to_device(on_all(weight, 1.0), torch.float32)
+        # into the tensors the step reads (a captured step replays their addresses)
+        self.clean.copy_(to_device(on_all(clean, False), torch.bool))
+        self.corrected.copy_(to_device(on_all(corrected, False), torch.bool))
+        self.pseudo.copy_(to_device(on_all(pseudo, 0), torch.long))
+        self.weight.copy_(to_device(on_all(weight, 1.0), torch.float32))
         self.sampled = torch.zeros(len(self.sampled), dtype=torch.bool)
         self.sampled[sample] = True
         self.selecting = True
@@ -225,7 +230,23 @@ class NoisyLabelHooks(MethodHooks):
 
     # --- per batch -------------------------------------------------------------------------
 
-    def loss(self, net, x, y_soft, idx, epoch):
+    def capture_key(self, epoch):
+        """The step's work changes with the warm-up's end, the second stage and the pools' layout."""
+        return self.selecting, self.stage2, self.selecting and tuple(self.sampler.layout)
+
+    def draw(self, x, y_soft, idx, model):
+        return self._paper_ratio(x.device)
+
+    def _paper_ratio(self, device) -> tuple:
+        """The paper loss's mixup ratio max(lambda, 1 - lambda), lambda ~ Beta(alpha, alpha) from numpy's
+        global stream (the authors' `np.random.beta`), as a float64 0-dim tensor on `device`, for a step
+        with a clean batch; () otherwise."""
+        if not (self.selecting and self.cfg.loss == "paper" and self.sampler.layout[0]):
+            return ()
+        lam = float(np.random.beta(self.cfg.mixup_alpha, self.cfg.mixup_alpha))
+        return (_to_device(np.float64(max(lam, 1 - lam)), device),)
+
+    def loss(self, net, x, y_soft, idx, epoch, drawn=None):
         if not self.selecting:  # warm-up (or plain CE): CE on the noisy labels of fit's batch, weak view
             return self._warmup_loss(net, self.views.weak(x), y_soft)
         # fit's batch: this rank's shard of a clean batch, then of an unlabeled one (`PoolBatches.layout`)
@@ -234,7 +255,9 @@ class NoisyLabelHooks(MethodHooks):
         unlabeled = (x[n_clean:], idx[n_clean:]) if n_clean < len(idx) else None
         if self.cfg.loss == "simple":
             return self._simple_loss(net, labeled, unlabeled)
-        return self._paper_loss(net, labeled, unlabeled)
+        if drawn is None:  # called outside the loop: draw here
+            drawn = self._paper_ratio(x.device)
+        return self._paper_loss(net, labeled, unlabeled, *drawn)
 
     def _warmup_loss(self, net, x, y_soft):
         if self.model.predictor is None:
@@ -261,7 +284,7 @@ class NoisyLabelHooks(MethodHooks):
             loss = loss + (F.cross_entropy(logits, pseudo, reduction="none") * use).mean()
         return loss
 
-    def _paper_loss(self, net, labeled, unlabeled):
+    def _paper_loss(self, net, labeled, unlabeled, lam=None):
         cfg, k, views = self.cfg, self.num_classes, self.views
         loss = 0.0
         if labeled is not None:
@@ -275,8 +298,6 @@ class NoisyLabelHooks(MethodHooks):
             target = target ** (1 / cfg.sharpen_t)
             target = target / target.sum(1, keepdim=True)
             inputs, targets = torch.cat([weak1, weak2]), torch.cat([target, target])
-            lam = float(np.random.beta(cfg.mixup_alpha, cfg.mixup_alpha))
-            lam = max(lam, 1 - lam)
             perm = torch.randperm(len(inputs), device=x.device)
             mixed_logits = net(lam * inputs + (1 - lam) * inputs[perm])
             loss = soft_cross_entropy(mixed_logits, lam * targets + (1 - lam) * targets[perm])

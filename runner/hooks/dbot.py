@@ -60,6 +60,10 @@ def longtail_loss(
 class LossHook(MethodHooks):
     """`fit` hooks: the configured long-tail loss, and the CIFAR-LT batch augmentation."""
 
+    # device work alone: the augmentation draws on the device, the DB-OT loss masks rather than indexes
+    # (fixed shapes), and under DRW the re-weighting epoch recaptures (`capture_key`)
+    capturable = True
+
     def __init__(self, method_cfg, train_counts: np.ndarray, device, epochs: int, stats=None):
         self.m = method_cfg
         self.prior = torch.as_tensor(train_counts / train_counts.sum(), dtype=torch.float32, device=device)
@@ -81,10 +85,15 @@ class LossHook(MethodHooks):
             return x, y_soft
         return cutout(self.policy(x), 16), y_soft
 
+    def capture_key(self, epoch):
+        return self._plain_ldam(epoch)
+
+    def _plain_ldam(self, epoch) -> bool:
+        """DRW: plain LDAM before the re-weighting epoch."""
+        return self.m.loss == "ldam" and epoch < self.drw_epoch
+
     def loss(self, model, x, y_soft, idx, epoch):
-        weights = self.class_weights
-        if self.m.loss == "ldam" and epoch < self.drw_epoch:  # DRW: plain LDAM before the re-weighting
-            weights = None
+        weights = None if self._plain_ldam(epoch) else self.class_weights
         # Under DDP on the global batch: the DB-OT losses and the weighted means couple the samples.
         logits, y_soft = global_batch(model(x).float(), y_soft)
         return longtail_loss(logits, y_soft, self.m, self.prior, weights, self.margins, self.dbot)

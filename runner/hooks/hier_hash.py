@@ -81,6 +81,9 @@ class HashHooks(MethodHooks):
     epoch is then `method.eval_every` training epochs long, else one pass over the training set.
     `code_seconds` adds up the time spent on the codes; each epoch's is logged as `time/code_s`."""
 
+    why_not_capturable = ("the hash codes' min-cost flow is solved on the host from the step's own "
+                          "class-mean unaries (a read inside the step)")  # fmt: skip
+
     def __init__(self, method, labels, seed, param_groups, loss, iters=None, val_score=None):
         self.method, self.param_groups, self._loss, self.val_score = method, param_groups, loss, val_score
         self.iters = iters or method.iters

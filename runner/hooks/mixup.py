@@ -33,11 +33,20 @@ from runner.hooks import MethodHooks
 from runner.methods.comixup import CONFIG_KEYS as COMIXUP_CONFIG_KEYS
 from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
 from runner.methods.comixup import ComixupPool, _to_device, auto_workers, comixup
-from runner.methods.mixup import cutmix, default_mixup_layers, input_mixup, manifold_mixup, puzzle_mix
+from runner.methods.mixup import (
+    cutmix_box,
+    default_mixup_layers,
+    mix_hidden,
+    mix_pairs,
+    pairing,
+    paste_box,
+    puzzle_mix,
+)
 from runner.plots import new_figure, save_figure
 from runner.train import soft_cross_entropy
 
 SALIENCY_METHODS = ("comixup", "puzzle_mix")
+INPUT_PAIR_MIXUPS = ("input_mixup", "cutmix")  # mix the batch in `transform`; manifold mixup in `loss`
 PUZZLE_KEYS = ("alpha", "beta", "gamma", "eta", "n_labels", "grid", "neigh_size", "transport", "t_eps",
                "t_size")  # fmt: skip
 
@@ -152,6 +161,10 @@ class TargetLoss(MethodHooks):
 class MixupHooks(MethodHooks):
     """Hooks for `fit`: `transform` mixes the batch (after the clean pass), `loss` scores it.
 
+    The pair mixups (input mixup, CutMix, manifold mixup) make their host draws before the step (`draw`:
+    the ratio, the partners, CutMix's box, manifold mixup's site), so that their step is device work a
+    CUDA graph may replay; Co-Mixup and Puzzle Mix draw and solve inside it.
+
     normalize: the data's per-channel (mean, std), so that raw pixels are x * std + mean (Puzzle Mix's
     seam cost and adversarial noise live in raw pixels); None when x is raw.
     Co-Mixup's `workers`: 0 solves in-process, n > 0 in a pool of n processes, -1 (auto) one process
@@ -163,11 +176,23 @@ class MixupHooks(MethodHooks):
     """
 
     mid_epoch_resume = True  # on_epoch_start only arms the preview; the rng is in state_dict
+    why_not_capturable = ("Co-Mixup's and Puzzle Mix's cuts are solved on the host from the saliency of the "
+                          "step's own clean pass (a read inside the step)")  # fmt: skip
 
     @property
     def accumulate_ok(self) -> bool:
         """Pair mixing works within micro-batches; Co-Mixup and Puzzle Mix cut over the whole batch."""
         return self.cfg.name not in SALIENCY_METHODS
+
+    @property
+    def capturable(self) -> bool:
+        """The pair mixups' step, their draws made before it, is device work; the saliency methods' is not."""
+        return self.cfg.name not in SALIENCY_METHODS
+
+    @property
+    def draw(self):
+        """The pair mixups' `_draw_pair`; None for Co-Mixup and Puzzle Mix (their draws go with the solve)."""
+        return self._draw_pair if self.cfg.name not in SALIENCY_METHODS else None
 
     def __init__(self, cfg, num_classes: int, ctx, seed: int, normalize=None):
         self.cfg, self.num_classes, self.ctx = cfg, num_classes, ctx
@@ -185,7 +210,30 @@ class MixupHooks(MethodHooks):
         # a fresh network's saliency is flat (Co-Mixup then keeps single sources): redraw each epoch
         self._preview = bool(self.cfg.preview) and self.ctx.is_main and self.cfg.name != "manifold_mixup"
 
-    def transform(self, x, y_soft, idx, model):
+    def _draw_pair(self, x, y_soft, idx, model):
+        """(lambda, partners[, CutMix's box and x's share | manifold mixup's site]) of a pair mixup, drawn
+        from `self.rng` in the order of `runner.methods.mixup`'s functions, on x's device (lambda and the
+        share float64: the host's 1 - lambda); the preview, when armed, of the mix they make."""
+        lam, perm = pairing(len(x), self.cfg.alpha, self.rng)
+        values = [np.float64(lam), perm]
+        if self.cfg.name == "cutmix":
+            box, keep = cutmix_box(x.shape[-2:], lam, self.rng)
+            values += [box, np.float64(keep)]
+        elif self.cfg.name == "manifold_mixup":
+            values.append(int(self.rng.integers(len(self._mixup_layers(model)) + 1)))
+        drawn = tuple(_to_device(np.asarray(value), x.device) for value in values)
+        if self._preview:  # here, outside a captured step: the preview reads the mix back
+            with torch.no_grad():
+                self._preview_once(*self._mix(x, y_soft, None, drawn))
+        return drawn
+
+    @staticmethod
+    def _mixup_layers(model):
+        return default_mixup_layers(getattr(model, "module", model))  # DDP wraps the model
+
+    def transform(self, x, y_soft, idx, model, drawn=None):
+        if drawn is None and self.cfg.name in INPUT_PAIR_MIXUPS:  # called outside the loop: draw here
+            drawn = self._draw_pair(x, y_soft, idx, model)
         pool = self._comixup_pool(x)
         lag = pool is not None and self.cfg.lag
         overlap = pool is not None and self.cfg.overlap and not lag
@@ -193,7 +241,7 @@ class MixupHooks(MethodHooks):
         try:
             if pool is None:
                 with torch.no_grad():
-                    x_mix, y_mix = self._mix(x, y_soft, saliency_maps)
+                    x_mix, y_mix = self._mix(x, y_soft, saliency_maps, drawn)
             else:
                 with torch.no_grad():
                     options = self._comixup_options()
@@ -207,16 +255,21 @@ class MixupHooks(MethodHooks):
         except ValueError:
             _diverged_saliency(saliency_maps)
             raise
+        self._preview_once(x_mix, y_mix)
+        return x_mix, y_mix
+
+    def _preview_once(self, x_mix, y_mix):
+        """mixup_preview.png of this mix where the epoch's preview is armed (`on_epoch_start`)."""
         if self._preview:
             self._preview = False
             path = save_mixup_preview(x_mix, y_mix, Path(self.ctx.dir) / "mixup_preview.png", self.cfg.name)
             self.ctx.tracker.image("mixup_preview", path)
-        return x_mix, y_mix
 
-    def loss(self, model, x, y_soft, idx, epoch):
-        if self.cfg.name == "manifold_mixup":
-            layers = default_mixup_layers(getattr(model, "module", model))  # DDP wraps the model
-            logits, y_soft = manifold_mixup(model, x, y_soft, self.cfg.alpha, layers, rng=self.rng)
+    def loss(self, model, x, y_soft, idx, epoch, drawn=None):
+        if self.cfg.name == "manifold_mixup":  # the mix is inside the forward
+            if drawn is None:  # called outside the loop: draw here
+                drawn = self._draw_pair(x, y_soft, idx, model)
+            logits, y_soft = mix_hidden(model, x, y_soft, *drawn, self._mixup_layers(model))
         else:
             logits = model(x)
         loss = mixed_loss(logits, y_soft, self.cfg.loss)
@@ -308,12 +361,13 @@ class MixupHooks(MethodHooks):
         self._adv = (noisy - raw, masks)
         return (noisy - mean) / std
 
-    def _mix(self, x, y_soft, saliency_maps):
+    def _mix(self, x, y_soft, saliency_maps, drawn):
         cfg, name = self.cfg, self.cfg.name
         if name == "input_mixup":
-            return input_mixup(x, y_soft, cfg.alpha, rng=self.rng)
+            return mix_pairs(x, y_soft, *drawn)
         if name == "cutmix":
-            return cutmix(x, y_soft, cfg.alpha, rng=self.rng)
+            lam, perm, box, keep = drawn
+            return paste_box(x, y_soft, box, keep, perm)
         if name == "manifold_mixup":  # mixed inside the forward, in `loss`
             return x, y_soft
         if name == "puzzle_mix":

@@ -43,10 +43,15 @@ from runner.methods.comixup import (
 
 __all__ = [
     "cutmix",
+    "cutmix_box",
     "default_mixup_layers",
     "input_mixup",
     "manifold_mixup",
+    "mix_hidden",
+    "mix_pairs",
     "none",
+    "pairing",
+    "paste_box",
     "puzzle_costs",
     "puzzle_mix",
     "seam_penalty",
@@ -67,7 +72,8 @@ def _tensor_io(fn):
     return wrapper
 
 
-def _pairing(B: int, alpha: float, rng) -> tuple[float, np.ndarray]:
+def pairing(B: int, alpha: float, rng) -> tuple[float, np.ndarray]:
+    """A pair mixup's draws from `rng`: lambda ~ Beta(alpha, alpha), then a permutation of the B inputs."""
     if not 0 < alpha < math.inf:
         raise ValueError(f"alpha={alpha}: must be a finite number > 0")
     if B < 2:
@@ -104,32 +110,48 @@ def none(x, y, rng=None):
 def input_mixup(x, y, alpha: float = 1.0, rng=None):
     """x~ = lambda x + (1 - lambda) x[perm], y~ likewise; lambda ~ Beta(alpha, alpha)."""
     _check_batch(x, y)
-    lam, perm = _pairing(len(x), alpha, np.random.default_rng(rng))
-    partner = _to_device(perm, x.device)
+    lam, perm = pairing(len(x), alpha, np.random.default_rng(rng))
+    return mix_pairs(x, y, lam, _to_device(perm, x.device))
+
+
+def mix_pairs(x, y, lam, partner):
+    """Input mixup with its draws given: `lam` a number or a 0-dim float64 tensor on x's device (its
+    1 - lam then rounds as the number's), `partner` (B,) indices there."""
     return lam * x + (1 - lam) * x[partner], _mix_targets(y, lam, partner)
 
 
 @_tensor_io
 def cutmix(x, y, alpha: float = 1.0, rng=None):
-    """Paste the box [r0, r1) x [c0, c1) of x[perm] into x; y~ by the box's actual area.
+    """Paste the box [r0, r1) x [c0, c1) of x[perm] into x; y~ by the box's actual area (`cutmix_box`)."""
+    _check_batch(x, y)
+    rng = np.random.default_rng(rng)
+    lam, perm = pairing(len(x), alpha, rng)
+    box, keep = cutmix_box(x.shape[-2:], lam, rng)
+    return paste_box(x, y, _to_device(box, x.device), keep, _to_device(perm, x.device))
+
+
+def cutmix_box(size, lam: float, rng) -> tuple[list[int], float]:
+    """CutMix's box (r0, r1, c0, c1) in an image of `size` (H, W), and the share of x it keeps.
 
     The box has sides H sqrt(1 - lambda), W sqrt(1 - lambda) around a uniform (real) centre and is
     clipped to the image, edges truncated to ints (the authors' `mixup_box`), so the label weight is
     1 - area / HW after clipping.
     """
-    _check_batch(x, y)
-    rng = np.random.default_rng(rng)
-    lam, perm = _pairing(len(x), alpha, rng)
-    H, W = x.shape[-2:]
+    H, W = size
     cy, cx = rng.uniform(0, H), rng.uniform(0, W)
     rh, rw = np.sqrt(1.0 - lam) * H, np.sqrt(1.0 - lam) * W
     r0, r1 = (int(np.clip(v, 0, H)) for v in (cy - rh / 2, cy + rh / 2))
     c0, c1 = (int(np.clip(v, 0, W)) for v in (cx - rw / 2, cx + rw / 2))
-    partner = _to_device(perm, x.device)
-    mixed = x.clone()
-    mixed[..., r0:r1, c0:c1] = x[partner, ..., r0:r1, c0:c1]
-    keep = 1.0 - (r1 - r0) * (c1 - c0) / (H * W)
-    return mixed, _mix_targets(y, keep, partner)
+    return [r0, r1, c0, c1], 1.0 - (r1 - r0) * (c1 - c0) / (H * W)
+
+
+def paste_box(x, y, box: torch.Tensor, keep, partner):
+    """CutMix with its draws given: x[partner]'s pixels inside `box` (r0, r1, c0, c1), an int tensor on x's
+    device, x's outside, chosen by a mask (the same work whatever the box, as a captured step needs);
+    y~ with x's share `keep` (a number or a 0-dim tensor there)."""
+    rows, cols = (torch.arange(n, device=x.device) for n in x.shape[-2:])
+    inside = ((rows >= box[0]) & (rows < box[1]))[:, None] & ((cols >= box[2]) & (cols < box[3]))[None, :]
+    return torch.where(inside, x[partner], x), _mix_targets(y, keep, partner)
 
 
 def default_mixup_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -161,17 +183,28 @@ def manifold_mixup(model: torch.nn.Module, x, y, alpha: float = 2.0, layers=None
     """
     _check_batch(x, y)
     rng = np.random.default_rng(rng)
-    lam, perm = _pairing(len(x), alpha, rng)
+    lam, perm = pairing(len(x), alpha, rng)
     layers = default_mixup_layers(model) if layers is None else list(layers)
     k = int(rng.integers(len(layers) + 1))
-    partner = _to_device(perm, x.device)
-    if k == 0:
-        return model(lam * x + (1 - lam) * x[partner]), _mix_targets(y, lam, partner)
-    handle = layers[k - 1].register_forward_hook(lambda module, inputs, h: lam * h + (1 - lam) * h[partner])
+    return mix_hidden(model, x, y, lam, _to_device(perm, x.device), _to_device(k, x.device), layers)
+
+
+def mix_hidden(model: torch.nn.Module, x, y, lam, partner, k: torch.Tensor, layers):
+    """Manifold mixup with its draws given (`lam` and `partner` as `mix_pairs`'s, the site `k` a 0-dim
+    int tensor on x's device): every site mixes, and `torch.where` keeps the mix at site k and h
+    elsewhere, so the forward is the same work whatever k (as a captured step needs); the values and
+    gradients are the single mix's (elsewhere the where passes h, and its gradient gets exact zeros)."""
+
+    def mixed(h, site: int):
+        return torch.where(k == site, lam * h + (1 - lam) * h[partner], h)
+
+    handles = [layer.register_forward_hook(lambda module, inputs, h, site=site: mixed(h, site))
+               for site, layer in enumerate(layers, start=1)]  # fmt: skip
     try:
-        logits = model(x)
+        logits = model(mixed(x, 0))
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     return logits, _mix_targets(y, lam, partner)
 
 
@@ -346,7 +379,7 @@ def puzzle_mix(
     B, C, H, W = x.shape
     if H != W:
         raise ValueError(f"x: images of {H}x{W}; puzzle_mix needs square ones (g x g cells of square blocks)")
-    lam, perm = _pairing(B, alpha, rng)
+    lam, perm = pairing(B, alpha, rng)
     if not (isinstance(n_labels, int) and n_labels >= 2):
         raise ValueError(f"n_labels={n_labels}: must be an integer >= 2")
     if method == "gco_expansion" and n_labels > 2:
