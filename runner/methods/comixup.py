@@ -60,6 +60,7 @@ from gco import cgco
 
 from runner.methods._common import renamed_kwargs, usable_cores
 from runner.methods._native import load as load_native
+from runner.methods._native import pointer as _data
 
 __all__ = [
     "OPTIONS",
@@ -124,14 +125,6 @@ def _gco_api():
 
 
 _GCO = _gco_api()
-
-
-_EMPTY_VIEW = ct.c_char * 0  # a ctypes view of no bytes, so that it fits any buffer, an empty one too
-
-
-def _data(array: np.ndarray):
-    """A pointer argument to a contiguous, writable array's data (4x cheaper than `array.ctypes.data`)."""
-    return _EMPTY_VIEW.from_buffer(array)
 
 
 # ----------------------------------------------------------------------------------------------
