@@ -20,6 +20,7 @@
  * Costs are float64; each reduced cost is recomputed from the costs and the potentials, so no error accumulates
  * along a path beyond the potentials' own rounding.
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -70,6 +71,7 @@ typedef struct {
     int *group_load;                 /* y_rq, (n_groups x d) */
     double *pi, *dist;
     int *pred, *reached, *scanned, round;
+    double bound; /* the sink's tentative distance in this run: no node at or beyond it is scanned first */
     Heap heap;
 } Flow;
 
@@ -83,17 +85,18 @@ static int improves(const Flow *f, int node, double distance) {
 }
 
 static void label(Flow *f, int from, int to, double distance) {
+    if (to == f->sink) f->bound = distance;
     f->reached[to] = f->round;
     f->dist[to] = distance;
     f->pred[to] = from;
     heap_push(&f->heap, distance, to);
 }
 
-/* Relax arc (from, to). A node at or beyond the sink's tentative distance is never scanned before the sink, so it
- * stays out of the heap; a bucket's arc to the sink is relaxed as soon as the bucket is reached (rather than when
- * it is scanned, which it still is first: that arc's reduced cost is >= 0), so that this bound tightens early. */
+/* Relax arc (from, to). A node at or beyond the sink's tentative distance (`bound`) is never scanned before the
+ * sink, so it stays out of the heap; a bucket's arc to the sink is relaxed as soon as the bucket is reached (rather
+ * than when it is scanned, which it still is first: that arc's reduced cost is >= 0), so the bound tightens early. */
 static void relax(Flow *f, int from, int to, double distance) {
-    if ((f->reached[f->sink] == f->round && distance >= f->dist[f->sink]) || !improves(f, to, distance)) return;
+    if (distance >= f->bound || !improves(f, to, distance)) return;
     label(f, from, to, distance);
     if (to >= f->nc && to < f->sink) {
         double through = distance + f->n_members[to - f->nc] * f->beta + f->pi[to] - f->pi[f->sink];
@@ -101,20 +104,20 @@ static void relax(Flow *f, int from, int to, double distance) {
     }
 }
 
-/* The node a class's unit enters bucket q by: its group's node there, or q itself (no siblings, or none in q). */
-static int entry_node(const Flow *f, int p, int q) {
-    int r = f->group[p];
-    return r >= 0 && f->group_load[r * f->d + q] > 0 ? group_node(f, r, q) : f->nc + q;
-}
-
 static void scan(Flow *f, int u, double at) {
     int nc = f->nc, d = f->d;
-    if (u < nc) { /* class: forward to every bucket it is not in */
+    if (u < nc) { /* class: forward to every bucket it is not in, through its group's node there if it is used */
         const double *c = f->unary + (long)u * d;
+        const unsigned char *in = f->z + (long)u * d;
+        int r = f->group[u];
+        const int *group_load = r >= 0 ? f->group_load + r * d : NULL;
+        int group_nodes = r >= 0 ? group_node(f, r, 0) : 0;
+        double from = at + f->pi[u];
         for (int q = 0; q < d; q++) {
-            if (f->z[(long)u * d + q]) continue;
-            int v = entry_node(f, u, q);
-            relax(f, u, v, at - c[q] + f->pi[u] - f->pi[v]);
+            if (in[q]) continue;
+            int v = group_load && group_load[q] ? group_nodes + q : nc + q;
+            double distance = from - c[q] - f->pi[v];
+            if (distance < f->bound) relax(f, u, v, distance);
         }
     } else if (u < f->sink) { /* bucket: back out of it through a class in it (its sink arc is relaxed) */
         int q = u - nc;
@@ -188,6 +191,7 @@ long hash_flow(int nc, int d, int s, const double *unary, const int *group, int 
         for (int unit = 0; unit < s; unit++) {
             f.round++;
             f.heap.size = 0;
+            f.bound = INFINITY;
             int n_scanned = 0;
             relax(&f, -1, source, 0.0);
             while (f.heap.size > 0) {

@@ -22,8 +22,9 @@ load at ``i*alpha`` (group layer) and ``j*beta`` (bucket layer).
 
 Arrays in, arrays out; no Hydra, no files. The numpy parts (flow, buckets, index, metrics) and the
 torch parts (losses) share nothing but shapes. The code solvers follow the convention of
-:mod:`runner.methods._common` (``method=`` picks the algorithm: a min-cost flow, or at one bucket per
-class the assignment of classes to bucket slots).
+:mod:`runner.methods._common` (``method=`` picks the algorithm: a min-cost flow by a library or by this
+module's own successive shortest paths in C, or at one bucket per class the assignment of classes to bucket
+slots).
 """
 
 from __future__ import annotations
@@ -488,17 +489,19 @@ def assign_codes(
     groups : (nc,) int array, optional
         Sibling group id per class (equal ids = equal codes at all earlier levels); ``None`` means
         no siblings (level 1).
-    method : {"networkx", "ortools", "highs", "assignment"}
+    method : {"networkx", "ortools", "highs", "assignment", "ssp"}
         The algorithm (``backend`` before, deprecated). ``networkx``: network simplex on a
         MultiDiGraph (the reference). ``ortools``: OR-tools' C++ cost-scaling min-cost flow.
         ``highs``: dual simplex on the arc LP with float costs (integral vertex by total
         unimodularity, asserted). ``assignment``: scipy's ``linear_sum_assignment`` of classes to
         bucket slots with float costs (``_slot_assignment``) at one bucket per class, up to
         ``ASSIGNMENT_MAX_CLASSES`` classes, where siblings never share a bucket and the classes do not
-        crowd a few; OR-tools' flow elsewhere (the log's ``method`` says which ran).
+        crowd a few; OR-tools' flow elsewhere (the log's ``method`` says which ran). ``ssp``: successive
+        shortest paths on the network of Theorem 1 in C with float costs (``_successive_shortest_paths``,
+        ``hash_flow.c``), every level shape; the fastest on the CIFAR presets' levels.
     cost_scale : float, optional
-        Integer backends solve with costs ``round(cost * cost_scale)``; the result is exactly
-        optimal for those costs, i.e. within ``n_flow_arcs / cost_scale`` of the float optimum.
+        Integer backends (networkx, ortools) solve with costs ``round(cost * cost_scale)``; the result is
+        exactly optimal for those costs, i.e. within ``n_flow_arcs / cost_scale`` of the float optimum.
         Default: the largest power of two that keeps OR-tools' arithmetic in int64 (<= 1e12).
     log : bool
         Also return a dict: ``n_iter`` (flow problems solved: the bundle caps double until no bundle
@@ -508,7 +511,9 @@ def assign_codes(
         its sibling bundles that may share), ``bucket_caps`` (its bucket bundles' arcs, from
         ``bucket_load_bound``), ``cost_scale``, ``method`` (the solver that ran). From the assignment:
         ``n_iter`` (assignments solved), ``err``, ``converged``, ``energy``, ``flow_cost`` (the
-        assignment's cost), ``method``, ``pair_nodes`` (its sibling (group, bucket) nodes).
+        assignment's cost), ``method``, ``pair_nodes`` (its sibling (group, bucket) nodes). From ``ssp``:
+        ``n_iter`` (augmenting paths, ``nc * sparsity``), ``err``, ``converged``, ``energy``, ``flow_cost``
+        (the paths' summed costs), ``method``, ``nodes_scanned`` (by all its Dijkstra runs).
 
     Returns
     -------
