@@ -236,8 +236,8 @@ def test_assignment_matches_the_flow_lp_at_the_presets_shapes(n):
 
 
 def edge_cases(rng, n, max_sparsity):
-    """Small levels for brute force: ties (integer unaries), beta = 0, alpha = 0 with siblings, more classes than
-    buckets; s up to max_sparsity (at most d)."""
+    """Small levels for brute force: ties (integer unaries), beta = 0, alpha = 0 with siblings, more classes
+    than buckets; s up to max_sparsity (at most d)."""
     for i in range(n):
         nc, d = int(rng.integers(2, 7)), int(rng.integers(2, 5))
         unary = rng.integers(0, 3, size=(nc, d)).astype(float) if i % 2 else rng.normal(size=(nc, d))
@@ -261,7 +261,8 @@ def test_matches_brute_force_at_the_edge_cases(method, max_sparsity):
         )
         assert log["err"] < 1e-9
         ran += log["method"] == method
-        siblings_share += alpha > 0 and groups is not None and hh.code_energy(z, unary, 0.0, beta) != log["energy"]
+        paid = hh.code_energy(z, unary, 0.0, beta) != log["energy"]  # alpha's term, with siblings sharing
+        siblings_share += alpha > 0 and groups is not None and paid
     # the assignment: 98 (the rest: siblings that may share (alpha = 10) or crowd a bucket, crowded buckets)
     assert ran >= (90 if method == "assignment" else 120)
     assert siblings_share >= 5  # the sibling penalty is paid at the optimum (10 of 120, ssp 12)
@@ -276,7 +277,7 @@ def test_ssp_matches_the_flow_lp_at_the_presets_shapes(n):
         s = 2 if groups is not None and i % 4 == 3 else 1
         z, log = hh.assign_codes(unary, s, 100.0, beta, groups, method="ssp", log=True)
         energy = hh.code_energy(z, unary, 100.0, beta, groups)
-        # as for the assignment above: within 1e-6 of the LP optimum; the paths' costs sum the same < 400 terms
+        # as for the assignment above: within 1e-6 of the LP optimum; the paths' costs sum < 400 such terms
         assert energy == pytest.approx(full_network_optimum(unary, s, 100.0, beta, groups), abs=1e-6)
         assert log["flow_cost"] == pytest.approx(energy, abs=1e-9)
         with_sibling_nodes += groups is not None and (np.bincount(groups) >= 2).any()
@@ -284,8 +285,8 @@ def test_ssp_matches_the_flow_lp_at_the_presets_shapes(n):
 
 
 def test_ssp_cascade_costs_what_ortools_does():
-    """Each level of the CIFAR presets' cascades (k = 2, ks 1 and 2) costs the same as OR-tools' codes, up to the
-    first level where the codes differ (on ties; later levels then have other sibling groups)."""
+    """Each level of the CIFAR presets' cascades (k = 2, ks 1 and 2) costs the same as OR-tools' codes, up to
+    the first level where the codes differ (on ties; later levels then have other sibling groups)."""
     rng = np.random.default_rng(28)
     compared = 0
     for i in range(24):
