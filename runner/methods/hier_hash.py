@@ -434,7 +434,8 @@ def _successive_shortest_paths(unary, sparsity, alpha, beta, group_of, group_siz
     r"""Exact minimizer of ``code_energy`` by successive shortest paths on the network of Theorem 1, in C with
     float64 costs (``hash_flow.c``, whose header states the algorithm): one Dijkstra per unit of class supply,
     from the sink to the nearest class with units left, on the reduced costs, each convex bundle one residual
-    arc each way at its marginal cost (``y alpha``, ``y beta``), a sibling group's node in bucket q only while one of its classes is there.
+    arc each way at its marginal cost (``y alpha``, ``y beta``), a sibling group's node in bucket q only while
+    one of its classes is there.
 
     Returns (z, flow cost = the sum of the augmenting paths' costs, nodes scanned by all Dijkstra runs).
     """
