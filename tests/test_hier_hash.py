@@ -305,21 +305,6 @@ def test_ssp_cascade_costs_what_ortools_does():
     assert compared >= 40  # both levels of most cascades (here all 48: the codes were the same)
 
 
-def test_ssp_without_a_compiler_is_one_clear_error(monkeypatch, tmp_path):
-    from runner.methods import _native
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    _native.load.cache_clear()
-    hh._native_hash_flow.cache_clear()
-    try:
-        with pytest.raises(RuntimeError, match="hash_flow.c: no C compiler"):
-            hh.assign_codes(np.zeros((2, 3)), 1, 1.0, 1.0, method="ssp")
-    finally:
-        _native.load.cache_clear()
-        hh._native_hash_flow.cache_clear()
-
-
 def test_assignment_hands_the_flow_what_it_does_not_solve():
     rng = np.random.default_rng(26)
     unary, groups = rng.normal(size=(12, 8)), np.repeat(np.arange(4), 3)

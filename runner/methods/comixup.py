@@ -303,7 +303,7 @@ def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, sw
 @lru_cache(maxsize=1)
 def _native_dp():
     """`grid_dp.c`'s two entry points, `grid_dp` (any grid MRF) and `label_step` (`_label_step`'s)."""
-    lib = load_native("grid_dp")
+    lib = load_native("grid_dp", instead="method.solver=gco_swap")
     ptr, i32, f64, i64 = ct.c_void_p, ct.c_int, ct.c_double, ct.c_long
     lib.grid_dp.argtypes = [i32, i32, i32, ptr, ptr, ptr, i32, i64, ptr, ptr]
     lib.label_step.argtypes = [i32, i32, i32, ptr, ptr, i32, f64, f64, i64, ptr, ptr]

@@ -423,7 +423,7 @@ def _crowded_pairs(unary, group_of, repeated):
 @functools.cache
 def _native_hash_flow():
     """`hash_flow.c`'s solver of one level (its equation and algorithm are in the source)."""
-    solve = load_native("hash_flow").hash_flow
+    solve = load_native("hash_flow", instead="method.solver=assignment").hash_flow
     ptr, i32, f64 = ct.c_void_p, ct.c_int, ct.c_double
     solve.argtypes = [i32, i32, i32, ptr, ptr, i32, f64, f64, ptr, ptr]
     solve.restype = ct.c_long
