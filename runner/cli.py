@@ -36,6 +36,7 @@ from runner.configs import TASKS
 from runner.data import missing_files
 from runner.data.files import UnreadableImage
 from runner.faults import CheckpointError, Diverged, Interrupted, JobFailed, OutOfMemory, out_of_memory_stops
+from runner.methods._native import NativeBuildError
 from runner.schema import ConfigError, main_metric, objective_key, validate
 
 log = logging.getLogger("runner")
@@ -62,7 +63,7 @@ def _job(cfg: DictConfig, preset_note: str | None) -> float | None:
             _no_sweep_table()
             sys.exit(128 + stop)
         # bad input, or a run gone wrong
-        except (ConfigError, Diverged, CheckpointError, OutOfMemory, UnreadableImage) as e:
+        except (ConfigError, Diverged, CheckpointError, OutOfMemory, UnreadableImage, NativeBuildError) as e:
             if multirun:  # the sweep goes on; SweepSummary lists the job as failed
                 raise JobFailed(e) from e
             print(f"runner: error: {e}", file=sys.stderr)

@@ -216,6 +216,33 @@ def test_runner_sync_on_a_missing_path_says_there_is_none(tmp_path, capsys):
         "give the run dir of a run (outputs/DATE/TIME)"  # fmt: skip
 
 
+@pytest.mark.parametrize("method,kernel,instead", [
+    ("comixup", "grid_dp", "method.solver=gco_swap"),
+    ("hier_hash", "hash_flow", "method.solver=assignment"),
+])  # fmt: skip
+def test_a_kernel_without_a_compiler_is_one_line_naming_the_python_solver(
+    cli_here, monkeypatch, tmp_path, method, kernel, instead
+):
+    """The C kernels are built on first use; with no compiler the run says what to install or choose."""
+    from runner.methods import _native, comixup, hier_hash
+
+    loaded = (_native.load, comixup._native_dp, hier_hash._native_hash_flow)  # each caches its library
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    for cached in loaded:
+        cached.cache_clear()
+    try:
+        proc = cli_here(f"+method={method}", "+debug=smoke", "logger=none", check=False)
+    finally:
+        for cached in loaded:
+            cached.cache_clear()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert _own_lines(proc.stderr) == [
+        f"runner: error: {kernel}.c: no C compiler found ({tmp_path / 'no-such-cc'}) to build it; "
+        f"install one (apt install gcc) or choose {instead}"
+    ]
+
+
 # ------------------------------------------------------------------------------------ Ctrl-C at any moment
 
 RUNNER = Path(sys.executable).with_name("runner")  # the console script: its imports are part of a start

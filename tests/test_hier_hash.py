@@ -235,25 +235,74 @@ def test_assignment_matches_the_flow_lp_at_the_presets_shapes(n):
     assert ran >= 3 * n // 4 and with_pairs >= n // 10
 
 
-def test_assignment_matches_brute_force_at_the_edge_cases():
-    """Ties (integer unaries), beta = 0, alpha = 0 with siblings, more classes than buckets."""
-    rng = np.random.default_rng(25)
-    ran = 0
-    for i in range(120):
+def edge_cases(rng, n, max_sparsity):
+    """Small levels for brute force: ties (integer unaries), beta = 0, alpha = 0 with siblings, more classes
+    than buckets; s up to max_sparsity (at most d)."""
+    for i in range(n):
         nc, d = int(rng.integers(2, 7)), int(rng.integers(2, 5))
         unary = rng.integers(0, 3, size=(nc, d)).astype(float) if i % 2 else rng.normal(size=(nc, d))
         alpha = (0.0, 10.0)[i // 2 % 2]
         beta = (0.0, 0.5, 1.0)[i % 3]
         groups = rng.integers(0, 2, nc) if i % 4 < 3 else None
-        z, log = hh.assign_codes(unary, 1, alpha, beta, groups, method="assignment", log=True)
-        assert z.sum(1).tolist() == [1] * nc
-        # both sides add at most 6 terms of size < 100 exactly representable or normal draws: < 1e-12 apart
+        s = int(rng.integers(1, min(max_sparsity, d) + 1)) if nc <= 4 else 1  # brute force: C(d, s)^nc codes
+        yield unary, s, alpha, beta, groups
+
+
+@pytest.mark.parametrize("method, max_sparsity", [("assignment", 1), ("ssp", 2)])
+def test_matches_brute_force_at_the_edge_cases(method, max_sparsity):
+    rng = np.random.default_rng(25)
+    ran = siblings_share = 0
+    for unary, s, alpha, beta, groups in edge_cases(rng, 120, max_sparsity):
+        z, log = hh.assign_codes(unary, s, alpha, beta, groups, method=method, log=True)
+        assert z.sum(1).tolist() == [s] * len(unary)
+        # both sides add at most 12 terms of size < 100 exactly representable or normal draws: < 1e-12 apart
         assert hh.code_energy(z, unary, alpha, beta, groups) == pytest.approx(
-            brute_force_min(unary, 1, alpha, beta, groups), abs=1e-9
+            brute_force_min(unary, s, alpha, beta, groups), abs=1e-9
         )
         assert log["err"] < 1e-9
-        ran += log["method"] == "assignment"
-    assert ran >= 90  # 98; the rest: siblings that may share (alpha = 10) or crowd a bucket, crowded buckets
+        ran += log["method"] == method
+        paid = hh.code_energy(z, unary, 0.0, beta) != log["energy"]  # alpha's term, with siblings sharing
+        siblings_share += alpha > 0 and groups is not None and paid
+    # the assignment: 98 (the rest: siblings that may share (alpha = 10) or crowd a bucket, crowded buckets)
+    assert ran >= (90 if method == "assignment" else 120)
+    assert siblings_share >= 5  # the sibling penalty is paid at the optimum (10 of 120, ssp 12)
+
+
+@pytest.mark.parametrize("n", [60, pytest.param(500, marks=pytest.mark.slow)])
+def test_ssp_matches_the_flow_lp_at_the_presets_shapes(n):
+    """First and second levels of the CIFAR presets' cascades, the second at ks = 1 or 2."""
+    rng = np.random.default_rng(27)
+    with_sibling_nodes = 0
+    for i, (unary, groups, beta) in enumerate(preset_levels(rng, n)):
+        s = 2 if groups is not None and i % 4 == 3 else 1
+        z, log = hh.assign_codes(unary, s, 100.0, beta, groups, method="ssp", log=True)
+        energy = hh.code_energy(z, unary, 100.0, beta, groups)
+        # as for the assignment above: within 1e-6 of the LP optimum; the paths' costs sum < 400 such terms
+        assert energy == pytest.approx(full_network_optimum(unary, s, 100.0, beta, groups), abs=1e-6)
+        assert log["flow_cost"] == pytest.approx(energy, abs=1e-9)
+        with_sibling_nodes += groups is not None and (np.bincount(groups) >= 2).any()
+    assert with_sibling_nodes >= n // 3  # second levels with sibling groups: their nodes were in play
+
+
+def test_ssp_cascade_costs_what_ortools_does():
+    """Each level of the CIFAR presets' cascades (k = 2, ks 1 and 2) costs the same as OR-tools' codes, up to
+    the first level where the codes differ (on ties; later levels then have other sibling groups)."""
+    rng = np.random.default_rng(28)
+    compared = 0
+    for i in range(24):
+        d, beta = [(32, 0.07), (32, 0.1), (64, 1.0)][i % 3]
+        unary = (0.05, 0.5, 0.05)[i // 3 % 3] * rng.normal(size=(2, 64, d)) + (i // 3 % 3 == 2) * rng.normal(
+            size=(2, 1, d)
+        )
+        ks = 1 + i // 12
+        runs = [hh.cascade_codes(unary, ks, 100.0, beta, method=m, log=True) for m in ("ortools", "ssp")]
+        for level, (ortools, ssp) in enumerate(zip(*(log["levels"] for _, log in runs))):
+            # OR-tools rounds costs at 2^-30 or finer, each energy sums < 300 terms of size < 1e3: 1e-6 apart
+            assert ssp["energy"] == pytest.approx(ortools["energy"], abs=1e-6)
+            compared += 1
+            if not np.array_equal(runs[0][0][level], runs[1][0][level]):
+                break
+    assert compared >= 40  # both levels of most cascades (here all 48: the codes were the same)
 
 
 def test_assignment_hands_the_flow_what_it_does_not_solve():

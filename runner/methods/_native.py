@@ -23,9 +23,15 @@ def _cache_dir() -> Path:
     return Path(root) / "runner" / "native"
 
 
+class NativeBuildError(RuntimeError):
+    """A kernel could not be built (no C compiler, or the build failed); the message is one line that says
+    what to install or which exact solver in Python to choose instead."""
+
+
 @functools.cache
-def load(name: str) -> ct.CDLL:
-    """The compiled `runner/methods/<name>.c`; no compiler or a failed build is one RuntimeError line."""
+def load(name: str, instead: str) -> ct.CDLL:
+    """The compiled `runner/methods/<name>.c`; no compiler or a failed build is one NativeBuildError line
+    that names `instead`, the setting that avoids this kernel."""
     source = _HERE / f"{name}.c"
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{digest}.so"
@@ -33,7 +39,10 @@ def load(name: str) -> ct.CDLL:
         wanted = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc"]
         compiler = next((found for name in wanted if (found := shutil.which(name))), None)
         if compiler is None:
-            raise RuntimeError(f"{source.name}: no C compiler found ({' or '.join(wanted)}) to build it")
+            raise NativeBuildError(
+                f"{source.name}: no C compiler found ({' or '.join(wanted)}) to build it; install one "
+                f"(apt install gcc) or choose {instead}"
+            )
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
@@ -41,9 +50,18 @@ def load(name: str) -> ct.CDLL:
             build = [compiler, "-O2", "-shared", "-fPIC", "-o", partial, str(source), "-lm"]
             done = subprocess.run(build, capture_output=True, text=True)
             if done.returncode:
-                raise RuntimeError(f"{source.name}: `{' '.join(build)}` failed: {done.stderr.strip()[:500]}")
+                why = " ".join(done.stderr.split())[:300]
+                raise NativeBuildError(f"{source.name}: `{' '.join(build)}` failed ({why}); choose {instead}")
             os.replace(partial, target)
         finally:
             if os.path.exists(partial):
                 os.unlink(partial)
     return ct.CDLL(str(target))
+
+
+_EMPTY_VIEW = ct.c_char * 0  # a ctypes view of no bytes, so that it fits any buffer, an empty one too
+
+
+def pointer(array):
+    """A pointer argument to a contiguous, writable array's data (4x cheaper than `array.ctypes.data`)."""
+    return _EMPTY_VIEW.from_buffer(array)

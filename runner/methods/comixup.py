@@ -60,6 +60,7 @@ from gco import cgco
 
 from runner.methods._common import renamed_kwargs, usable_cores
 from runner.methods._native import load as load_native
+from runner.methods._native import pointer as _data
 
 __all__ = [
     "OPTIONS",
@@ -124,14 +125,6 @@ def _gco_api():
 
 
 _GCO = _gco_api()
-
-
-_EMPTY_VIEW = ct.c_char * 0  # a ctypes view of no bytes, so that it fits any buffer, an empty one too
-
-
-def _data(array: np.ndarray):
-    """A pointer argument to a contiguous, writable array's data (4x cheaper than `array.ctypes.data`)."""
-    return _EMPTY_VIEW.from_buffer(array)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,7 +303,7 @@ def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, sw
 @lru_cache(maxsize=1)
 def _native_dp():
     """`grid_dp.c`'s two entry points, `grid_dp` (any grid MRF) and `label_step` (`_label_step`'s)."""
-    lib = load_native("grid_dp")
+    lib = load_native("grid_dp", instead="method.solver=gco_swap")
     ptr, i32, f64, i64 = ct.c_void_p, ct.c_int, ct.c_double, ct.c_long
     lib.grid_dp.argtypes = [i32, i32, i32, ptr, ptr, ptr, i32, i64, ptr, ptr]
     lib.label_step.argtypes = [i32, i32, i32, ptr, ptr, i32, f64, f64, i64, ptr, ptr]
