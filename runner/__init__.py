@@ -34,13 +34,12 @@ def handle_dropped_exceptions() -> None:
     where they come from a stop the user asked for.
 
     - KeyboardInterrupt: SIGINT raises it in whatever Python code runs at that moment; dropped, a sweep ran
-      to its end. The main thread is interrupted again a moment later, from a timer thread, once the
-      callback has returned (an interrupt requested from the main thread would be raised inside this hook,
-      and dropped the same way).
+      to its end. SIGINT is sent to the main thread again a moment later, from a timer thread, once the
+      callback has returned (sent from the main thread, it would be raised inside this hook and dropped the
+      same way; a real signal, unlike `_thread.interrupt_main`, also ends a blocking call such as a sleep).
     - A DataLoader worker killed by a signal, found as its iterator is freed: a SIGTERM to the process group
       (Slurm's) reaches the workers too; the run has already stopped on that signal and said so.
     Anything else goes to the previous hook."""
-    import _thread
     import signal
     import sys
     import threading
@@ -48,11 +47,12 @@ def handle_dropped_exceptions() -> None:
     previous = sys.unraisablehook
     if getattr(previous, "handles_dropped_exceptions", False):
         return
+    main_thread = threading.main_thread().ident
 
     def hook(unraisable) -> None:
         error, where = unraisable.exc_value, getattr(unraisable.object, "__qualname__", "")
         if isinstance(error, KeyboardInterrupt):
-            threading.Timer(0.05, _thread.interrupt_main, (signal.SIGINT,)).start()
+            threading.Timer(0.05, signal.pthread_kill, (main_thread, signal.SIGINT)).start()
         elif not (where.endswith("DataLoaderIter.__del__") and "is killed by signal" in str(error)):
             previous(unraisable)
 
