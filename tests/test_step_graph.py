@@ -142,16 +142,18 @@ def test_the_captured_region_reads_nothing_from_the_host_and_makes_no_host_tenso
     assert report["counts"].get(device_tracking.CAPTURED, {}) == {}, report["sites"]
 
 
-# The newly capturable steps at CPU size: the pair mixups on the CIFAR preset; DB-OT's loss on CIFAR-10-LT
-# with its AutoAugment + Cutout batch augmentation, and LDAM-DRW, whose re-weighting epoch recaptures;
-# CSOT's paper loss on its digits preset past the warm-up (its selection epochs recapture).
+# The newly capturable steps at CPU size: the pair mixups on the CIFAR preset's data (a small CNN, whose
+# pooling layers manifold mixup mixes after); DB-OT's loss on CIFAR-10-LT with its AutoAugment + Cutout batch
+# augmentation, and LDAM-DRW, whose re-weighting epoch recaptures; CSOT's paper loss on its digits preset
+# past the warm-up (its selection epochs recapture).
 LT_AT_CPU_SIZE = ["dataset=fake", "dataset.like=cifar10", "dataset.imbalance=10", "dataset.train_size=1000",
                   "dataset.test_size=64", "dataset.image_size=32", "train.batch_size=64", "train.epochs=2",
                   "model=mlp", "model.hidden=[16]"]  # fmt: skip
+PAIRS_AT_CPU_SIZE = [*CIFAR_AT_CPU_SIZE, "train.epochs=2", "model=cnn"]  # a small conv net: the same hooks
 METHOD_RUNS = {
-    "input_mixup": [*CIFAR_AT_CPU_SIZE, "train.epochs=2", "+method=input_mixup", "method.clean_lam=1"],
-    "cutmix": [*CIFAR_AT_CPU_SIZE, "train.epochs=2", "+method=cutmix"],
-    "manifold_mixup": [*CIFAR_AT_CPU_SIZE, "train.epochs=2", "+method=manifold_mixup"],
+    "input_mixup": [*PAIRS_AT_CPU_SIZE, "+method=input_mixup", "method.clean_lam=1"],
+    "cutmix": [*PAIRS_AT_CPU_SIZE, "+method=cutmix"],
+    "manifold_mixup": [*PAIRS_AT_CPU_SIZE, "+method=manifold_mixup"],
     "dbot": ["+experiment=dbot_cifar10_lt", *LT_AT_CPU_SIZE, "method.augment=autoaugment_cutout"],
     "ldam_drw": ["+experiment=dbot_cifar10_lt", *LT_AT_CPU_SIZE, "+method=ldam", "method.drw_start=0.5"],
     "csot": ["+experiment=csot_digits", "method.loss=paper", "method.warmup=1", "train.epochs=3"],
