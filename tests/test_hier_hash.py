@@ -320,6 +320,16 @@ def test_assignment_hands_the_flow_what_it_does_not_solve():
     )
 
 
+def test_ssp_hands_the_flow_many_classes_at_more_than_one_bucket():
+    rng = np.random.default_rng(27)
+    many = rng.normal(size=(hh.SSP_MAX_CLASSES + 1, 16))
+    z, log = hh.assign_codes(many, 2, 100.0, 0.1, method="ssp", log=True)
+    assert log["method"] == "ortools"
+    np.testing.assert_array_equal(z, hh.assign_codes(many, 2, 100.0, 0.1, method="ortools"))
+    for unary, sparsity in ((many, 1), (many[: hh.SSP_MAX_CLASSES], 2)):  # its own solve
+        assert hh.assign_codes(unary, sparsity, 100.0, 0.1, method="ssp", log=True)[1]["method"] == "ssp"
+
+
 @pytest.mark.parametrize("method", hh.SOLVERS)
 def test_no_penalty_gives_top_s(method):
     rng = np.random.default_rng(3)
