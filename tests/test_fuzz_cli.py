@@ -248,10 +248,15 @@ def test_a_kernel_without_a_compiler_is_one_line_naming_the_python_solver(
 RUNNER = Path(sys.executable).with_name("runner")  # the console script: its imports are part of a start
 
 
+def _default_sigint():
+    """SIGINT as a terminal gives it, in a child: a background job (as under CI) starts with it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupted_after(delay: float, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     proc = subprocess.Popen([str(RUNNER), *args], cwd=cwd, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env={**os.environ, "WANDB_SILENT": "true"},
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+                            preexec_fn=_default_sigint)  # fmt: skip
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
@@ -286,7 +291,7 @@ def test_exceptions_python_drops_stop_or_stay_quiet(error, out, err):
     worker killed by the stop signal says nothing more; any other error is printed as before."""
     wait = 30 if out == "stopped" else 0
     done = subprocess.run([sys.executable, "-c", DROPPED.format(error=error, wait=wait)], capture_output=True,
-                          text=True)  # fmt: skip
+                          text=True, preexec_fn=_default_sigint)  # fmt: skip
     assert done.stdout.strip() == out and (err in done.stderr if err else done.stderr == ""), done.stderr
 
 
