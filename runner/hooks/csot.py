@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from runner.data.samplers import EpochSample, PoolBatches, SampleBatches
 from runner.distributed_passes import broadcast_from_main, predict_all
 from runner.hooks import MethodHooks
-from runner.methods.comixup import _to_device
 from runner.methods.csot import allocate, curriculum_budget
 from runner.schema import ConfigError
 from runner.train import soft_cross_entropy
@@ -170,11 +169,6 @@ class NoisyLabelHooks(MethodHooks):
             self.stage2 = at_t_sup
         else:  # the code's latch
             self.stage2 = self.stage2 or corrected.sum() > unselected.sum() or at_t_sup
-        ctx = self.ctx
-
-        def to_device(array, dtype):  # from page-locked memory: the copy does not wait for the device
-            return ctx.pin(torch.as_tensor(array, dtype=dtype)).to(ctx.device, non_blocking=True)
-
         # the sample's values at their rows of the training set; `fill` elsewhere (no batch draws those)
         def on_all(values, fill):
             if whole:
@@ -184,10 +178,10 @@ class NoisyLabelHooks(MethodHooks):
             return out
 
         # into the tensors the step reads (a captured step replays their addresses)
-        self.clean.copy_(to_device(on_all(clean, False), torch.bool))
-        self.corrected.copy_(to_device(on_all(corrected, False), torch.bool))
-        self.pseudo.copy_(to_device(on_all(pseudo, 0), torch.long))
-        self.weight.copy_(to_device(on_all(weight, 1.0), torch.float32))
+        self.clean.copy_(self._to_device(on_all(clean, False), torch.bool))
+        self.corrected.copy_(self._to_device(on_all(corrected, False), torch.bool))
+        self.pseudo.copy_(self._to_device(on_all(pseudo, 0), torch.long))
+        self.weight.copy_(self._to_device(on_all(weight, 1.0), torch.float32))
         self.sampled = torch.zeros(len(self.sampled), dtype=torch.bool)
         self.sampled[sample] = True
         self.selecting = True
@@ -235,16 +229,21 @@ class NoisyLabelHooks(MethodHooks):
         return self.selecting, self.stage2, self.selecting and tuple(self.sampler.layout)
 
     def draw(self, x, y_soft, idx, model):
-        return self._paper_ratio(x.device)
+        return self._paper_ratio()
 
-    def _paper_ratio(self, device) -> tuple:
+    def _to_device(self, host, dtype) -> torch.Tensor:
+        """Host values on the run's device, from page-locked memory: the copy does not wait for the device."""
+        ctx = self.ctx
+        return ctx.pin(torch.as_tensor(host, dtype=dtype)).to(ctx.device, non_blocking=True)
+
+    def _paper_ratio(self) -> tuple:
         """The paper loss's mixup ratio max(lambda, 1 - lambda), lambda ~ Beta(alpha, alpha) from numpy's
-        global stream (the authors' `np.random.beta`), as a float64 0-dim tensor on `device`, for a step
+        global stream (the authors' `np.random.beta`), as a float64 0-dim tensor on the device, for a step
         with a clean batch; () otherwise."""
         if not (self.selecting and self.cfg.loss == "paper" and self.sampler.layout[0]):
             return ()
         lam = float(np.random.beta(self.cfg.mixup_alpha, self.cfg.mixup_alpha))
-        return (_to_device(np.float64(max(lam, 1 - lam)), device),)
+        return (self._to_device(max(lam, 1 - lam), torch.float64),)
 
     def loss(self, net, x, y_soft, idx, epoch, drawn=None):
         if not self.selecting:  # warm-up (or plain CE): CE on the noisy labels of fit's batch, weak view
@@ -256,7 +255,7 @@ class NoisyLabelHooks(MethodHooks):
         if self.cfg.loss == "simple":
             return self._simple_loss(net, labeled, unlabeled)
         if drawn is None:  # called outside the loop: draw here
-            drawn = self._paper_ratio(x.device)
+            drawn = self._paper_ratio()
         return self._paper_loss(net, labeled, unlabeled, *drawn)
 
     def _warmup_loss(self, net, x, y_soft):
