@@ -543,7 +543,6 @@ def assign_codes(
     if alpha == 0:
         groups = None  # without their penalty, siblings are classes like any other
     group_of, group_size = _sibling_groups(groups, nc)
-    load_bound = bucket_load_bound(unary, sparsity, beta, group_size.max())
     if method == "ssp" and sparsity > 1 and nc > SSP_MAX_CLASSES:
         method = "ortools"
     if method == "ssp":
@@ -553,6 +552,7 @@ def assign_codes(
         energy = code_energy(z, unary, alpha, beta, groups)
         info = {"n_iter": nc * sparsity, "err": abs(flow_cost - energy), "converged": True, "method": method}
         return z, {**info, "energy": energy, "flow_cost": flow_cost, "nodes_scanned": scanned}
+    load_bound = bucket_load_bound(unary, sparsity, beta, group_size.max())  # the assignment's and the flow's
     never_share = (  # without siblings (level 1) every class is a group of one, which never shares
         np.ones(nc, bool) if groups is None else siblings_never_share(unary, sparsity, alpha, beta, groups)
     )
