@@ -31,39 +31,57 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifndef ARITY
+#define ARITY 4
+#endif
+#ifndef FORWARD_BELOW
+#define FORWARD_BELOW 4
+#endif
+#ifndef FORWARD_BELOW_ONE
+#define FORWARD_BELOW_ONE 16
+#endif
+
 typedef struct {
     double key;
     int node;
 } Entry;
 
+/* A min-heap of nodes (ARITY children a place) that knows each node's place, so a node is in it once and its key
+ * only decreases: a search scans each node it pops. */
 typedef struct {
     Entry *items;
+    int *place; /* per node: its index in items while it is there */
     int size;
 } Heap;
 
-static void heap_push(Heap *h, double key, int node) {
-    int i = h->size++;
+static void put(Heap *h, int i, Entry item) {
+    h->items[i] = item;
+    h->place[item.node] = i;
+}
+
+/* Put `item` at place i or above it, moving larger parents down. */
+static void sift_up(Heap *h, int i, Entry item) {
     while (i > 0) {
-        int parent = (i - 1) / 2;
-        if (h->items[parent].key <= key) break;
-        h->items[i] = h->items[parent];
+        int parent = (i - 1) / ARITY;
+        if (h->items[parent].key <= item.key) break;
+        put(h, i, h->items[parent]);
         i = parent;
     }
-    h->items[i].key = key;
-    h->items[i].node = node;
+    put(h, i, item);
 }
 
 /* Put `item` at place i or below it, moving smaller children up. */
 static void sift_down(Heap *h, int i, Entry item) {
     for (;;) {
-        int child = 2 * i + 1;
-        if (child >= h->size) break;
-        if (child + 1 < h->size && h->items[child + 1].key < h->items[child].key) child++;
+        int first = ARITY * i + 1, last = first + ARITY < h->size ? first + ARITY : h->size, child = first;
+        if (first >= h->size) break;
+        for (int c = first + 1; c < last; c++)
+            if (h->items[c].key < h->items[child].key) child = c;
         if (item.key <= h->items[child].key) break;
-        h->items[i] = h->items[child];
+        put(h, i, h->items[child]);
         i = child;
     }
-    h->items[i] = item;
+    put(h, i, item);
 }
 
 static Entry heap_pop(Heap *h) {
@@ -76,15 +94,18 @@ typedef struct {
     int nc, d, s, sink;
     const double *unary, *unary_t; /* (nc, d) and its transpose (d, nc) */
     const int *group, *group_start, *group_members; /* a class's sibling group; each group's classes (CSR) */
+    const unsigned char *shares; /* per group: its classes may share a bucket (else its arcs priced alpha are gone) */
     double alpha, beta;
     unsigned char *z;
     int *members, *n_members, *slot; /* classes per bucket (d x nc), their count, a class's place in its list */
     int *held, *n_held;              /* the buckets a class is in (nc x s), their count */
     int *group_load;                 /* y_rq, (n_groups x d) */
+    unsigned char *direct;           /* (d x nc): class p enters bucket q directly (not in q, no sibling there) */
     int *excess;                     /* units a class has still to send */
     double *pi, *dist;
-    int *next, *reached, *scanned, round;
-    double bound; /* the best tentative distance of a class with excess: no node at or beyond it is scanned first */
+    int *link, *reached, *scanned, round; /* link: the node a node was reached from */
+    int forward; /* this run searches from the classes with excess to the sink (else from the sink back) */
+    double bound; /* the goal's best tentative distance: no node at or beyond it is scanned before the goal */
     Heap heap;
 } Flow;
 
@@ -93,20 +114,28 @@ static int group_node(const Flow *f, int r, int q) { return f->sink + 1 + r * f-
 /* The bucket of a bucket node or of a group node. */
 static int bucket_of(const Flow *f, int node) { return node < f->sink ? node - f->nc : (node - f->sink - 1) % f->d; }
 
-/* Arc (to, from) of reduced cost `distance - at(from)` gives `to` the distance `distance` to the sink. A node at or
- * beyond the nearest class with excess (`bound`) is never scanned before it, so it stays out of the heap. */
+/* Give `to` the tentative distance `distance`, through `from`. A node at or beyond the goal's tentative distance
+ * (`bound`; the goal: the sink searching forward, a class with excess backward) is never scanned before the goal,
+ * so it stays out of the heap. */
 static void relax(Flow *f, int from, int to, double distance) {
     if (distance >= f->bound) return;
-    if (f->scanned[to] == f->round || (f->reached[to] == f->round && distance >= f->dist[to])) return;
+    if (f->scanned[to] == f->round) return;
+    int place = f->heap.size; /* a node reached first goes in at the end */
+    if (f->reached[to] == f->round) {
+        if (distance >= f->dist[to]) return;
+        place = f->heap.place[to];
+    } else {
+        f->heap.size++;
+    }
     f->reached[to] = f->round;
     f->dist[to] = distance;
-    f->next[to] = from;
-    heap_push(&f->heap, distance, to);
-    if (to < f->nc && f->excess[to] > 0) f->bound = distance;
+    f->link[to] = from;
+    sift_up(&f->heap, place, (Entry){distance, to});
+    if (f->forward ? to == f->sink : to < f->nc && f->excess[to] > 0) f->bound = distance;
 }
 
-/* Relax the residual arcs into v, which is at distance `at` from the sink. */
-static void scan(Flow *f, int v, double at) {
+/* Backward: relax the residual arcs into v, which is at distance `at` from the sink. */
+static void scan_backward(Flow *f, int v, double at) {
     int nc = f->nc, d = f->d;
     const double *pi = f->pi;
     if (v < nc) { /* class p: back out of each bucket it is in (through its group's node there) */
@@ -118,17 +147,15 @@ static void scan(Flow *f, int v, double at) {
     } else if (v < f->sink) { /* bucket q: a class not in it enters directly, a group node in use forwards */
         int q = v - nc;
         const double *c = f->unary_t + (long)q * nc;
+        const unsigned char *direct = f->direct + (long)q * nc; /* the others enter through their group's node */
         double from = at - pi[v];
-        for (int p = 0; p < nc; p++) {
-            if (f->z[(long)p * d + q]) continue;
-            int r = f->group[p];
-            if (r >= 0 && f->group_load[r * d + q]) continue; /* it enters through its group's node */
+        for (int p = 0; p < nc; p++) { /* the hot loop: contiguous rows, most classes cut by the bound */
             double distance = from - c[p] + pi[p];
-            if (distance < f->bound) relax(f, v, p, distance);
+            if (direct[p] && distance < f->bound) relax(f, v, p, distance);
         }
         for (int i = 0; i < f->n_members[q]; i++) {
             int r = f->group[f->members[q * nc + i]], u = r >= 0 ? group_node(f, r, q) : -1;
-            if (r >= 0) relax(f, v, u, from + f->group_load[r * d + q] * f->alpha + pi[u]);
+            if (r >= 0 && f->shares[r]) relax(f, v, u, from + f->group_load[r * d + q] * f->alpha + pi[u]);
         }
     } else { /* group node (r, q) in use: a class of r not in q enters it, or bucket q sends a unit back */
         int r = (v - f->sink - 1) / d, q = bucket_of(f, v);
@@ -140,13 +167,116 @@ static void scan(Flow *f, int v, double at) {
     }
 }
 
+/* Forward: relax the residual arcs out of v, which is at distance `at` from the classes with excess. */
+static void scan_forward(Flow *f, int v, double at) {
+    int nc = f->nc, d = f->d;
+    const double *pi = f->pi;
+    double from = at + pi[v];
+    if (v < nc) { /* class p: into each bucket it is not in, through its group's node there when in use */
+        int p = v, r = f->group[p];
+        const double *c = f->unary + (long)p * d;
+        for (int q = 0; q < d; q++) {
+            if (f->z[(long)p * d + q]) continue;
+            int u = r >= 0 && f->group_load[r * d + q] ? group_node(f, r, q) : nc + q;
+            relax(f, v, u, from - c[q] - pi[u]);
+        }
+    } else if (v < f->sink) { /* bucket q: a unit on to the sink, or one back to a class (group node) in q */
+        int q = v - nc;
+        relax(f, v, f->sink, from + f->n_members[q] * f->beta - pi[f->sink]);
+        for (int i = 0; i < f->n_members[q]; i++) {
+            int p = f->members[q * nc + i], r = f->group[p];
+            if (r < 0) {
+                relax(f, v, p, from + f->unary[(long)p * d + q] - pi[p]);
+            } else {
+                int u = group_node(f, r, q);
+                relax(f, v, u, from - (f->group_load[r * d + q] - 1) * f->alpha - pi[u]);
+            }
+        }
+    } else { /* group node (r, q) in use: on into bucket q, or back to a class of r in q */
+        int r = (v - f->sink - 1) / d, q = bucket_of(f, v);
+        if (f->shares[r]) relax(f, v, nc + q, from + f->group_load[r * d + q] * f->alpha - pi[nc + q]);
+        for (int i = f->group_start[r]; i < f->group_start[r + 1]; i++) {
+            int p = f->group_members[i];
+            if (f->z[(long)p * d + q]) relax(f, v, p, from + f->unary[(long)p * d + q] - pi[p]);
+        }
+    }
+}
+
+/* One shortest path from a class with excess to the sink, on the reduced costs: searched forward from the
+ * `n_sources` classes with excess, each starting at the gap between its potential and their largest (a source of
+ * arcs to them of cost 0), or backward from the sink, which is scanned first with its d in-arcs heapified at once.
+ * Writes the path, source first, and the nodes scanned; moves their potentials by their distance left to the goal,
+ * which keeps every reduced cost >= 0 and makes the path's 0; returns the path's cost, which its reduced costs
+ * telescope to: the distance found less the potentials at its ends. */
+static double shortest_path(Flow *f, int forward, int n_sources, int *order, int *n_scanned, int *path, int *n_path) {
+    int nc = f->nc, d = f->d, goal, *start = path; /* the start nodes, then the path, share one buffer */
+    double top = -INFINITY;
+    f->round++;
+    f->forward = forward;
+    f->bound = INFINITY;
+    *n_scanned = 0;
+    if (forward) {
+        for (int p = 0, i = 0; p < nc; p++)
+            if (f->excess[p] > 0) top = fmax(top, f->pi[start[i++] = p]);
+        for (int i = 0; i < n_sources; i++) f->dist[start[i]] = top - f->pi[start[i]];
+    } else {
+        f->scanned[f->sink] = f->round;
+        f->dist[f->sink] = 0.0;
+        order[(*n_scanned)++] = f->sink;
+        for (int q = 0; q < d; q++) f->dist[start[q] = nc + q] = f->n_members[q] * f->beta + f->pi[nc + q] - f->pi[f->sink];
+    }
+    int n_start = forward ? n_sources : d;
+    for (int i = 0; i < n_start; i++) {
+        int v = start[i];
+        f->reached[v] = f->round;
+        f->link[v] = forward ? -1 : f->sink;
+        put(&f->heap, i, (Entry){f->dist[v], v});
+    }
+    f->heap.size = n_start;
+    for (int i = (n_start - 2) / ARITY; i >= 0; i--) sift_down(&f->heap, i, f->heap.items[i]);
+    for (;;) { /* the goal is always reached: s <= d */
+        Entry next = heap_pop(&f->heap);
+        f->scanned[next.node] = f->round;
+        order[(*n_scanned)++] = next.node;
+        if (forward ? next.node == f->sink : next.node < nc && f->excess[next.node] > 0) {
+            goal = next.node;
+            break;
+        }
+        (forward ? scan_forward : scan_backward)(f, next.node, next.key);
+    }
+    double reach = f->dist[goal], cost = reach - (forward ? top : f->pi[goal]) + f->pi[f->sink];
+    for (int i = 0; i < *n_scanned; i++) f->pi[order[i]] += (forward ? -1 : 1) * (reach - f->dist[order[i]]);
+    *n_path = 0;
+    if (forward) {
+        for (int v = f->sink; v >= 0; v = f->link[v]) path[(*n_path)++] = v;
+        for (int i = 0, j = *n_path - 1; i < j; i++, j--) {
+            int v = path[i];
+            path[i] = path[j], path[j] = v;
+        }
+    } else {
+        for (int v = goal; v != f->sink; v = f->link[v]) path[(*n_path)++] = v;
+        path[(*n_path)++] = f->sink;
+    }
+    return cost;
+}
+
+/* Whether the classes of group r enter bucket q directly: only while none of them is in it. */
+static void set_direct(Flow *f, int r, int q, unsigned char value) {
+    for (int i = f->group_start[r]; i < f->group_start[r + 1]; i++)
+        f->direct[(long)q * f->nc + f->group_members[i]] = value;
+}
+
 static void enter(Flow *f, int p, int q) {
     f->z[(long)p * f->d + q] = 1;
+    f->direct[(long)q * f->nc + p] = 0;
     f->slot[(long)p * f->d + q] = f->n_members[q];
     f->members[q * f->nc + f->n_members[q]++] = p;
     f->held[p * f->s + f->n_held[p]++] = q;
     int r = f->group[p];
-    if (r >= 0 && f->group_load[r * f->d + q]++ == 0) f->pi[group_node(f, r, q)] = f->pi[f->nc + q];
+    if (r >= 0 && f->group_load[r * f->d + q]++ == 0) {
+        f->pi[group_node(f, r, q)] = f->pi[f->nc + q];
+        set_direct(f, r, q, 0);
+    }
 }
 
 static void leave(Flow *f, int p, int q) {
@@ -157,18 +287,18 @@ static void leave(Flow *f, int p, int q) {
     int *held = f->held + p * f->s, j = 0;
     while (held[j] != q) j++;
     held[j] = held[--f->n_held[p]];
-    if (f->group[p] >= 0) f->group_load[f->group[p] * f->d + q]--;
+    int r = f->group[p];
+    if (r < 0) f->direct[(long)q * f->nc + p] = 1;
+    else if (--f->group_load[r * f->d + q] == 0) set_direct(f, r, q, 1);
 }
 
 /* One level: unary (nc, d) row-major; group (nc) the class's sibling group in [0, n_groups), or -1 for a class
  * without siblings; s units per class, 1 <= s <= d. Writes z (nc, d) of 0/1 and the flow's cost (the sum of the
  * augmenting paths' costs, = E(z)); returns the nodes scanned over all Dijkstra runs, or -1 when out of memory. */
-long hash_flow(int nc, int d, int s, const double *unary, const int *group, int n_groups, double alpha, double beta,
-               unsigned char *z, double *flow_cost) {
+long hash_flow(int nc, int d, int s, const double *unary, const int *group, int n_groups, const unsigned char *shares,
+               double alpha, double beta, unsigned char *z, double *flow_cost) {
     int n_nodes = nc + d + 1 + n_groups * d;
-    /* each arc is relaxed at most once per run: into the sink, the buckets, the group nodes, the classes */
-    long n_arcs = d + (long)nc * d + 2L * n_groups * d + (long)nc * s + 2;
-    Flow f = {nc, d, s, nc + d, unary, NULL, group, NULL, NULL, alpha, beta, z};
+    Flow f = {nc, d, s, nc + d, unary, NULL, group, NULL, NULL, shares, alpha, beta, z};
     double *unary_t = malloc(sizeof(double) * (size_t)nc * d);
     f.unary_t = unary_t;
     int *group_start = calloc((size_t)n_groups + 2, sizeof(int)), *group_members = malloc(sizeof(int) * nc);
@@ -179,20 +309,23 @@ long hash_flow(int nc, int d, int s, const double *unary, const int *group, int 
     f.held = malloc(sizeof(int) * (size_t)nc * s);
     f.n_held = calloc(nc, sizeof(int));
     f.group_load = calloc((size_t)n_groups * d + 1, sizeof(int));
+    f.direct = malloc((size_t)nc * d);
     f.excess = malloc(sizeof(int) * nc);
     f.pi = calloc(n_nodes, sizeof(double));
     f.dist = malloc(sizeof(double) * n_nodes);
-    f.next = malloc(sizeof(int) * n_nodes);
+    f.link = malloc(sizeof(int) * n_nodes);
     f.reached = calloc(n_nodes, sizeof(int));
     f.scanned = calloc(n_nodes, sizeof(int));
-    f.heap.items = malloc(sizeof(Entry) * n_arcs);
-    int *order = malloc(sizeof(int) * n_nodes); /* the nodes scanned in this run */
+    f.heap.items = malloc(sizeof(Entry) * n_nodes);
+    f.heap.place = malloc(sizeof(int) * n_nodes);
+    int *order = malloc(sizeof(int) * n_nodes), *path = malloc(sizeof(int) * n_nodes);
     long total_scanned = -1;
     if (!unary_t || !group_start || !group_members || !f.members || !f.n_members || !f.slot || !f.held ||
-        !f.n_held || !f.group_load || !f.excess || !f.pi || !f.dist || !f.next || !f.reached || !f.scanned ||
-        !f.heap.items || !order)
+        !f.n_held || !f.group_load || !f.direct || !f.excess || !f.pi || !f.dist || !f.link || !f.reached || !f.scanned ||
+        !f.heap.items || !f.heap.place || !order || !path)
         goto done;
     memset(z, 0, (size_t)nc * d);
+    memset(f.direct, 1, (size_t)nc * d);
     for (int p = 0; p < nc; p++) {
         double best = unary[(long)p * d];
         for (int q = 0; q < d; q++) {
@@ -213,51 +346,22 @@ long hash_flow(int nc, int d, int s, const double *unary, const int *group, int 
         if (group[p] >= 0) group_members[group_start[group[p] + 1]++] = p;
     *flow_cost = 0.0;
     total_scanned = 0;
-    for (long unit = 0; unit < (long)nc * s; unit++) {
-        f.round++;
-        f.heap.size = 0;
-        f.bound = INFINITY;
-        int n_scanned = 0, source = -1;
-        /* the sink is scanned first: its d in-arcs go into the heap at once (heapified, not pushed one by one) */
-        f.scanned[f.sink] = f.round;
-        f.dist[f.sink] = 0.0;
-        order[n_scanned++] = f.sink;
-        for (int q = 0; q < d; q++) {
-            int v = nc + q;
-            f.reached[v] = f.round;
-            f.dist[v] = f.n_members[q] * beta + f.pi[v] - f.pi[f.sink];
-            f.next[v] = f.sink;
-            f.heap.items[q] = (Entry){f.dist[v], v};
-        }
-        f.heap.size = d;
-        for (int i = d / 2 - 1; i >= 0; i--) sift_down(&f.heap, i, f.heap.items[i]);
-        while (f.heap.size > 0) { /* a class with excess is always reached: s <= d */
-            Entry top = heap_pop(&f.heap);
-            if (f.scanned[top.node] == f.round) continue;
-            f.scanned[top.node] = f.round;
-            order[n_scanned++] = top.node;
-            if (top.node < nc && f.excess[top.node] > 0) {
-                source = top.node;
-                break;
-            }
-            scan(&f, top.node, top.key);
-        }
-        double reach = f.dist[source];
-        *flow_cost += reach - f.pi[source] + f.pi[f.sink]; /* the path's cost: reduced costs telescope */
-        for (int i = 0; i < n_scanned; i++) f.pi[order[i]] += reach - f.dist[order[i]];
-        /* the path, source first: a class enters a group node before another leaves it, so a node that stays
+    for (int unit = 0, n_sources = nc; unit < nc * s; unit++) {
+        int forward = n_sources * (s == 1 ? FORWARD_BELOW_ONE : FORWARD_BELOW) < nc, n_path, n_scanned;
+        *flow_cost += shortest_path(&f, forward, n_sources, order, &n_scanned, path, &n_path);
+        /* along the path, source first: a class enters a group node before another leaves it, so a node that stays
          * in use never looks new (and has its potential reset) halfway; only arcs at classes change z */
-        for (int u = source, v; u != f.sink; u = v) {
-            v = f.next[u];
+        for (int i = 0; i + 1 < n_path; i++) {
+            int u = path[i], v = path[i + 1];
             if (u < nc) enter(&f, u, bucket_of(&f, v));
             else if (v < nc) leave(&f, v, bucket_of(&f, u));
         }
-        f.excess[source]--;
+        n_sources -= --f.excess[path[0]] == 0;
         total_scanned += n_scanned;
     }
 done:
     free(unary_t), free(group_start), free(group_members), free(f.members), free(f.n_members), free(f.slot);
-    free(f.held), free(f.n_held), free(f.group_load), free(f.excess), free(f.pi), free(f.dist), free(f.next);
-    free(f.reached), free(f.scanned), free(f.heap.items), free(order);
+    free(f.held), free(f.n_held), free(f.group_load), free(f.direct), free(f.excess), free(f.pi), free(f.dist), free(f.link);
+    free(f.reached), free(f.scanned), free(f.heap.items), free(f.heap.place), free(order), free(path);
     return total_scanned;
 }

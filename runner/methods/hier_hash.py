@@ -210,8 +210,12 @@ def siblings_never_share(unary, sparsity, alpha, beta, groups) -> np.ndarray:
     below 0: no minimizer shares. Such a group's bundles ``b_{r,q} -> b_q`` need only their free first arc.
     """
     unary, sparsity, alpha, beta, groups = _check_problem(unary, sparsity, alpha, beta, groups)
+    return _never_share(unary, sparsity, alpha, beta, *_sibling_groups(groups, len(unary)))
+
+
+def _never_share(unary, sparsity, alpha, beta, group_of, group_size) -> np.ndarray:
+    """``siblings_never_share`` of checked arguments, the groups given as ``_sibling_groups`` returns them."""
     nc, d = unary.shape
-    group_of, group_size = _sibling_groups(groups, nc)
     free = d - group_size * sparsity + 1
     least_load = (nc * sparsity - 2) // np.maximum(free, 1)  # L_r, where free >= 1
     class_range = np.ptp(unary, axis=1)
@@ -430,7 +434,7 @@ def _native_hash_flow():
     """`hash_flow.c`'s solver of one level (its equation and algorithm are in the source)."""
     solve = load_native("hash_flow", instead="method.solver=assignment").hash_flow
     ptr, i32, f64 = ct.c_void_p, ct.c_int, ct.c_double
-    solve.argtypes = [i32, i32, i32, ptr, ptr, i32, f64, f64, ptr, ptr]
+    solve.argtypes = [i32, i32, i32, ptr, ptr, i32, ptr, f64, f64, ptr, ptr]
     solve.restype = ct.c_long
     return solve
 
@@ -448,11 +452,14 @@ def _successive_shortest_paths(unary, sparsity, alpha, beta, group_of, group_siz
     has_siblings = group_size >= 2
     sibling_group = np.where(has_siblings, np.cumsum(has_siblings) - 1, -1)[group_of].astype(np.intc)
     unary = np.require(unary, np.float64, ["C", "W"])
+    shares = np.empty(0, np.uint8)
+    if has_siblings.any():  # a group that never shares keeps only the free first arc of its bundles
+        shares = ~_never_share(unary, sparsity, alpha, beta, group_of, group_size)[has_siblings]
+        shares = shares.astype(np.uint8)
     z, flow_cost = np.empty((nc, d), np.uint8), np.empty(1)
-    n_sibling_groups = int(has_siblings.sum())
     solve = _native_hash_flow()
-    scanned = solve(nc, d, sparsity, pointer(unary), pointer(sibling_group), n_sibling_groups, alpha, beta,
-                    pointer(z), pointer(flow_cost))  # fmt: skip
+    scanned = solve(nc, d, sparsity, pointer(unary), pointer(sibling_group), len(shares), pointer(shares), alpha,
+                    beta, pointer(z), pointer(flow_cost))  # fmt: skip
     if scanned < 0:
         raise MemoryError(f"hash_flow.c: out of memory for {nc} classes x {d} buckets")
     return z.astype(np.int64), float(flow_cost[0]), scanned
