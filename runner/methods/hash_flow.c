@@ -35,7 +35,7 @@
 #define ARITY 4
 #endif
 #ifndef FORWARD_BELOW
-#define FORWARD_BELOW 4
+#define FORWARD_BELOW 8
 #endif
 #ifndef FORWARD_BELOW_ONE
 #define FORWARD_BELOW_ONE 16
@@ -104,6 +104,7 @@ typedef struct {
     int *excess;                     /* units a class has still to send */
     double *pi, *dist;
     int *link, *reached, *scanned, round; /* link: the node a node was reached from */
+    int *order, n_order; /* the nodes this run reached: those at less than the goal's distance move their potential */
     int forward; /* this run searches from the classes with excess to the sink (else from the sink back) */
     double bound; /* the goal's best tentative distance: no node at or beyond it is scanned before the goal */
     Heap heap;
@@ -114,37 +115,59 @@ static int group_node(const Flow *f, int r, int q) { return f->sink + 1 + r * f-
 /* The bucket of a bucket node or of a group node. */
 static int bucket_of(const Flow *f, int node) { return node < f->sink ? node - f->nc : (node - f->sink - 1) % f->d; }
 
+static void scan(Flow *f, int v, double at);
+
 /* Give `to` the tentative distance `distance`, through `from`. A node at or beyond the goal's tentative distance
  * (`bound`; the goal: the sink searching forward, a class with excess backward) is never scanned before the goal,
  * so it stays out of the heap. */
-static void relax(Flow *f, int from, int to, double distance) {
-    if (distance >= f->bound) return;
-    if (f->scanned[to] == f->round) return;
-    int place = f->heap.size; /* a node reached first goes in at the end */
-    if (f->reached[to] == f->round) {
-        if (distance >= f->dist[to]) return;
-        place = f->heap.place[to];
-    } else {
-        f->heap.size++;
-    }
-    f->reached[to] = f->round;
-    f->dist[to] = distance;
-    f->link[to] = from;
-    sift_up(&f->heap, place, (Entry){distance, to});
-    if (f->forward ? to == f->sink : to < f->nc && f->excess[to] > 0) f->bound = distance;
+static void label(Flow *f, int from, int to, double distance);
+
+static inline void relax(Flow *f, int from, int to, double distance) { /* inlined: most calls change nothing */
+    if (distance < f->bound && f->scanned[to] != f->round && (f->reached[to] != f->round || distance < f->dist[to]))
+        label(f, from, to, distance);
 }
 
-/* Backward: relax the residual arcs into v, which is at distance `at` from the sink. */
+/* Whether `to`, reached from `from`, is scanned at once at each new distance instead of queued: a node whose scan is
+ * cheap and whose arcs' heads are heap nodes (so the recursion stops there). Scanning it at every new distance
+ * gives those heads the labels its one scan would (its arcs cost >= 0), without its heap work: backward, a class
+ * without excess reached from a bucket (a bucket's scan reaches most classes; a class backs out of its s buckets);
+ * either way, the node of a sibling group that never shares a bucket (its one class there is its only way on). */
+static int eager(const Flow *f, int from, int to) {
+    if (to > f->sink) return !f->shares[(to - f->sink - 1) / f->d];
+    return !f->forward && to < f->nc && f->excess[to] == 0 && from < f->sink;
+}
+
+static void label(Flow *f, int from, int to, double distance) {
+    int queued = f->reached[to] == f->round && f->heap.place[to] >= 0;
+    if (f->reached[to] != f->round) { /* the potentials move on the nodes reached before the goal's distance */
+        f->reached[to] = f->round;
+        f->heap.place[to] = -1;
+        f->order[f->n_order++] = to;
+    }
+    f->dist[to] = distance;
+    f->link[to] = from;
+    if (eager(f, from, to)) {
+        scan(f, to, distance); /* a key left in the heap is stale: the scan on popping reads dist */
+    } else {
+        sift_up(&f->heap, queued ? f->heap.place[to] : f->heap.size++, (Entry){distance, to});
+        if (f->forward ? to == f->sink : to < f->nc && f->excess[to] > 0) f->bound = distance;
+    }
+}
+
+/* Backward, class p at distance `at` from the sink: back out of each bucket it is in (through its group's node). */
+static void back_out(Flow *f, int p, double at) {
+    int r = f->group[p];
+    for (int i = 0; i < f->n_held[p]; i++) {
+        int q = f->held[p * f->s + i], u = r >= 0 ? group_node(f, r, q) : f->nc + q;
+        relax(f, p, u, at + f->unary[(long)p * f->d + q] + f->pi[u] - f->pi[p]);
+    }
+}
+
+/* Backward: relax the residual arcs into v (a bucket or a group node), at distance `at` from the sink. */
 static void scan_backward(Flow *f, int v, double at) {
     int nc = f->nc, d = f->d;
     const double *pi = f->pi;
-    if (v < nc) { /* class p: back out of each bucket it is in (through its group's node there) */
-        int p = v, r = f->group[p];
-        for (int i = 0; i < f->n_held[p]; i++) {
-            int q = f->held[p * f->s + i], u = r >= 0 ? group_node(f, r, q) : nc + q;
-            relax(f, v, u, at + f->unary[(long)p * d + q] + pi[u] - pi[p]);
-        }
-    } else if (v < f->sink) { /* bucket q: a class not in it enters directly, a group node in use forwards */
+    if (v < f->sink) { /* bucket q: a class not in it enters directly, a group node in use forwards */
         int q = v - nc;
         const double *c = f->unary_t + (long)q * nc;
         const unsigned char *direct = f->direct + (long)q * nc; /* the others enter through their group's node */
@@ -175,10 +198,13 @@ static void scan_forward(Flow *f, int v, double at) {
     if (v < nc) { /* class p: into each bucket it is not in, through its group's node there when in use */
         int p = v, r = f->group[p];
         const double *c = f->unary + (long)p * d;
+        const unsigned char *z = f->z + (long)p * d;
+        const int *load = r >= 0 ? f->group_load + (long)r * d : NULL; /* y_rq of p's group */
         for (int q = 0; q < d; q++) {
-            if (f->z[(long)p * d + q]) continue;
-            int u = r >= 0 && f->group_load[r * d + q] ? group_node(f, r, q) : nc + q;
-            relax(f, v, u, from - c[q] - pi[u]);
+            if (z[q]) continue;
+            int u = load && load[q] ? group_node(f, r, q) : nc + q;
+            double distance = from - c[q] - pi[u];
+            if (distance < f->bound) relax(f, v, u, distance);
         }
     } else if (v < f->sink) { /* bucket q: a unit on to the sink, or one back to a class (group node) in q */
         int q = v - nc;
@@ -202,19 +228,26 @@ static void scan_forward(Flow *f, int v, double at) {
     }
 }
 
+/* Relax the residual arcs of v, at distance `at` from where the search started (into v backward, out of it forward). */
+static void scan(Flow *f, int v, double at) {
+    if (f->forward) scan_forward(f, v, at);
+    else if (v < f->nc) back_out(f, v, at);
+    else scan_backward(f, v, at);
+}
+
 /* One shortest path from a class with excess to the sink, on the reduced costs: searched forward from the
  * `n_sources` classes with excess, each starting at the gap between its potential and their largest (a source of
  * arcs to them of cost 0), or backward from the sink, which is scanned first with its d in-arcs heapified at once.
  * Writes the path, source first, and the nodes scanned; moves their potentials by their distance left to the goal,
  * which keeps every reduced cost >= 0 and makes the path's 0; returns the path's cost, which its reduced costs
  * telescope to: the distance found less the potentials at its ends. */
-static double shortest_path(Flow *f, int forward, int n_sources, int *order, int *n_scanned, int *path, int *n_path) {
+static double shortest_path(Flow *f, int forward, int n_sources, int *path, int *n_path) {
     int nc = f->nc, d = f->d, goal, *start = path; /* the start nodes, then the path, share one buffer */
     double top = -INFINITY;
     f->round++;
     f->forward = forward;
     f->bound = INFINITY;
-    *n_scanned = 0;
+    f->n_order = 0;
     if (forward) {
         for (int p = 0, i = 0; p < nc; p++)
             if (f->excess[p] > 0) top = fmax(top, f->pi[start[i++] = p]);
@@ -222,7 +255,7 @@ static double shortest_path(Flow *f, int forward, int n_sources, int *order, int
     } else {
         f->scanned[f->sink] = f->round;
         f->dist[f->sink] = 0.0;
-        order[(*n_scanned)++] = f->sink;
+        f->order[f->n_order++] = f->sink;
         for (int q = 0; q < d; q++) f->dist[start[q] = nc + q] = f->n_members[q] * f->beta + f->pi[nc + q] - f->pi[f->sink];
     }
     int n_start = forward ? n_sources : d;
@@ -230,22 +263,25 @@ static double shortest_path(Flow *f, int forward, int n_sources, int *order, int
         int v = start[i];
         f->reached[v] = f->round;
         f->link[v] = forward ? -1 : f->sink;
+        f->order[f->n_order++] = v;
         put(&f->heap, i, (Entry){f->dist[v], v});
     }
     f->heap.size = n_start;
     for (int i = (n_start - 2) / ARITY; i >= 0; i--) sift_down(&f->heap, i, f->heap.items[i]);
     for (;;) { /* the goal is always reached: s <= d */
-        Entry next = heap_pop(&f->heap);
-        f->scanned[next.node] = f->round;
-        order[(*n_scanned)++] = next.node;
-        if (forward ? next.node == f->sink : next.node < nc && f->excess[next.node] > 0) {
-            goal = next.node;
+        int v = heap_pop(&f->heap).node;
+        f->scanned[v] = f->round;
+        if (forward ? v == f->sink : v < nc && f->excess[v] > 0) {
+            goal = v;
             break;
         }
-        (forward ? scan_forward : scan_backward)(f, next.node, next.key);
+        scan(f, v, f->dist[v]);
     }
     double reach = f->dist[goal], cost = reach - (forward ? top : f->pi[goal]) + f->pi[f->sink];
-    for (int i = 0; i < *n_scanned; i++) f->pi[order[i]] += (forward ? -1 : 1) * (reach - f->dist[order[i]]);
+    for (int i = 0; i < f->n_order; i++) { /* each node reached at less than the goal's distance was scanned */
+        int v = f->order[i];
+        if (f->dist[v] < reach) f->pi[v] += (forward ? -1 : 1) * (reach - f->dist[v]);
+    }
     *n_path = 0;
     if (forward) {
         for (int v = f->sink; v >= 0; v = f->link[v]) path[(*n_path)++] = v;
@@ -318,11 +354,12 @@ long hash_flow(int nc, int d, int s, const double *unary, const int *group, int 
     f.scanned = calloc(n_nodes, sizeof(int));
     f.heap.items = malloc(sizeof(Entry) * n_nodes);
     f.heap.place = malloc(sizeof(int) * n_nodes);
-    int *order = malloc(sizeof(int) * n_nodes), *path = malloc(sizeof(int) * n_nodes);
+    int *path = malloc(sizeof(int) * n_nodes);
+    f.order = malloc(sizeof(int) * n_nodes);
     long total_scanned = -1;
     if (!unary_t || !group_start || !group_members || !f.members || !f.n_members || !f.slot || !f.held ||
         !f.n_held || !f.group_load || !f.direct || !f.excess || !f.pi || !f.dist || !f.link || !f.reached || !f.scanned ||
-        !f.heap.items || !f.heap.place || !order || !path)
+        !f.heap.items || !f.heap.place || !f.order || !path)
         goto done;
     memset(z, 0, (size_t)nc * d);
     memset(f.direct, 1, (size_t)nc * d);
@@ -347,8 +384,8 @@ long hash_flow(int nc, int d, int s, const double *unary, const int *group, int 
     *flow_cost = 0.0;
     total_scanned = 0;
     for (int unit = 0, n_sources = nc; unit < nc * s; unit++) {
-        int forward = n_sources * (s == 1 ? FORWARD_BELOW_ONE : FORWARD_BELOW) < nc, n_path, n_scanned;
-        *flow_cost += shortest_path(&f, forward, n_sources, order, &n_scanned, path, &n_path);
+        int forward = n_sources * (s == 1 ? FORWARD_BELOW_ONE : FORWARD_BELOW) < nc, n_path;
+        *flow_cost += shortest_path(&f, forward, n_sources, path, &n_path);
         /* along the path, source first: a class enters a group node before another leaves it, so a node that stays
          * in use never looks new (and has its potential reset) halfway; only arcs at classes change z */
         for (int i = 0; i + 1 < n_path; i++) {
@@ -357,11 +394,11 @@ long hash_flow(int nc, int d, int s, const double *unary, const int *group, int 
             else if (v < nc) leave(&f, v, bucket_of(&f, u));
         }
         n_sources -= --f.excess[path[0]] == 0;
-        total_scanned += n_scanned;
+        total_scanned += f.n_order;
     }
 done:
     free(unary_t), free(group_start), free(group_members), free(f.members), free(f.n_members), free(f.slot);
     free(f.held), free(f.n_held), free(f.group_load), free(f.direct), free(f.excess), free(f.pi), free(f.dist), free(f.link);
-    free(f.reached), free(f.scanned), free(f.heap.items), free(f.heap.place), free(order), free(path);
+    free(f.reached), free(f.scanned), free(f.heap.items), free(f.heap.place), free(f.order), free(path);
     return total_scanned;
 }

@@ -218,6 +218,9 @@ def _never_share(unary, sparsity, alpha, beta, group_of, group_size) -> np.ndarr
     nc, d = unary.shape
     free = d - group_size * sparsity + 1
     least_load = (nc * sparsity - 2) // np.maximum(free, 1)  # L_r, where free >= 1
+    never = (group_size < 2) | ((free >= 1) & (alpha > np.ptp(unary) + beta * (least_load - 1)))
+    if never.all():  # the range of all unaries bounds each group's: the same answer, at a quarter of the cost
+        return never
     class_range = np.ptp(unary, axis=1)
     group_range = np.zeros(len(group_size))
     np.maximum.at(group_range, group_of, class_range)
@@ -226,7 +229,13 @@ def _never_share(unary, sparsity, alpha, beta, group_of, group_size) -> np.ndarr
 
 def _sibling_groups(groups, nc):
     """Group index per class (0..n_groups-1, the order of ``np.unique``) and the groups' sizes."""
-    group_of = np.arange(nc) if groups is None else np.unique(groups, return_inverse=True)[1].reshape(nc)
+    if groups is None:
+        return np.arange(nc), np.ones(nc, np.int64)
+    if groups.dtype.kind == "i" and groups.min() >= 0:  # ids 0..n-1 with none missing (as a cascade makes) stay
+        group_size = np.bincount(groups)
+        if group_size.all():
+            return groups, group_size
+    group_of = np.unique(groups, return_inverse=True)[1].reshape(nc)
     return group_of, np.bincount(group_of)
 
 
@@ -662,7 +671,8 @@ def cascade_codes(unary, ks, alpha, beta, method="networkx", cost_scale=None, lo
         codes.append(z)
         if level < k - 1:
             path = z.argmax(1) if groups is None else groups * d + z.argmax(1)  # (group, child) id
-            groups = np.unique(path, return_inverse=True)[1].reshape(nc)
+            present = np.bincount(path) > 0
+            groups = (np.cumsum(present) - 1)[path]  # np.unique's inverse, without its sort
     if not log:
         return np.stack(codes)
     n_iter, err = sum(info["n_iter"] for info in levels), max(info["err"] for info in levels)
