@@ -284,6 +284,37 @@ def test_ssp_matches_the_flow_lp_at_the_presets_shapes(n):
     assert with_sibling_nodes >= n // 3  # second levels with sibling groups: their nodes were in play
 
 
+@pytest.mark.parametrize("direction", ["backward", "forward"])
+def test_ssp_finds_the_optimum_searching_either_way(direction):
+    """Every Dijkstra run from the sink back (forward_sources = 0), or every one forward from the classes with
+    units left (forward_sources = nc; by default only the last few are): brute force on the edge cases (siblings
+    that may share a bucket, so their arcs priced alpha are in the network, among them), the flow LP on levels
+    of the presets' shapes (sibling groups that never share: their nodes scanned at once)."""
+    rng = np.random.default_rng(29)
+
+    def solve(unary, s, alpha, beta, groups):
+        groups = None if alpha == 0 or groups is None else np.asarray(groups)  # as assign_codes does
+        forward_sources = len(unary) if direction == "forward" else 0
+        group_of, group_size = hh._sibling_groups(groups, len(unary))
+        z, cost, _ = hh._successive_shortest_paths(unary, s, alpha, beta, group_of, group_size, forward_sources)
+        energy = hh.code_energy(z, unary, alpha, beta, groups)
+        assert z.sum(1).tolist() == [s] * len(unary)
+        assert cost == pytest.approx(energy, abs=1e-9)  # the paths' costs telescope to E(z)
+        return energy
+
+    for unary, s, alpha, beta, groups in edge_cases(rng, 120, 2):
+        # as in test_matches_brute_force_at_the_edge_cases: sums of <= 12 such terms, < 1e-12 apart
+        assert solve(unary, s, alpha, beta, groups) == pytest.approx(
+            brute_force_min(unary, s, alpha, beta, groups), abs=1e-9
+        )
+    for i, (unary, groups, beta) in enumerate(preset_levels(rng, 24)):
+        s = 2 if groups is not None and i % 4 == 3 else 1
+        # as in test_ssp_matches_the_flow_lp_at_the_presets_shapes: within 1e-6 of the LP optimum
+        assert solve(unary, s, 100.0, beta, groups) == pytest.approx(
+            full_network_optimum(unary, s, 100.0, beta, groups), abs=1e-6
+        )
+
+
 def test_ssp_cascade_costs_what_ortools_does():
     """Each level of the CIFAR presets' cascades (k = 2, ks 1 and 2) costs the same as OR-tools' codes, up to
     the first level where the codes differ (on ties; later levels then have other sibling groups)."""

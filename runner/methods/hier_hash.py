@@ -216,11 +216,12 @@ def siblings_never_share(unary, sparsity, alpha, beta, groups) -> np.ndarray:
 def _never_share(unary, sparsity, alpha, beta, group_of, group_size) -> np.ndarray:
     """``siblings_never_share`` of checked arguments, the groups given as ``_sibling_groups`` returns them."""
     nc, d = unary.shape
+    largest = int(group_size.max())  # L_r grows with the group: the largest's, with the range of all unaries
+    free = d - largest * sparsity + 1  # (which bounds each group's), passing says the same for every group
+    if free >= 1 and alpha > float(unary.max() - unary.min()) + beta * ((nc * sparsity - 2) // free - 1):
+        return np.ones(len(group_size), bool)
     free = d - group_size * sparsity + 1
     least_load = (nc * sparsity - 2) // np.maximum(free, 1)  # L_r, where free >= 1
-    never = (group_size < 2) | ((free >= 1) & (alpha > np.ptp(unary) + beta * (least_load - 1)))
-    if never.all():  # the range of all unaries bounds each group's: the same answer, at a quarter of the cost
-        return never
     class_range = np.ptp(unary, axis=1)
     group_range = np.zeros(len(group_size))
     np.maximum.at(group_range, group_of, class_range)
@@ -443,34 +444,39 @@ def _native_hash_flow():
     """`hash_flow.c`'s solver of one level (its equation and algorithm are in the source)."""
     solve = load_native("hash_flow", instead="method.solver=assignment").hash_flow
     ptr, i32, f64 = ct.c_void_p, ct.c_int, ct.c_double
-    solve.argtypes = [i32, i32, i32, ptr, ptr, i32, ptr, f64, f64, ptr, ptr]
+    solve.argtypes = [i32, i32, i32, ptr, ptr, i32, ptr, f64, f64, i32, ptr, ptr]
     solve.restype = ct.c_long
     return solve
 
 
-def _successive_shortest_paths(unary, sparsity, alpha, beta, group_of, group_size):
+def _successive_shortest_paths(unary, sparsity, alpha, beta, group_of, group_size, forward_sources=None):
     r"""Exact minimizer of ``code_energy`` by successive shortest paths on the network of Theorem 1, in C with
-    float64 costs (``hash_flow.c``, whose header states the algorithm): one Dijkstra per unit of class supply,
-    from the sink to the nearest class with units left, on the reduced costs, each convex bundle one residual
-    arc each way at its marginal cost (``y alpha``, ``y beta``), a sibling group's node in bucket q only while
-    one of its classes is there.
+    float64 costs (``hash_flow.c``, whose header states the algorithm): one Dijkstra run per unit of class
+    supply on the reduced costs, from the sink back to the nearest class with units left, or forward from those
+    classes once at most ``forward_sources`` of them are left (default: under 1/8 of the classes, 1/16 at one
+    bucket a class); each convex bundle one residual arc each way at its marginal cost (``y alpha``,
+    ``y beta``), a sibling group's node in bucket q only while one of its classes is there, and without its arcs
+    priced alpha where its classes never share a bucket (``siblings_never_share``).
 
     Returns (z, flow cost = the sum of the augmenting paths' costs, nodes scanned by all Dijkstra runs).
     """
     nc, d = unary.shape
+    if forward_sources is None:  # where forward runs were the faster, at the CIFAR presets' shapes
+        forward_sources = (nc - 1) // (16 if sparsity == 1 else 8)
     has_siblings = group_size >= 2
     sibling_group = np.where(has_siblings, np.cumsum(has_siblings) - 1, -1)[group_of].astype(np.intc)
     unary = np.require(unary, np.float64, ["C", "W"])
     shares = np.empty(0, np.uint8)
-    if has_siblings.any():  # a group that never shares keeps only the free first arc of its bundles
-        shares = ~_never_share(unary, sparsity, alpha, beta, group_of, group_size)[has_siblings]
-        shares = shares.astype(np.uint8)
+    if has_siblings.any():
+        shares = (~_never_share(unary, sparsity, alpha, beta, group_of, group_size)[has_siblings]).astype(np.uint8)
     z, flow_cost = np.empty((nc, d), np.uint8), np.empty(1)
     solve = _native_hash_flow()
     scanned = solve(nc, d, sparsity, pointer(unary), pointer(sibling_group), len(shares), pointer(shares), alpha,
-                    beta, pointer(z), pointer(flow_cost))  # fmt: skip
-    if scanned < 0:
+                    beta, forward_sources, pointer(z), pointer(flow_cost))  # fmt: skip
+    if scanned == -1:
         raise MemoryError(f"hash_flow.c: out of memory for {nc} classes x {d} buckets")
+    if scanned < 0:  # not reached from the checked arguments: shares follows siblings_never_share
+        raise RuntimeError(f"hash_flow.c: a class found no path to the sink ({nc} classes, d={d}, s={sparsity})")
     return z.astype(np.int64), float(flow_cost[0]), scanned
 
 
