@@ -19,8 +19,8 @@
  * - forward, once few classes have units left (`forward_sources`), from those classes (each starts at the gap
  *   between its potential and their largest: arcs of cost 0 from one source) until the sink is scanned at D;
  *   pi(v) -= D - dist(v). A backward run makes the reduced distance to the sink of every node it scans 0, so the
- *   next backward run scans them all again before the last classes; a forward run's potentials then steer it to
- *   the sink like A*'s (0.5 -> 0.3 of a backward run's time, npairs ks = 2).
+ *   next backward run scans them all again before it meets the last classes; a forward run's potentials then
+ *   steer it to the sink like A*'s heuristic (the second level of npairs ks = 2 cascades: 8-15% less time).
  * Either update keeps the reduced costs >= 0 and makes the path's 0. Start: pi(p) = max_q c_p[q],
  * pi(q) = min_p (pi(p) - c_p[q]) >= 0 (the least reduced cost into q, so a search meets first the buckets some
  * class wants), pi(sink) = 0. Not done: several paths a run (primal-dual): with float unaries two paths rarely
@@ -176,10 +176,10 @@ static void scan_backward(Flow *f, int v, double at) {
         int q = v - nc;
         const double *c = f->unary_t + (long)q * nc;
         const unsigned char *direct = f->direct + (long)q * nc; /* the others enter through their group's node */
-        double from = at - pi[v], *label_of = f->dist; /* a class not yet reached this run is at +inf */
+        double from = at - pi[v], *class_dist = f->dist; /* a class not yet reached this run is at +inf */
         for (int p = 0; p < nc; p++) { /* the hot loop: most classes are cut by the bound or their label */
             double distance = from - c[p] + pi[p];
-            if ((distance < f->bound) & (distance < label_of[p]) & direct[p]) relax(f, v, p, distance);
+            if ((distance < f->bound) & (distance < class_dist[p]) & direct[p]) relax(f, v, p, distance);
         }
         for (int i = 0; i < f->n_members[q]; i++) {
             int r = f->group[f->members[q * nc + i]], u = r >= 0 ? group_node(f, r, q) : -1;
