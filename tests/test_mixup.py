@@ -223,7 +223,8 @@ def test_puzzle_costs_on_a_2x2_grid_by_hand():
 
 def test_puzzle_costs_of_binary_masks_are_the_seam_energy_up_to_a_constant():
     rng = np.random.default_rng(0)
-    own, partner = torch.rand(1, 3, 8, 8, generator=torch.Generator().manual_seed(1)), torch.rand(1, 3, 8, 8)
+    images = torch.Generator().manual_seed(1)  # its own stream: the global one's state depends on the tests before
+    own, partner = (torch.rand(1, 3, 8, 8, generator=images) for _ in range(2))
     s_own, s_partner = (torch.from_numpy(rng.dirichlet(np.ones(4))).reshape(1, 2, 2) for _ in range(2))
     unary, weights, _ = puzzle_costs(s_own, s_partner, own, partner, lam=0.5, eta=0.0, neigh_size=2)
     c = 1.2 / 32 * 0.5
@@ -255,7 +256,10 @@ def test_puzzle_costs_of_binary_masks_are_the_seam_energy_up_to_a_constant():
         seams = sum(c * seam(keep[2 * a[0] + a[1]], keep[2 * b[0] + b[1]], (a, b)).item() for a, b in edges)
         truth.append(dropped + cuts + seams)
     offset = np.array(energies) - np.array(truth)
-    assert offset == pytest.approx(np.full(16, offset[0]), abs=1e-9)
+    # puzzle_costs pools and takes the seams in float32 (the images' dtype, as the authors): each of the <= 16
+    # seam terms in a mask's energy is <= beta' gamma = 0.019 with a relative error of a few float32 ulps
+    # (6e-8 each), under 4e-9, so the offsets agree to 1e-7 (1e-9 held only for some images)
+    assert offset == pytest.approx(np.full(16, offset[0]), abs=1e-7)
 
 
 def test_transport_plan_by_hand_on_a_2x2_grid():
