@@ -286,17 +286,18 @@ def test_ssp_matches_the_flow_lp_at_the_presets_shapes(n):
 
 @pytest.mark.parametrize("direction", ["backward", "forward"])
 def test_ssp_finds_the_optimum_searching_either_way(direction):
-    """Every Dijkstra run from the sink back (forward_sources = 0), or every one forward from the classes with
-    units left (forward_sources = nc; by default only the last few are): brute force on the edge cases (siblings
-    that may share a bucket, so their arcs priced alpha are in the network, among them), the flow LP on levels
-    of the presets' shapes (sibling groups that never share: their nodes scanned at once)."""
+    """Every Dijkstra run from the sink back (forward_sources = 0), or every one forward from the classes
+    with units left (forward_sources = nc; by default only the last few are): brute force on the edge cases
+    (siblings that may share a bucket, so their arcs priced alpha are in the network, among them), the flow
+    LP on levels of the presets' shapes (sibling groups that never share: their nodes scanned at once)."""
     rng = np.random.default_rng(29)
 
     def solve(unary, s, alpha, beta, groups):
         groups = None if alpha == 0 or groups is None else np.asarray(groups)  # as assign_codes does
         forward_sources = len(unary) if direction == "forward" else 0
         group_of, group_size = hh._sibling_groups(groups, len(unary))
-        z, cost, _ = hh._successive_shortest_paths(unary, s, alpha, beta, group_of, group_size, forward_sources)
+        solved = hh._successive_shortest_paths(unary, s, alpha, beta, group_of, group_size, forward_sources)
+        z, cost, _ = solved
         energy = hh.code_energy(z, unary, alpha, beta, groups)
         assert z.sum(1).tolist() == [s] * len(unary)
         assert cost == pytest.approx(energy, abs=1e-9)  # the paths' costs telescope to E(z)

@@ -223,7 +223,7 @@ def test_puzzle_costs_on_a_2x2_grid_by_hand():
 
 def test_puzzle_costs_of_binary_masks_are_the_seam_energy_up_to_a_constant():
     rng = np.random.default_rng(0)
-    images = torch.Generator().manual_seed(1)  # its own stream: the global one's state depends on the tests before
+    images = torch.Generator().manual_seed(1)  # its own: the global stream's state depends on earlier tests
     own, partner = (torch.rand(1, 3, 8, 8, generator=images) for _ in range(2))
     s_own, s_partner = (torch.from_numpy(rng.dirichlet(np.ones(4))).reshape(1, 2, 2) for _ in range(2))
     unary, weights, _ = puzzle_costs(s_own, s_partner, own, partner, lam=0.5, eta=0.0, neigh_size=2)

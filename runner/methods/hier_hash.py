@@ -81,9 +81,9 @@ SOLVERS = (*FLOW_SOLVERS, "assignment", "ssp")  # the values of `method=`
 # augmenting paths grow with the classes squared
 ASSIGNMENT_MAX_CLASSES = 256
 # `method="ssp"` hands a level with s > 1 to OR-tools' flow past this many classes: its paths then grow long
-# (a 512-class, d = 512 cascade at ks = 3, its second level on ssp: 108 / 148 ms against OR-tools' 112 / 119 ms
-# on independent unaries of spread 0.05 / 0.5, 88 against 158 ms on a shared preference; at s = 1 it stays 3-4x
-# faster than OR-tools)
+# (a 512-class, d = 512 cascade at ks = 3, its second level on ssp: 108 / 148 ms against OR-tools'
+# 112 / 119 ms on independent unaries of spread 0.05 / 0.5, 88 against 158 ms on a shared preference; at
+# s = 1 it stays 3-4x faster than OR-tools)
 SSP_MAX_CLASSES = 256
 LOSSES = ("triplet", "npairs")
 
@@ -233,7 +233,7 @@ def _sibling_groups(groups, nc):
     """Group index per class (0..n_groups-1, the order of ``np.unique``) and the groups' sizes."""
     if groups is None:
         return np.arange(nc), np.ones(nc, np.int64)
-    if groups.dtype.kind == "i" and groups.min() >= 0:  # ids 0..n-1 with none missing (as a cascade makes) stay
+    if groups.dtype.kind == "i" and groups.min() >= 0:  # ids 0..n-1, none missing (a cascade's), stay
         group_size = np.bincount(groups)
         if group_size.all():
             return groups, group_size
@@ -453,11 +453,11 @@ def _native_hash_flow():
 def _successive_shortest_paths(unary, sparsity, alpha, beta, group_of, group_size, forward_sources=None):
     r"""Exact minimizer of ``code_energy`` by successive shortest paths on the network of Theorem 1, in C with
     float64 costs (``hash_flow.c``, whose header states the algorithm): one Dijkstra run per unit of class
-    supply on the reduced costs, from the sink back to the nearest class with units left, or forward from those
-    classes once at most ``forward_sources`` of them are left (default: under 1/8 of the classes, 1/16 at one
-    bucket a class); each convex bundle one residual arc each way at its marginal cost (``y alpha``,
-    ``y beta``), a sibling group's node in bucket q only while one of its classes is there, and without its arcs
-    priced alpha where its classes never share a bucket (``siblings_never_share``).
+    supply on the reduced costs, from the sink back to the nearest class with units left, or forward from
+    those classes once at most ``forward_sources`` of them are left (default: under 1/8 of the classes, 1/16
+    at one bucket a class); each convex bundle one residual arc each way at its marginal cost (``y alpha``,
+    ``y beta``), a sibling group's node in bucket q only while one of its classes is there, and without its
+    arcs priced alpha where its classes never share a bucket (``siblings_never_share``).
 
     Returns (z, flow cost = the sum of the augmenting paths' costs, nodes scanned by all Dijkstra runs).
     """
@@ -469,15 +469,16 @@ def _successive_shortest_paths(unary, sparsity, alpha, beta, group_of, group_siz
     unary = np.require(unary, np.float64, ["C", "W"])
     shares = np.empty(0, np.uint8)
     if has_siblings.any():
-        shares = (~_never_share(unary, sparsity, alpha, beta, group_of, group_size)[has_siblings]).astype(np.uint8)
+        never = _never_share(unary, sparsity, alpha, beta, group_of, group_size)
+        shares = (~never[has_siblings]).astype(np.uint8)
     z, flow_cost = np.empty((nc, d), np.uint8), np.empty(1)
     solve = _native_hash_flow()
-    scanned = solve(nc, d, sparsity, pointer(unary), pointer(sibling_group), len(shares), pointer(shares), alpha,
-                    beta, forward_sources, pointer(z), pointer(flow_cost))  # fmt: skip
+    scanned = solve(nc, d, sparsity, pointer(unary), pointer(sibling_group), len(shares), pointer(shares),
+                    alpha, beta, forward_sources, pointer(z), pointer(flow_cost))  # fmt: skip
     if scanned == -1:
         raise MemoryError(f"hash_flow.c: out of memory for {nc} classes x {d} buckets")
     if scanned < 0:  # not reached from the checked arguments: shares follows siblings_never_share
-        raise RuntimeError(f"hash_flow.c: a class found no path to the sink ({nc} classes, d={d}, s={sparsity})")
+        raise RuntimeError(f"hash_flow.c: a class has no path to the sink ({nc} x {d}, s={sparsity})")
     return z.astype(np.int64), float(flow_cost[0]), scanned
 
 
