@@ -316,6 +316,25 @@ def test_ssp_finds_the_optimum_searching_either_way(direction):
         )
 
 
+def test_ssp_is_exact_on_levels_full_of_ties():
+    """Unaries on a grid of 0.5 make many reduced costs 0, which float potentials round a little below or
+    above: a run must still find a shortest path (before `relax` counted a negative rounding as 0, an eagerly
+    scanned class labelled again could send the path's links round a cycle: seed 354, backward)."""
+    for seed in range(400):
+        rng = np.random.default_rng(seed)
+        nc, d, s = int(rng.integers(8, 40)), int(rng.integers(4, 16)), int(rng.integers(1, 3))
+        unary, beta = np.round(rng.normal(size=(nc, d)) * 2) / 2, float(rng.choice([0.07, 0.5, 1.0]))
+        # energies are multiples of 0.01 up to float rounding (< 1e-12 here): two codes tie or differ by
+        # >= 0.01, far above OR-tools' integer rounding, so its codes are optimal too
+        optimum = hh.code_energy(hh.assign_codes(unary, s, 0.0, beta, method="ortools"), unary, 0.0, beta)
+        group_of, group_size = hh._sibling_groups(None, nc)
+        for forward_sources in (0, nc):
+            solved = hh._successive_shortest_paths(unary, s, 0.0, beta, group_of, group_size, forward_sources)
+            z, cost, _ = solved
+            assert hh.code_energy(z, unary, 0.0, beta) == pytest.approx(optimum, abs=1e-9), seed
+            assert cost == pytest.approx(optimum, abs=1e-9)
+
+
 def test_ssp_cascade_costs_what_ortools_does():
     """Each level of the CIFAR presets' cascades (k = 2, ks 1 and 2) costs the same as OR-tools' codes, up to
     the first level where the codes differ (on ties; later levels then have other sibling groups)."""

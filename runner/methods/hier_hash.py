@@ -477,8 +477,8 @@ def _successive_shortest_paths(unary, sparsity, alpha, beta, group_of, group_siz
                     alpha, beta, forward_sources, pointer(z), pointer(flow_cost))  # fmt: skip
     if scanned == -1:
         raise MemoryError(f"hash_flow.c: out of memory for {nc} classes x {d} buckets")
-    if scanned < 0:  # not reached from the checked arguments: shares follows siblings_never_share
-        raise RuntimeError(f"hash_flow.c: a class has no path to the sink ({nc} x {d}, s={sparsity})")
+    if scanned < 0:  # never met in tests or fuzzing: shares follows siblings_never_share
+        raise RuntimeError(f"hash_flow.c: no augmenting path to follow ({nc} x {d}, s={sparsity})")
     return z.astype(np.int64), float(flow_cost[0]), scanned
 
 
