@@ -385,18 +385,20 @@ long hash_flow(int nc, int d, int s, const double *unary, const int *group, int 
     memset(z, 0, (size_t)nc * d);
     memset(f.direct, 1, (size_t)nc * d);
     for (int p = 0; p < nc; p++) {
-        double best = unary[(long)p * d];
-        for (int q = 0; q < d; q++) {
-            unary_t[(long)q * nc + p] = unary[(long)p * d + q];
-            best = unary[(long)p * d + q] > best ? unary[(long)p * d + q] : best;
-        }
+        const double *c = unary + (long)p * d;
+        double best = c[0];
+        for (int q = 1; q < d; q++) best = c[q] > best ? c[q] : best;
         f.pi[p] = best;
         f.excess[p] = s;
         if (group[p] >= 0) group_start[group[p] + 2]++;
     }
-    for (int q = 0; q < d; q++) { /* pi(q) = the least reduced cost of a class into q: its in-arcs keep >= 0 */
-        double least = INFINITY;
-        for (int p = 0; p < nc; p++) least = fmin(least, f.pi[p] - unary_t[(long)q * nc + p]);
+    for (int q = 0; q < d; q++) { /* the transpose, written in order; pi(q) = the least reduced cost of a class
+                                   * into q, so its in-arcs keep >= 0 */
+        double *column = unary_t + (long)q * nc, least = INFINITY;
+        for (int p = 0; p < nc; p++) {
+            column[p] = unary[(long)p * d + q];
+            least = f.pi[p] - column[p] < least ? f.pi[p] - column[p] : least;
+        }
         f.pi[nc + q] = least;
     }
     for (int r = 0; r < n_groups; r++) group_start[r + 2] += group_start[r + 1];
