@@ -454,7 +454,7 @@ def _successive_shortest_paths(unary, sparsity, alpha, beta, group_of, group_siz
     r"""Exact minimizer of ``code_energy`` by successive shortest paths on the network of Theorem 1, in C with
     float64 costs (``hash_flow.c``, whose header states the algorithm): one Dijkstra run per unit of class
     supply on the reduced costs, from the sink back to the nearest class with units left, or forward from
-    those classes once at most ``forward_sources`` of them are left (default: under 1/8 of the classes, 1/16
+    those classes once at most ``forward_sources`` of them are left (default: under 1/12 of the classes, 1/16
     at one bucket a class); each convex bundle one residual arc each way at its marginal cost (``y alpha``,
     ``y beta``), a sibling group's node in bucket q only while one of its classes is there, and without its
     arcs priced alpha where its classes never share a bucket (``siblings_never_share``).
@@ -463,7 +463,7 @@ def _successive_shortest_paths(unary, sparsity, alpha, beta, group_of, group_siz
     """
     nc, d = unary.shape
     if forward_sources is None:  # where forward runs were the faster, at the CIFAR presets' shapes
-        forward_sources = (nc - 1) // (16 if sparsity == 1 else 8)
+        forward_sources = (nc - 1) // (16 if sparsity == 1 else 12)
     has_siblings = group_size >= 2
     sibling_group = np.where(has_siblings, np.cumsum(has_siblings) - 1, -1)[group_of].astype(np.intc)
     unary = np.require(unary, np.float64, ["C", "W"])
