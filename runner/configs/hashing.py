@@ -28,7 +28,7 @@ class HierHashConfig(MethodConfig):
     ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     alpha: float = 100.0
     beta: list[float] = field(default_factory=lambda: [0.07, 0.1, 0.1, 0.1])  # one value or one per ks
-    solver: Literal[SOLVERS] = "ssp"  # all exact; ssp: successive shortest paths in C, >= 3x OR-tools at ks=1
+    solver: Literal[SOLVERS] = "ssp"  # all exact; ssp: successive shortest paths in C, >= 3x OR-tools, ks 1-2
     cost_scale: float | None = None
     remap: bool = True
     # metric loss given codes

@@ -577,9 +577,8 @@ def assign_codes(
         info = {"n_iter": nc * sparsity, "err": abs(flow_cost - energy), "converged": True, "method": method}
         return z, {**info, "energy": energy, "flow_cost": flow_cost, "nodes_scanned": scanned}
     load_bound = bucket_load_bound(unary, sparsity, beta, group_size.max())  # the assignment's and the flow's
-    never_share = (  # without siblings (level 1) every class is a group of one, which never shares
-        np.ones(nc, bool) if groups is None else siblings_never_share(unary, sparsity, alpha, beta, groups)
-    )
+    # the groups found above (without siblings, at level 1, every class is a group of one, which never shares)
+    never_share = _never_share(unary, sparsity, alpha, beta, group_of, group_size)
     if method == "assignment":
         solved = None
         if sparsity == 1 and never_share.all() and nc <= ASSIGNMENT_MAX_CLASSES:
