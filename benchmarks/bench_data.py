@@ -2,7 +2,7 @@
 
 1. Throughput: 500x375 photo-like JPEGs (ImageNet's typical size, ~100 KB) in an imagefolder layout,
    decoded and augmented (RandomResizedCrop 224 + flip, ImageNet normalisation) by 2 DataLoader workers in
-   batches of 64. The runner's `FileSplit` through `runner.train.batches` (libjpeg-turbo decode and uint8
+   batches of 64. The runner's `FileSplit` through `runner.batches.batches` (libjpeg-turbo decode and uint8
    transforms in the workers, the float conversion and normalisation by `decode` in the timed loop, on the
    CPU here) against the papers' pipeline: torchvision's `ImageFolder` (PIL) + `DataLoader` with
    `transforms.RandomResizedCrop`, flip, float32 `ToTensor` and `Normalize` in the workers. The timed loop
@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runner.batches import EpochBatches, batches
 from runner.data.files import IMAGENET_STATS, FileSplit, image_transforms
 from runner.hardware import RunContext
-from runner.train import EpochBatches, batches
 
 WIDTH, HEIGHT, CLASSES, WORKERS, BATCH = 500, 375, 10, 2, 64
 

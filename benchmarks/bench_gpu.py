@@ -49,172 +49,35 @@ from unittest import mock
 
 import torch
 from omegaconf import OmegaConf
+from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.gpu_rows import (
+    COLUMNS,
+    DDP_PRESET,
+    FULL_KINDS,
+    METHOD_VARIANTS,
+    PRESETS,
+    VARIANT_PRESETS,
+    VARIANT_REFERENCE,
+    VARIANTS,
+    Row,
+    RowError,
+    fmt,
+    one_line,
+    plan,
+    speed_targets,
+    table_line,
+    targets,
+)
 from benchmarks.reference_step import host_marker_us, reference_step_ms
-from runner.configs import TASKS
 from runner.data.fake import LIKE
+from runner.instruments import Instruments, watching
 
-# The paper presets' rows and their tasks' baselines and targets: the registry's (runner.configs.TASKS).
-PRESETS = tuple(preset for task in TASKS.values() for preset in task.bench_presets)
-PRESET_TASKS = {preset: task for task in TASKS.values() for preset in task.bench_presets}
-# --smoke: 10 classes, so that one batch of 10 holds every class (long-tailed training needs them all) and
-# a class-balanced hashing batch of the 10 classes is its whole training set: one step per epoch.
-SMOKE_LIKE, SMOKE_BATCH, SMOKE_SIDE = "cifar10", 10, 32
 STEPS = 50
 PROFILED_STEPS = 5  # of each fit's warm-up epoch, for the GPU's busy time per step
-VARIANT_PRESETS = ("comixup_cifar100_preactresnet18", "comixup_imagenet")
-# Beside each variant preset's row (hardware=auto: on a recent GPU channels_last and the captured step):
-# today's fp32 eager step (NCHW, no graph), bf16, the whole step compiled, Co-Mixup's lag.
-VARIANTS = {"eager": ["hardware.cuda_graph=false", "hardware.channels_last=false"],
-            "bf16": ["hardware.precision=bf16"], "compile": ["hardware.compile=default"],
-            "lag": ["method.lag=true"], "graph": ["hardware.cuda_graph=true"]}  # fmt: skip
-FULL_KINDS = ("eager", "bf16", "compile", "lag")  # on CUDA hardware=auto's rows are the graph column
-REFERENCE_BOUND = 1.15  # the runner's baseline step over the hand-written one, same network and precision
-VARIANT_REFERENCE = {"bf16": {"precision": "bf16"}}  # a variant's reference step, where not the preset's
-AUTO_SPEEDUP = 2.0  # hardware=auto's step against fp32 eager's, for the first variant preset's baseline
-METHOD_VARIANTS = {"lag"}  # options of the method (Co-Mixup's cuts through the next step), not its baseline's
-DDP_PRESET = "comixup_imagenet"  # its batch of 448 splits over 2, 4 or 8 GPUs
 # In-process runs: no Hydra files or logging set-up of their own (a run's output goes to its log).
 LOG_TAIL = 40  # lines of a failed run's log kept in the record
 QUIET = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
-COLUMNS = ("preset", "method", "batch", "ms/step", "GPU busy ms", "host-bound", "images/s", "peak GB",
-           "reserved GB", "method share", "syncs/step", "vs base", "ref ms/step", "vs ref")  # fmt: skip
-
-
-class RowError(Exception):
-    """A run that failed, in one line."""
-
-
-def _one_line(e: BaseException) -> str:
-    """An exception as its type and its message's first line (a RowError: its line)."""
-    if isinstance(e, RowError):
-        return str(e)
-    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-    return f"{type(e).__name__}: {first}"
-
-
-@dataclasses.dataclass
-class Row:
-    """One measured fit: its run's overrides, its batch and the pools a step draws one from (CSOT: 2), the
-    prefix of its keys in metrics.jsonl (a tagged fit's), the key of the baseline row it is compared with,
-    and its `result`."""
-
-    preset: str
-    method: str
-    args: list[str]
-    batch: int
-    pools: int = 1
-    prefix: str = ""
-    baseline: str | None = None
-    reference: dict | None = None  # the network, input shape, classes and precision of its reference step
-    result: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def key(self) -> str:
-        return f"{self.preset} {self.method}"
-
-    @property
-    def samples(self) -> int:
-        return self.pools * self.batch
-
-    @property
-    def batches(self) -> str:
-        return f"{self.pools}x{self.batch}" if self.pools > 1 else str(self.batch)
-
-
-def _train_size(n: int, classes: int, imbalance: float) -> int:
-    """Generated training samples whose long-tailed subset (`dataset.imbalance`) holds at least `n`, with
-    a sample of every class."""
-    from runner.data import longtail_counts
-
-    if imbalance <= 1:
-        return n
-    n_max = int(imbalance) + 1
-    while sum(longtail_counts(n_max, classes, imbalance)) < n:
-        n_max *= 2
-    return n_max * classes
-
-
-def plan(preset: str, smoke: bool, steps: int) -> list[Row]:
-    """The rows of `preset`, its baseline's first: the overrides of its runs on generated data."""
-    from runner.compose import compose
-    from runner.configs.hashing import PER_KS
-    from runner.data.fake import IN_MEMORY, SHAPES
-    from runner.models import MIN_SIDE
-
-    cfg = compose([f"+experiment={preset}"])
-    m, task, like = cfg.method, cfg.method.task, LIKE[cfg.dataset.name]
-    classes, side = SHAPES[like][:2]
-    side = cfg.dataset.image_size or side
-    if smoke:
-        like, classes = SMOKE_LIKE, SHAPES[SMOKE_LIKE][0]
-        side = max(SMOKE_SIDE, MIN_SIDE.get(cfg.model.name, 0))
-    in_memory = LIKE[cfg.dataset.name] in IN_MEMORY  # the real dataset's data path, not the shape's
-    args = [f"+experiment={preset}", "dataset=fake", f"dataset.like={like}", f"dataset.image_size={side}",
-            f"dataset.in_memory={str(in_memory).lower()}", "train.epochs=2", "train.checkpoint=false",
-            "train.progress=false", "logger=none",
-            "train.select=last"]  # fmt: skip  # generated data have no validation split to select on
-    if smoke and not torch.cuda.is_available():
-        args += ["hardware=cpu"]
-    args += [f"hardware.precision={cfg.hardware.precision}"]  # the preset's, whatever hardware runs it
-    if task == "hashing":
-        per_batch = classes if smoke else m.classes_per_batch
-        batch = per_batch * m.per_class
-        iters = 2 * steps  # without a validation split an epoch is one pass: `steps` batches
-        args += [f"method.classes_per_batch={per_batch}", f"method.iters={iters}",
-                 f"method.base_iters={iters}", f"method.ks=[{m.ks[0]}]", "method.baselines=[]",
-                 "method.tables=[test]"]  # fmt: skip
-        args += [f"method.{key}=[{m[key][0]}]" for key in PER_KS if len(m[key]) > 1]  # the first ks's
-    else:
-        batch = SMOKE_BATCH if smoke else cfg.train.batch_size
-        args += [f"train.batch_size={batch}"]
-    test_size = max(classes, batch)  # the long-tailed evaluation resamples every class
-    if task == "covering":  # its application and development sets come from the held-out pool
-        n = 20 if smoke else max(m.n_app, m.n_dev)
-        args += [f"method.n_app={n}", f"method.n_dev={n}", f"method.k={min(m.k, n // 2)}",
-                 "method.plot=false"]  # fmt: skip
-        test_size = 4 * n
-    if cfg.train.get("phases"):  # the measured step is the preset's main phase: its batch and image side
-        args += ["train.phases=[]"]
-    pretrained = cfg.model.pretrained
-    if pretrained == "required":  # no weights file here: random weights measure the same step
-        args += ["model.pretrained=none"]
-        pretrained = "none"
-    if task == "longtail":  # the loss needs every class's training count
-        args += ["dataset.min_per_class=1"]
-    if task == "noisy_labels":  # select from the first epoch on (the preset's warm-up epochs are plain CE)
-        args += ["method.warmup=0"]
-    if cfg.dataset.get("epoch_samples"):  # a fresh sample each epoch (Clothing1M): of the measured size
-        args += [f"dataset.epoch_samples={steps * batch}"]
-    args += [f"dataset.train_size={_train_size(steps * batch, classes, cfg.dataset.imbalance)}",
-             f"dataset.max_train={steps * batch}", f"dataset.test_size={test_size}"]  # fmt: skip
-    if smoke:
-        args += [f"train.eval_batch_size={test_size}"]
-
-    if task == "hashing":
-        base = Row(preset, "base embedding", args, batch, prefix="base/")
-        ours = Row(preset, m.name, args, batch, prefix=f"ours_ks{m.ks[0]}/", baseline=base.key)
-        return [base, ours]
-    rows: list[Row] = []
-    plain = compose([f"+experiment={preset}", *TASKS[task].bench_baseline]).method
-    # the hand-written step of the preset's network, batch and precision (`reference_step`)
-    model = {**OmegaConf.to_container(cfg.model), "pretrained": pretrained}
-    reference = {"model": model, "shape": (3, side, side), "classes": classes,
-                 "precision": cfg.hardware.precision}  # fmt: skip
-    for extra, job in ((TASKS[task].bench_baseline, plain), ([], m)):
-        own = list(extra)
-        if "preview" in job:  # a mixup's first mixed batch as a picture: matplotlib, not training
-            own += ["method.preview=false"]
-        if smoke and "workers" in job:  # Co-Mixup's solver processes: seconds of imports each, same result
-            own += ["method.workers=0"]
-        # CSOT's step trains on a batch from each of its two pools (clean and unlabeled)
-        pools = 2 if task == "noisy_labels" and job.selection != "none" else 1
-        name = job.name + (f" {job.selector}" if task == "covering" else "")
-        prefix = "fit/" if task == "longtail" else ""  # longtail's fit is tagged "fit"
-        baseline = rows[0].key if rows else None
-        rows.append(Row(preset, name, [*args, *own], batch, pools, prefix, baseline=baseline,
-                        reference=None if rows else reference))  # fmt: skip
-    return rows
 
 
 def _run_cli(args: list[str], run_dir: Path) -> list[dict]:
@@ -233,113 +96,110 @@ def _run_cli(args: list[str], run_dir: Path) -> list[dict]:
     except Exception as e:
         with log.open("a") as out:  # where it failed, for the record's log tail
             traceback.print_exc(file=out)
-        raise RowError(_one_line(e)) from None
+        raise RowError(one_line(e)) from None
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@contextlib.contextmanager
-def _syncs_per_step(tracker=None):
+class _SyncCounter(Instruments):
     """Host-device syncs per training step in each fit's measured (second) epoch, by fit tag ("" for an
-    untagged fit): the steady state, after the first epoch's one-time work (cuDNN autotuning, caches).
-    Counted by `tracker` (`runner.device_tracking`, on the CPU) or as CUDA's sync-debug warnings."""
-    from runner import train
+    untagged fit; `counts`): the steady state, after the first epoch's one-time work (cuDNN autotuning,
+    caches). Counted by `tracker` (`runner.device_tracking`, on the CPU) or as CUDA's sync-debug warnings."""
 
-    counts: dict[str, float] = {}
-    inner = train.train_one_epoch
+    def __init__(self, tracker=None):
+        self.tracker, self.counts = tracker, {}
 
-    def counted(s, loop, epoch, first):
+    @contextlib.contextmanager
+    def epoch(self, tag, epoch, steps):
         if epoch != 1:
-            return inner(s, loop, epoch, first)
-        steps = len(loop.sampler) - first
-        if tracker is not None:
-            before = tracker.train_syncs()
-            out = inner(s, loop, epoch, first)
-            syncs = tracker.train_syncs() - before
+            yield
+            return
+        if self.tracker is not None:
+            before = self.tracker.train_syncs()
+            yield
+            syncs = self.tracker.train_syncs() - before
         else:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")
                 try:
-                    out = inner(s, loop, epoch, first)
+                    yield
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             syncs = sum("synchronizing CUDA operation" in str(w.message) for w in caught)
-        counts[loop.tag or ""] = syncs / max(steps, 1)
-        return out
-
-    train.train_one_epoch = counted
-    try:
-        yield counts
-    finally:
-        train.train_one_epoch = inner
+        self.counts[tag or ""] = syncs / max(steps, 1)
 
 
-@contextlib.contextmanager
-def _device_busy(trace: Path | None = None):
-    """The GPU's busy time per training step by fit tag: the kernels' and copies' time in the last
+class _DeviceBusy(Instruments):
+    """The GPU's busy time per training step by fit tag (`busy`): the kernels' and copies' time in the last
     `PROFILED_STEPS` steps of each fit's warm-up (first) epoch, read by torch.profiler (their sum, not the
     span: what the step would take were the host never late). With `trace`, those steps' Chrome trace
     goes there (`<trace>-<tag>.json`)."""
-    from torch.profiler import ProfilerActivity, profile
 
-    from runner import train
+    def __init__(self, trace: Path | None = None):
+        self.trace, self.busy = trace, {}
+        self.steps, self.done, self.profiled, self.prof = None, 0, 0, None
 
-    busy: dict[str, float] = {}
-    inner_epoch, inner_step = train.train_one_epoch, train.train_step
-    state = {"steps": None, "done": 0, "prof": None}
-
-    def epoch(s, loop, epoch, first):
+    @contextlib.contextmanager
+    def epoch(self, tag, epoch, steps):
         if epoch != 0:
-            return inner_epoch(s, loop, epoch, first)
-        state.update(steps=len(loop.sampler) - first, done=0, prof=None)
+            yield
+            return
+        self.steps, self.done, self.prof = steps, 0, None
         try:
-            return inner_epoch(s, loop, epoch, first)
+            yield
         finally:
-            prof = state["prof"]
-            if prof is not None:
+            if self.prof is not None:
                 torch.cuda.synchronize()
-                prof.stop()
-                kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+                self.prof.stop()
+                kernels = [e for e in self.prof.key_averages()
+                           if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
                 total_us = sum(e.self_device_time_total for e in kernels)
                 if total_us:  # none seen: kernels the profiler could not follow (a graph captured before it)
-                    busy[loop.tag or ""] = total_us / 1000 / state["profiled"]
-                if trace is not None:
-                    prof.export_chrome_trace(f"{trace}-{loop.tag or 'fit'}.json")
-            state["steps"] = None
+                    self.busy[tag or ""] = total_us / 1000 / self.profiled
+                if self.trace is not None:
+                    self.prof.export_chrome_trace(f"{self.trace}-{tag or 'fit'}.json")
+            self.steps = None
 
-    def step(s, x, idx, epoch):
-        if state["steps"] is not None:
-            if state["done"] == max(state["steps"] - PROFILED_STEPS, 0):
+    def step(self, s, x, idx, epoch):
+        if self.steps is not None:
+            if self.done == max(self.steps - PROFILED_STEPS, 0):
                 torch.cuda.synchronize()
-                state["prof"] = profile(activities=[ProfilerActivity.CUDA])
-                state["prof"].start()
-                state["profiled"] = state["steps"] - state["done"]
-            state["done"] += 1
-        return inner_step(s, x, idx, epoch)
+                self.prof = profile(activities=[ProfilerActivity.CUDA])
+                self.prof.start()
+                self.profiled = self.steps - self.done
+            self.done += 1
+        return contextlib.nullcontext()
 
-    train.train_one_epoch, train.train_step = epoch, step
-    try:
-        yield busy
-    finally:
-        train.train_one_epoch, train.train_step = inner_epoch, inner_step
+
+class _SaveTimer(Instruments):
+    """The seconds of each checkpoint written (`seconds`)."""
+
+    def __init__(self):
+        self.seconds: list[float] = []
+
+    @contextlib.contextmanager
+    def checkpoint(self):
+        start = time.perf_counter()
+        yield
+        self.seconds.append(time.perf_counter() - start)
 
 
 def _tracked_run(args: list[str], run_dir: Path, trace: Path | None = None):
     """`_run_cli` with the syncs counted: (metrics rows, syncs per step by fit tag, and the CPU
     tracking harness's error where the run failed under it but not without it); on CUDA also the GPU's
-    busy ms per step by fit tag (`_device_busy`, its trace to `trace`), else None."""
+    busy ms per step by fit tag (`_DeviceBusy`, its trace to `trace`), else None."""
     if torch.cuda.is_available():
         gc.collect()  # the last run's blocks out of the allocator's cache: this run's reserved memory
         torch.cuda.empty_cache()
-        with _device_busy(trace) as busy, _syncs_per_step() as syncs:
-            return _run_cli(args, run_dir), syncs, None, busy
+        with watching(_DeviceBusy(trace)) as busy, watching(_SyncCounter()) as syncs:
+            return _run_cli(args, run_dir), syncs.counts, None, busy.busy
     try:
         from runner.device_tracking import tracking
 
-        with tracking() as tracker, _syncs_per_step(tracker) as syncs:
-            return _run_cli(args, run_dir), syncs, None, None
+        with tracking() as tracker, watching(_SyncCounter(tracker)) as syncs:
+            return _run_cli(args, run_dir), syncs.counts, None, None
     except Exception as e:  # the harness is new: a run that fails under it runs again without it
-        harness_error = _one_line(e)
+        harness_error = one_line(e)
     return _run_cli(args, run_dir.with_name(run_dir.name + "-untracked")), None, harness_error, None
 
 
@@ -385,7 +245,7 @@ def run_rows(rows: list[Row], tmp: Path, extra: tuple[str, ...] = (), traces: Pa
             try:
                 row.result = measure(row, metrics, syncs, busy)
             except Exception as e:
-                row.result = {"error": _one_line(e)}
+                row.result = {"error": one_line(e)}
             if harness_error:
                 row.result["syncs_error"] = harness_error
 
@@ -407,93 +267,11 @@ def measure_reference(row: Row, steps: int, cache: dict) -> None:
                                            spec["precision"], steps, device)  # fmt: skip
         except Exception as e:
             cache[key] = None
-            row.result["reference_error"] = _one_line(e)
+            row.result["reference_error"] = one_line(e)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     row.result["reference_ms"] = cache[key]
-
-
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _ratio(row: Row, base: Row | None) -> float | None:
-    """The row's step time over its baseline's (None: no baseline, or either failed)."""
-    if base is None or "error" in row.result or "error" in base.result:
-        return None
-    return row.result["step_ms"] / base.result["step_ms"]
-
-
-def table_line(row: Row, by_key: dict[str, Row]) -> str:
-    """The row's line of the Markdown table; a failed row's error in its figures' place."""
-    r = row.result
-    if "error" in r:
-        return f"| {row.preset} | {row.method} | {row.batches} | error: {r['error']} |"
-    ratio = _ratio(row, by_key.get(row.baseline))
-    syncs = "n/a" if "syncs_error" in r else _fmt(r["syncs_per_step"], ".2f")
-    ref = r.get("reference_ms")
-    cells = [row.preset, row.method, row.batches, _fmt(r["step_ms"], ".2f"), _fmt(r.get("device_ms"), ".2f"),
-             _fmt(r.get("host_bound"), ".0%"), _fmt(r["images_s"], ".0f"), _fmt(r["peak_gb"], ".2f"),
-             _fmt(r["reserved_gb"], ".2f"), _fmt(r["method_share"], ".1%"), syncs,
-             "-" if ratio is None else f"{ratio:.2f}x", _fmt(ref, ".2f"),
-             "-" if ref is None else f"{r['step_ms'] / ref:.2f}x"]  # fmt: skip
-    return "| " + " | ".join(cells) + " |"
-
-
-def targets(rows: list[Row], by_key: dict[str, Row]) -> list[tuple[str, bool]]:
-    """`target ...: measured ..., need ... -> OK|MISS` lines, each with whether it is met."""
-    out = []
-    for row in rows:
-        target = PRESET_TASKS[row.preset].bench_target if row.preset in PRESET_TASKS else None
-        if target is None or row.baseline is None:
-            continue
-        kind, bound = target
-        base = by_key[row.baseline]
-        if kind == "step":
-            what, need = f"{row.key} step vs {base.method}", f"<= {bound}x"
-            value = _ratio(row, base)
-            shown = _fmt(value, ".2f") + "x"
-        else:
-            what, need = f"{row.key} allocation share of its epoch", f"<= {bound:.0%}"
-            value = row.result.get("allocation_share")
-            shown = _fmt(value, ".1%")
-        ok = value is not None and value <= bound
-        if value is None:
-            shown = f"n/a ({row.result.get('error') or base.result.get('error', 'not measured')})"
-        out.append((f"target {what}: measured {shown}, need {need} -> {'OK' if ok else 'MISS'}", ok))
-    return out
-
-
-def speed_targets(rows: list[Row], records: list[dict]) -> list[tuple[str, bool]]:
-    """The GPU-speed targets: each baseline step within REFERENCE_BOUND of its reference step (as the
-    preset runs and in bf16); the first variant preset's baseline under hardware=auto at least
-    AUTO_SPEEDUP times fp32 eager's speed; bf16 and compile never slower than fp32 eager."""
-    out = []
-
-    def line(what: str, value: float | None, need: str, ok: bool) -> None:
-        shown = "n/a" if value is None else f"{value:.2f}x"
-        out.append((f"target {what}: measured {shown}, need {need} -> {'OK' if ok else 'MISS'}", ok))
-
-    by_variant = {(r["key"], r["variant"]): r for r in records}
-    for row in rows:
-        if row.reference is None or row.preset not in VARIANT_PRESETS[:1]:
-            continue
-        for name, result in (("as preset", row.result), ("bf16", by_variant.get((row.key, "bf16"), {}))):
-            ref = result.get("reference_ms")
-            ratio = None if ref is None or "step_ms" not in result else result["step_ms"] / ref
-            line(f"{row.key} ({name}) vs its reference step", ratio, f"<= {REFERENCE_BOUND}x",
-                 ratio is not None and ratio <= REFERENCE_BOUND)  # fmt: skip
-        eager = by_variant.get((row.key, "eager"), {}).get("step_ms")
-        speedup = None if eager is None or "step_ms" not in row.result else eager / row.result["step_ms"]
-        line(f"{row.key} hardware=auto vs fp32 eager", speedup, f">= {AUTO_SPEEDUP}x",
-             speedup is not None and speedup >= AUTO_SPEEDUP)  # fmt: skip
-    for (key, variant), r in by_variant.items():
-        eager = by_variant.get((key, "eager"), {}).get("step_ms")
-        if variant in ("bf16", "compile") and eager is not None and "step_ms" in r:
-            line(f"{key} {variant} vs fp32 eager (speed-up)", eager / r["step_ms"], ">= 1.00x",
-                 eager >= r["step_ms"])  # fmt: skip
-    return out
 
 
 def variants(rows: list[Row], tmp: Path, kinds=FULL_KINDS, steps: int = STEPS,
@@ -509,7 +287,7 @@ def variants(rows: list[Row], tmp: Path, kinds=FULL_KINDS, steps: int = STEPS,
     print("\n".join(lines), flush=True)
     records = []
     for row in rows:
-        cells = [row.preset, row.method, _fmt(row.result.get("step_ms"), ".1f")]
+        cells = [row.preset, row.method, fmt(row.result.get("step_ms"), ".1f")]
         for variant in kinds:
             extra = VARIANTS[variant]
             if variant in METHOD_VARIANTS and row.baseline is None:
@@ -524,7 +302,7 @@ def variants(rows: list[Row], tmp: Path, kinds=FULL_KINDS, steps: int = STEPS,
                 cells.append(f"error: {twin.result['error']}")
             else:
                 ms, ref = twin.result["step_ms"], twin.result.get("reference_ms")
-                speedup = _fmt(row.result["step_ms"] / ms if "step_ms" in row.result else None, ".2f")
+                speedup = fmt(row.result["step_ms"] / ms if "step_ms" in row.result else None, ".2f")
                 cells.append(f"{ms:.2f} ({speedup}x)" + ("" if ref is None else f", {ms / ref:.2f}x ref"))
         lines.append("| " + " | ".join(cells) + " |")
         print(lines[-1], flush=True)
@@ -582,23 +360,14 @@ def full_epochs(presets: list[str], tmp: Path, smoke: bool) -> list[str]:
     """`--epoch`: one whole epoch of each preset's method row on generated data of the real dataset's
     size (--smoke: 2 batches), its evaluation and its checkpoint; table lines of the epoch's, the
     evaluation's and the checkpoint's seconds."""
-    from runner import train
     from runner.compose import compose
     from runner.data.fake import SHAPES
 
     head = ["preset", "method", "steps", "epoch s", "training s", "evaluation s", "checkpoint s", "ms/step"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     print("\n".join(lines), flush=True)
-    saves: list[float] = []
-    save = train.Resumable.save
-
-    def timed_save(self, *args, **kwargs):
-        start = time.perf_counter()
-        save(self, *args, **kwargs)
-        saves.append(time.perf_counter() - start)
-
-    train.Resumable.save = timed_save
-    try:
+    with watching(_SaveTimer()) as timer:
+        saves = timer.seconds
         for preset in presets:
             cfg = compose([f"+experiment={preset}"])
             n_train, n_test = SHAPES[LIKE[cfg.dataset.name]][2:]
@@ -616,14 +385,12 @@ def full_epochs(presets: list[str], tmp: Path, smoke: bool) -> list[str]:
                 m = next(r for r in metrics if r.get(row.prefix + "epoch") == 1)
                 m = {key.removeprefix(row.prefix): value for key, value in m.items()}
                 cells = [preset, row.method, str(steps), f"{m['time/epoch_s']:.1f}",
-                         f"{m['time/train_s'] + m['time/pass_s']:.1f}", _fmt(m.get("time/eval_s"), ".1f"),
-                         _fmt(saves[-1] if saves else None, ".2f"), f"{m['time/step_ms']:.1f}"]  # fmt: skip
+                         f"{m['time/train_s'] + m['time/pass_s']:.1f}", fmt(m.get("time/eval_s"), ".1f"),
+                         fmt(saves[-1] if saves else None, ".2f"), f"{m['time/step_ms']:.1f}"]  # fmt: skip
             except Exception as e:
-                cells = [preset, row.method, str(steps), f"error: {_one_line(e)}"]
+                cells = [preset, row.method, str(steps), f"error: {one_line(e)}"]
             lines.append("| " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
-    finally:
-        train.Resumable.save = save
     return lines
 
 
@@ -701,7 +468,7 @@ def main(argv: list[str] | None = None) -> bool | None:
                 try:
                     planned = plan(preset, not full, steps)
                 except Exception as e:
-                    planned = [Row(preset, "-", [], 0, result={"error": _one_line(e)})]
+                    planned = [Row(preset, "-", [], 0, result={"error": one_line(e)})]
                 else:
                     run_rows(planned, Path(tmp), traces=traces)
                 for row in planned:
@@ -734,7 +501,7 @@ def main(argv: list[str] | None = None) -> bool | None:
                 try:
                     ddp = ddp_scaling(rows, Path(tmp))
                 except Exception as e:  # the rows' record is written whatever happens here
-                    ddp = f"DDP scaling: error: {_one_line(e)}"
+                    ddp = f"DDP scaling: error: {one_line(e)}"
                 extra += ["", ddp]
                 print(ddp)
     finally:

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from scipy import ndimage
 from torchvision.ops import box_iou as box_iou_matrix
 
+from runner.batches import STREAMED_EVAL_BATCH, batches, in_order
 from runner.data import Data, Split
 from runner.data.canvas import box_masks
 from runner.metrics import calibration_bins, expected_calibration_error
-from runner.train import STREAMED_EVAL_BATCH, batches, in_order
 
 
 def cam_boxes(cams: np.ndarray, threshold: float = 0.25) -> np.ndarray:

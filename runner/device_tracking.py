@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import inspect
 import json
 import sys
@@ -34,8 +33,10 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from runner.instruments import Instruments, watching
+
 STAND_IN = torch.device("cpu", 0)
-CAPTURED = "captured"  # the phase of `train.captured_region`, what a CUDA graph replays
+CAPTURED = "captured"  # the phase of what a CUDA graph replays (`Instruments.captured`)
 TAG = "_on_device"  # the attribute that holds a tensor's tag (absent: made out of sight, so on the device)
 
 T = torch.Tensor
@@ -107,7 +108,7 @@ class DeviceTracker(TorchFunctionMode):
         self.sites: Counter = Counter()
         self.phase = "other"
         self.steps = 0
-        self.entered: Counter = Counter()  # calls of each wrapped phase (`tracking`)
+        self.entered: Counter = Counter()  # entries of each phase's instrumentation point (`tracking`)
 
     @contextlib.contextmanager
     def in_phase(self, name: str):
@@ -231,35 +232,42 @@ class DeviceTracker(TorchFunctionMode):
         }
 
 
-def _in_phase(tracker: DeviceTracker, name: str, fn, counts_step: bool = False):
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        if counts_step:
-            tracker.steps += 1
-        tracker.entered[name] += 1
-        with tracker.in_phase(name):
-            return fn(*args, **kwargs)
+class _Phases(Instruments):
+    """The tracker's phases at the loop's instrumentation points: each point entered counted (`entered`),
+    each training step counted (`steps`)."""
 
-    return wrapped
+    def __init__(self, tracker: DeviceTracker):
+        self.tracker = tracker
+
+    def _phase(self, name: str):
+        self.tracker.entered[name] += 1
+        return self.tracker.in_phase(name)
+
+    def method_pass(self):
+        return self._phase("epoch_start")
+
+    def epoch(self, tag, epoch, steps):
+        return self._phase("train")
+
+    def step(self, s, x, idx, epoch):
+        self.tracker.steps += 1
+        return self._phase("train")
+
+    def captured(self):
+        return self._phase(CAPTURED)
+
+    def evaluation(self):
+        return self._phase("eval")
 
 
 @contextlib.contextmanager
 def tracking():
-    """The tracker, with the run's device the stand-in (an accelerator to the code) and fit's pieces
-    wrapped in their phases; leaves everything as it was on exit."""
+    """The tracker, with the run's device the stand-in (an accelerator to the code) and fit's parts in
+    their phases (`runner.instruments`); leaves everything as it was on exit."""
     import runner.hardware as hardware
-    import runner.train as train
 
     tracker = DeviceTracker()
-    saved = {
-        (hardware, "setup"): hardware.setup,
-        (hardware, "is_accelerator"): hardware.is_accelerator,
-        (train, "train_step"): train.train_step,
-        (train, "captured_region"): train.captured_region,
-        (train, "train_one_epoch"): train.train_one_epoch,
-        (train, "epoch_start"): train.epoch_start,
-        (train, "evaluate_all"): train.evaluate_all,
-    }
+    saved = {(hardware, "setup"): hardware.setup, (hardware, "is_accelerator"): hardware.is_accelerator}
 
     def setup(hw):  # hardware=gpu or cpu: the stand-in
         on_cpu = copy.copy(hw)
@@ -273,13 +281,8 @@ def tracking():
     hardware.setup = setup
     accelerated = saved[(hardware, "is_accelerator")]
     hardware.is_accelerator = lambda device: _is_stand_in(device) or accelerated(device)
-    train.train_step = _in_phase(tracker, "train", train.train_step, counts_step=True)
-    train.captured_region = _in_phase(tracker, CAPTURED, train.captured_region)
-    train.train_one_epoch = _in_phase(tracker, "train", train.train_one_epoch)
-    train.epoch_start = _in_phase(tracker, "epoch_start", train.epoch_start)
-    train.evaluate_all = _in_phase(tracker, "eval", train.evaluate_all)
     try:
-        with tracker:
+        with tracker, watching(_Phases(tracker)):
             yield tracker
     finally:
         for (module, attr), value in saved.items():

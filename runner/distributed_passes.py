@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from runner.batches import batches, in_order
+from runner.evaluation import predict
 from runner.hardware import RunContext
-from runner.train import batches, in_order, predict
 
 
 def _distributed() -> bool:

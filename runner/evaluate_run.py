@@ -26,23 +26,26 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from runner.checkpoint import best_file, checkpoint_file
 from runner.configs import TASKS
 from runner.faults import CheckpointError, OutOfMemory, out_of_memory_stops
 from runner.schema import ConfigError
 
-WEIGHTS = ("checkpoints/best.pt", "checkpoints/last.pt", "checkpoints/fit.pt")
+WEIGHTS = (best_file(), checkpoint_file(), checkpoint_file("fit"))  # fit: the long-tail task's tagged fit
 
 
 def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -> dict:
     """The metrics of `run_dir`'s best (else last) weights on the evaluation splits of its config with
     `overrides`; written to `run_dir/eval-<name>.json`."""
     from runner.canvas_metrics import canvas_metrics
+    from runner.checkpoint import load_checkpoint
     from runner.compose import compose, task_of, typed
     from runner.data import load_data
     from runner.data.imagenet_boxes import add_val_boxes
+    from runner.evaluation import evaluate_splits
     from runner.hardware import RunContext, setup
+    from runner.optim import final_image_size
     from runner.schema import validate
-    from runner.train import _evaluate_splits, final_image_size, load_checkpoint
 
     run_dir = Path(run_dir)
     saved = run_dir / ".hydra" / "overrides.yaml"
@@ -77,7 +80,7 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
     model.to(device)
     batch_size = cfg.train.eval_batch_size
     with out_of_memory_stops(f"ran out of {{}} at train.eval_batch_size={batch_size}; lower it".format):
-        metrics, _ = _evaluate_splits(model, data, ctx, batch_size, cfg.train.ece_bins)
+        metrics, _ = evaluate_splits(model, data, ctx, batch_size, cfg.train.ece_bins)
         if "boxes" in data.meta:  # digits_canvas, ImageNet val with dataset.imagenet_boxes
             metrics.update(canvas_metrics(model, data, ctx, batch_size=batch_size))
     name = name or (re.sub(r"[^\w.=-]+", "_", "_".join(overrides)) if overrides else "test")

@@ -73,6 +73,14 @@ def is_accelerator(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def to_device(host, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Host data (a tensor, array, list or number) on `device` without the host waiting for the device: a
+    non-blocking copy, from page-locked memory on CUDA (the caching host allocator keeps the buffer until
+    the copy is done)."""
+    t = torch.as_tensor(host, dtype=dtype)
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+
 class Stopwatch:
     """The time spent in `span()`s, summed; on CUDA measured between events recorded on the stream, so a
     span waits for nothing and `seconds()` (once per epoch) waits once. `timing=False`: spans are not

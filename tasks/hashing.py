@@ -40,6 +40,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from runner.checkpoint import checkpoint_file, save_checkpoint
 from runner.configs.hashing import METHODS, PER_KS, HierHashConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
 from runner.hooks.hier_hash import (
@@ -58,7 +59,7 @@ from runner.models import build_model
 from runner.models.hashing import EmbeddingNet
 from runner.schema import ConfigError
 from runner.task import Task
-from runner.train import fit, save_checkpoint
+from runner.train import fit
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ def base_embedding(cfg, ctx, data):
         train_net(cfg, ctx, data, "base", base, groups, lambda net, x: (base_loss(net, x, **shape), 0.0),
                   method.base_iters)  # fmt: skip
         if ctx.is_main:
-            save_checkpoint(ctx.dir / "checkpoints" / "hier_hash_base_final.pt", base.state_dict())
+            save_checkpoint(ctx.dir / checkpoint_file("hier_hash_base_final"), base.state_dict())
     base.requires_grad_(False)
     normalize = method.base_loss == "triplet"
     return (lambda split: outputs(base, split, ctx, batch_size, normalize)), base.backbone, base.input_norm
@@ -154,8 +155,8 @@ def train_hash_nets(cfg, ctx, data, embed, backbone, input_norm, splits):
                 groups.append({"params": net.backbone.parameters(), "lr": method.lr_backbone})
             beta, margin, l2_reg = (per_ks(values, i) for values in (betas, margins, l2s))
             loss = partial(hash_loss_and_codes, nc=method.classes_per_batch, m=method.per_class, k=k, d=d,
-                           ks=ks, method=method, beta=beta, margin=margin, l2_reg=l2_reg, remap=remap,
-                           ctx=ctx)  # fmt: skip
+                           ks=ks, method=method, beta=beta, margin=margin, l2_reg=l2_reg,
+                           remap=remap)  # fmt: skip
 
             def val_score(net=net, d=d, k=k, ks=ks):
                 act = outputs(net, data.val, ctx, batch_size)

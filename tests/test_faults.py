@@ -22,10 +22,11 @@ import yaml
 from conftest import run_cli, run_cli_here
 from test_cli import wandb_records
 
+from runner.checkpoint import CHECKPOINT
 from runner.faults import Interrupted, StopSignals
 from runner.hardware import MEMORY_CAP_ENV, host_memory_available
+from runner.optim import follow_config, make_optimizer, make_scheduler
 from runner.schema import TrainConfig
-from runner.train import CHECKPOINT, _follow_config, make_optimizer, make_scheduler
 
 # digits, a small MLP, 157 steps per epoch (mid-epoch stops are easy to hit), 2 epochs.
 BASE = ["logger=none", "train.progress=false", "model.hidden=[32]", "train.batch_size=8", "train.epochs=2"]
@@ -452,9 +453,9 @@ def test_a_resume_follows_the_schedule_of_its_config():
         optimizer.step()
         scheduler.step()
     before = repr((optimizer.state_dict(), scheduler.state_dict()))
-    _follow_config(optimizer, scheduler, TrainConfig(epochs=3))
+    follow_config(optimizer, scheduler, TrainConfig(epochs=3))
     assert repr((optimizer.state_dict(), scheduler.state_dict())) == before
-    _follow_config(optimizer, scheduler, TrainConfig(epochs=5, momentum=0.5))
+    follow_config(optimizer, scheduler, TrainConfig(epochs=5, momentum=0.5))
     for epoch in (2, 3, 4):
         assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * (1 + math.cos(math.pi * epoch / 5)) / 2)
         assert optimizer.param_groups[0]["momentum"] == 0.5

@@ -6,7 +6,7 @@ import torch
 from test_train import blobs, setup
 
 import runner.hardware
-import runner.train
+import runner.memory
 from runner.hooks.mixup import TargetLoss
 from runner.models import build_model
 from runner.schema import ConfigError
@@ -27,7 +27,7 @@ def gpu_of(monkeypatch):
         def fits(model, input_shape, batch, ctx):
             probed.append(batch)
             return batch <= most, 0.1 * batch
-        monkeypatch.setattr(runner.train, "fits_in_memory", fits)
+        monkeypatch.setattr(runner.memory, "fits_in_memory", fits)
         return probed
 
     return of
@@ -43,7 +43,7 @@ def _fit(tmp_path, hooks=None, *overrides):
 
 def test_auto_takes_the_fewest_micro_batches_that_fit_and_says_so(tmp_path, gpu_of, caplog):
     probed = gpu_of(10)
-    with caplog.at_level("INFO", logger="runner.train"):
+    with caplog.at_level("INFO", logger="runner.memory"):
         train_cfg = _fit(tmp_path)
     assert probed == [40, 20, 10] and train_cfg.accumulate == 4  # 40 / 4 = 10 fits; 3 does not divide 40
     assert "train.accumulate=auto: 4 micro-batches of 10 per step" in caplog.text
@@ -77,7 +77,7 @@ def test_on_cuda_the_probe_leaves_the_weights_as_they_were(tmp_path):
     ctx.device = torch.device("cuda")
     model = build_model(model_cfg, (4,), 3).cuda()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    fits, peak = runner.train.fits_in_memory(model, (4,), 64, ctx)
+    fits, peak = runner.memory.fits_in_memory(model, (4,), 64, ctx)
     assert fits and 0 < peak < 1
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())

@@ -14,10 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("runner.data", "runner.methods", "runner.models", "runner.hooks", "runner.configs")
 FLOORS = [  # bottom first
     {"runner.checks", "runner.methods", "runner.faults", "runner.untrusted", "runner.plots",
-     "runner.augment"},
+     "runner.augment", "runner.instruments", "runner.losses", "runner.optim"},
     {"runner.configs", "runner.schema", "runner.metrics"},
     {"runner.data", "runner.models", "runner.hardware"},
-    {"runner.train", "runner.distributed_passes", "runner.rundir", "runner.canvas_metrics", "runner.task",
+    {"runner.train", "runner.batches", "runner.step", "runner.evaluation", "runner.checkpoint",
+     "runner.memory", "runner.distributed_passes", "runner.rundir", "runner.canvas_metrics", "runner.task",
      "runner.method_hooks"},
     {"runner.hooks"},
     {"tasks"},  # every task module

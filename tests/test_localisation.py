@@ -11,6 +11,7 @@ from conftest import summaries
 from omegaconf import OmegaConf
 from scipy import ndimage
 
+from runner.batches import batches, in_order
 from runner.canvas_metrics import (
     cam_boxes,
     canvas_metrics,
@@ -26,7 +27,6 @@ from runner.data.imagenet_boxes import add_val_boxes
 from runner.hardware import RunContext
 from runner.models import build_model
 from runner.schema import ConfigError, validate
-from runner.train import batches, in_order
 
 WNIDS = ["n01440764", "n01443537"]
 # val image -> (class, (width, height), boxes as xmin, ymin, xmax, ymax in the image's pixels)

@@ -10,14 +10,16 @@ import torch
 from omegaconf import OmegaConf
 from test_train import KillAt, blobs, setup
 
-import runner.train
+from runner.checkpoint import CHECKPOINT
 from runner.compose import compose
 from runner.data import Data, split_of
 from runner.hardware import RunContext
+from runner.instruments import Instruments, watching
 from runner.models import build_model
+from runner.optim import make_optimizer
 from runner.schema import ConfigError, validate
 from runner.track import Tracker
-from runner.train import CHECKPOINT, fit, make_optimizer
+from runner.train import fit
 
 # Two phases: 1 epoch at 4 px in batches of 20 (lr 0.1 -> 0.2), then 2 epochs at the data's 8 px in
 # batches of 10 (lr 0.05 -> 0.01).
@@ -58,16 +60,16 @@ def rows(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_each_step_takes_its_phase_s_batch_size_image_side_and_linear_lr(tmp_path, monkeypatch):
+def test_each_step_takes_its_phase_s_batch_size_image_side_and_linear_lr(tmp_path):
     seen = []
-    step = runner.train.train_step
 
-    def recording(s, x, idx, epoch):
-        seen.append((epoch, tuple(x.shape), s.optimizer.param_groups[0]["lr"]))
-        return step(s, x, idx, epoch)
+    class Recording(Instruments):
+        def step(self, s, x, idx, epoch):
+            seen.append((epoch, tuple(x.shape), s.optimizer.param_groups[0]["lr"]))
+            return super().step(s, x, idx, epoch)
 
-    monkeypatch.setattr(runner.train, "train_step", recording)
-    train(tmp_path, *PHASED)
+    with watching(Recording()):
+        train(tmp_path, *PHASED)
     # 60 training images: 3 steps of 20 in the first epoch, 6 of 10 in each of the two others
     expected = [(0, (20, 1, 4, 4), 0.1 + 0.1 * (i + 1) / 3) for i in range(3)]
     for epoch in (1, 2):

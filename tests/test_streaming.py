@@ -14,13 +14,15 @@ import torch
 from omegaconf import OmegaConf
 from PIL import Image
 
+from runner.batches import EpochBatches, batches, in_order
 from runner.data import Data, Split, split_of
 from runner.data.files import FileSplit, image_transforms
+from runner.evaluation import predict
 from runner.hardware import RunContext
 from runner.hooks import MethodHooks
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary
 from runner.schema import TrainConfig
-from runner.train import EpochBatches, batches, fit, in_order, predict
+from runner.train import fit
 
 CPU = torch.device("cpu")
 
@@ -159,7 +161,7 @@ import json, os, sys, torch, torch.distributed as dist
 from pathlib import Path
 from runner.data.files import FileSplit, image_transforms
 from runner.hardware import RunContext
-from runner.train import EpochBatches, batches
+from runner.batches import EpochBatches, batches
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 root = Path(sys.argv[1])

@@ -8,15 +8,19 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from runner.checkpoint import CHECKPOINT
 from runner.compose import compose
 from runner.data import Data, split_of
+from runner.data.views import augment_crop_flip
+from runner.evaluation import evaluate
 from runner.faults import Diverged, OutOfMemory
 from runner.hardware import RunContext
 from runner.hooks import MethodHooks
+from runner.losses import soft_cross_entropy
 from runner.models import build_model
 from runner.schema import ConfigError, validate
 from runner.track import Tracker
-from runner.train import CHECKPOINT, augment_crop_flip, evaluate, fit, soft_cross_entropy
+from runner.train import fit
 
 
 def blobs(n=300, seed=0) -> Data:
@@ -181,8 +185,8 @@ def test_train_select_last_keeps_the_last_weights_and_a_metric_the_run_lacks_is_
 
 
 def test_cosine_delay_is_the_csot_codes_scheduler_created_after_the_first_epoch_and_resumes():
+    from runner.optim import follow_config, make_optimizer, make_scheduler
     from runner.schema import TrainConfig
-    from runner.train import _follow_config, make_optimizer, make_scheduler
 
     def lrs(optimizer, scheduler, epochs):
         out = []
@@ -204,9 +208,9 @@ def test_cosine_delay_is_the_csot_codes_scheduler_created_after_the_first_epoch_
     scheduler = make_scheduler(optimizer := make_optimizer(torch.nn.Linear(2, 2), cfg), cfg)
     lrs(optimizer, scheduler, 3)
     before = repr((optimizer.state_dict(), scheduler.state_dict()))
-    _follow_config(optimizer, scheduler, cfg)  # an unchanged config: an exact resume
+    follow_config(optimizer, scheduler, cfg)  # an unchanged config: an exact resume
     assert repr((optimizer.state_dict(), scheduler.state_dict())) == before
-    _follow_config(optimizer, scheduler, TrainConfig(epochs=10, lr=0.02, cosine_delay=1))  # extended
+    follow_config(optimizer, scheduler, TrainConfig(epochs=10, lr=0.02, cosine_delay=1))  # extended
     expected = [0.01 * (1 + math.cos(math.pi * (epoch - 1) / 10)) for epoch in range(3, 10)]
     assert lrs(optimizer, scheduler, 7) == pytest.approx(expected, rel=1e-9)
     with pytest.raises(ConfigError, match=r"train.cosine_delay=1 delays a cosine schedule; train.sched"):

@@ -10,11 +10,12 @@ import torch
 from test_train import KillAt, blobs, setup
 
 import runner.evaluate_run
-import runner.train
+import runner.evaluation
+from runner.checkpoint import CHECKPOINT
 from runner.hooks import MethodHooks
 from runner.models import build_model
 from runner.schema import ConfigError
-from runner.train import CHECKPOINT, fit
+from runner.train import fit
 
 
 def run(tmp_path, *overrides, hooks=None, data=None, seed=0):
@@ -103,7 +104,7 @@ class Scripted(MethodHooks):
 
 def test_top_k_checkpoints_and_early_stop_follow_the_validation_metric(tmp_path, caplog):
     values = [0.5, 0.7, 0.6, 0.65, 0.64, 0.9, 0.95]
-    with caplog.at_level("INFO", logger="runner.train"):
+    with caplog.at_level("INFO", logger="runner.checkpoint"):
         _, metrics = run(tmp_path, "train.epochs=7", "train.save_top_k=2", "train.early_stop=3",
                          hooks=Scripted(values))  # fmt: skip
     folder = tmp_path / "checkpoints"
@@ -157,7 +158,7 @@ def test_runner_eval_scores_the_best_checkpoint_again_and_on_other_data(cli_here
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has ...")
 
-    monkeypatch.setattr(runner.train, "_evaluate_splits", out_of_memory)
+    monkeypatch.setattr(runner.evaluation, "evaluate_splits", out_of_memory)
     with pytest.raises(SystemExit) as stop:
         runner.evaluate_run.main([str(tmp_path / "run"), "train.eval_batch_size=512"])
     assert stop.value.code == 1 and capsys.readouterr().err == (

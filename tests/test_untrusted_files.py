@@ -6,10 +6,10 @@ import pickle
 import pytest
 import torch
 
+from runner.checkpoint import load_checkpoint
 from runner.data.imagenet32 import read_batches
 from runner.faults import CheckpointError
 from runner.schema import ConfigError
-from runner.train import load_checkpoint
 
 
 class Payload:

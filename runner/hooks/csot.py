@@ -14,10 +14,11 @@ import torch.nn.functional as F
 
 from runner.data.samplers import EpochSample, PoolBatches, SampleBatches
 from runner.distributed_passes import broadcast_from_main, predict_all
+from runner.hardware import to_device
 from runner.hooks import MethodHooks
+from runner.losses import soft_cross_entropy
 from runner.methods.csot import allocate, curriculum_budget
 from runner.schema import ConfigError
-from runner.train import soft_cross_entropy
 
 
 @torch.no_grad()
@@ -29,7 +30,7 @@ def probabilities_and_features(model, split, ctx, batch_size: int = 1024):
     off an accelerator, float64 tensors on it (the CSOT solver runs on either)."""
     feats = predict_all(model, split, dataclasses.replace(ctx, precision="fp32"), batch_size, features=True)
     if ctx.accelerator:
-        feats = ctx.pin(feats).to(ctx.device, non_blocking=True)
+        feats = to_device(feats, ctx.device)
     probs = torch.cat([F.softmax(model.classifier(part).double(), dim=1) for part in feats.split(65_536)])
     if ctx.accelerator:
         return probs, feats.double()
@@ -101,7 +102,7 @@ class NoisyLabelHooks(MethodHooks):
         # Clothing1M protocol); 0: on the whole training set
         self.epoch_sample = EpochSample(data.train.y, epoch_samples, seed) if epoch_samples else None
         self.sampled = torch.ones(n, dtype=torch.bool)  # the epoch's sample, as a mask (CPU)
-        self.labels = ctx.pin(data.train.y).to(device, non_blocking=True)
+        self.labels = to_device(data.train.y, device)
         self.clean = torch.zeros(n, dtype=torch.bool, device=device)
         self.corrected = torch.zeros(n, dtype=torch.bool, device=device)
         self.pseudo = self.labels.clone()
@@ -178,10 +179,10 @@ class NoisyLabelHooks(MethodHooks):
             return out
 
         # into the tensors the step reads (a captured step replays their addresses)
-        self.clean.copy_(self._to_device(on_all(clean, False), torch.bool))
-        self.corrected.copy_(self._to_device(on_all(corrected, False), torch.bool))
-        self.pseudo.copy_(self._to_device(on_all(pseudo, 0), torch.long))
-        self.weight.copy_(self._to_device(on_all(weight, 1.0), torch.float32))
+        self.clean.copy_(to_device(on_all(clean, False), self.ctx.device, torch.bool))
+        self.corrected.copy_(to_device(on_all(corrected, False), self.ctx.device, torch.bool))
+        self.pseudo.copy_(to_device(on_all(pseudo, 0), self.ctx.device, torch.long))
+        self.weight.copy_(to_device(on_all(weight, 1.0), self.ctx.device, torch.float32))
         self.sampled = torch.zeros(len(self.sampled), dtype=torch.bool)
         self.sampled[sample] = True
         self.selecting = True
@@ -231,11 +232,6 @@ class NoisyLabelHooks(MethodHooks):
     def draw(self, x, y_soft, idx, model):
         return self._paper_ratio()
 
-    def _to_device(self, host, dtype) -> torch.Tensor:
-        """Host values on the run's device, from page-locked memory: the copy does not wait for the device."""
-        ctx = self.ctx
-        return ctx.pin(torch.as_tensor(host, dtype=dtype)).to(ctx.device, non_blocking=True)
-
     def _paper_ratio(self) -> tuple:
         """The paper loss's mixup ratio max(lambda, 1 - lambda), lambda ~ Beta(alpha, alpha) from numpy's
         global stream (the authors' `np.random.beta`), as a float64 0-dim tensor on the device, for a step
@@ -243,7 +239,7 @@ class NoisyLabelHooks(MethodHooks):
         if not (self.selecting and self.cfg.loss == "paper" and self.sampler.layout[0]):
             return ()
         lam = float(np.random.beta(self.cfg.mixup_alpha, self.cfg.mixup_alpha))
-        return (self._to_device(max(lam, 1 - lam), torch.float64),)
+        return (to_device(max(lam, 1 - lam), self.ctx.device, torch.float64),)
 
     def loss(self, net, x, y_soft, idx, epoch, drawn=None):
         if not self.selecting:  # warm-up (or plain CE): CE on the noisy labels of fit's batch, weak view

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from runner.augment import PolicyAugment, cutout
 from runner.data import longtail_counts
 from runner.distributed_passes import global_batch
+from runner.hardware import to_device
 from runner.hooks import MethodHooks
+from runner.losses import soft_cross_entropy
 from runner.methods.dbot import (
     DBOTLoss,
     class_balanced_weights,
@@ -22,7 +24,6 @@ from runner.methods.dbot import (
     weighted_focal_loss,
 )
 from runner.schema import ConfigError
-from runner.train import soft_cross_entropy
 
 # the inference rules that solve DB-OT (on the device, on an accelerator)
 DBOT_RULES = ("sinkhorn", "dbot")
@@ -170,7 +171,7 @@ def evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, ct
     on_device = None
     if ctx is not None and ctx.accelerator and any(rule in DBOT_RULES for rule in m.inference):
         # copied once without waiting (float64, as predicted); each test set's rows are gathered on the device
-        on_device = ctx.pin(torch.from_numpy(logits)).to(ctx.device, non_blocking=True)
+        on_device = to_device(torch.from_numpy(logits), ctx.device)
     for name, idx in test_sets.items():
         y = y_test[idx]
         test_prior = {
@@ -180,7 +181,7 @@ def evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, ct
         }[m.prior]
         summary[f"{name}/n"] = len(idx)
         if on_device is not None:
-            rows = ctx.pin(torch.from_numpy(idx)).to(ctx.device, non_blocking=True)
+            rows = to_device(torch.from_numpy(idx), ctx.device)
         for rule in m.inference:
             given = on_device[rows] if rule in DBOT_RULES and on_device is not None else logits[idx]
             pred = infer(rule, m, given, feats[idx], weight, train_prior, test_prior)

@@ -12,22 +12,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runner.batches import batches, in_order
 from runner.data.samplers import ClassBalancedEpochs, ClassBalancedSampler
 from runner.distributed_passes import global_batch, predict_all
+from runner.hardware import to_device
 from runner.hooks import MethodHooks
 from runner.methods import hier_hash as hh
 from runner.models.hashing import PixelMeanInput
 from runner.schema import ConfigError
-from runner.train import batches, in_order
 
 
-def hash_loss_and_codes(net, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg, remap, ctx=None):
+def hash_loss_and_codes(net, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg, remap):
     """Alg. 1's loss on a batch x of nc classes x m examples (class-major): class-mean unaries per
     level -> exact codes by min-cost flow, level by level -> labels per level (the code ids with
     `remap`, else the classes) -> `hh.hash_loss` on the active dims. Returns (loss, seconds on codes).
     Under DDP x is this rank's slice of the batch: the loss and codes are those of the gathered batch.
     The flow runs on the host: the step reads the unaries, its one wait for the device, and sends codes
-    and labels back in one copy the host does not wait for (from page-locked memory with `ctx`)."""
+    and labels back in one copy the host does not wait for (`runner.hardware.to_device`)."""
     (out,) = global_batch(net(x))
     out = out.view(nc, m, k, d)
     unary = hh.class_unaries(out.float(), method.loss).cpu().numpy()
@@ -38,7 +39,7 @@ def hash_loss_and_codes(net, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg
     labels = hh.level_labels(codes, remap)
     code_seconds = time.perf_counter() - start
     host = torch.from_numpy(np.concatenate([codes, labels[..., None]], axis=-1).astype(np.int64))
-    packed = (host if ctx is None else ctx.pin(host)).to(out.device, non_blocking=True)
+    packed = to_device(host, out.device)
     loss = hh.hash_loss(out, packed[..., :d], packed[..., d], method.loss, margin, l2_reg)
     return loss, code_seconds
 

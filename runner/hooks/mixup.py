@@ -29,10 +29,12 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from runner.faults import Diverged
+from runner.hardware import to_device
 from runner.hooks import MethodHooks
+from runner.losses import soft_cross_entropy
 from runner.methods.comixup import CONFIG_KEYS as COMIXUP_CONFIG_KEYS
 from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
-from runner.methods.comixup import ComixupPool, _to_device, auto_workers, comixup
+from runner.methods.comixup import ComixupPool, auto_workers, comixup
 from runner.methods.mixup import (
     cutmix_box,
     default_mixup_layers,
@@ -43,7 +45,6 @@ from runner.methods.mixup import (
     puzzle_mix,
 )
 from runner.plots import new_figure, save_figure
-from runner.train import soft_cross_entropy
 
 SALIENCY_METHODS = ("comixup", "puzzle_mix")
 INPUT_PAIR_MIXUPS = ("input_mixup", "cutmix")  # mix the batch in `transform`; manifold mixup in `loss`
@@ -221,7 +222,7 @@ class MixupHooks(MethodHooks):
             values += [box, np.float64(keep)]
         elif self.cfg.name == "manifold_mixup":
             values.append(int(self.rng.integers(len(self._mixup_layers(model)) + 1)))
-        drawn = tuple(_to_device(np.asarray(value), x.device) for value in values)
+        drawn = tuple(to_device(np.asarray(value), x.device) for value in values)
         if self._preview:  # here, outside a captured step: the preview reads the mix back
             with torch.no_grad():
                 self._preview_once(*self._mix(x, y_soft, None, drawn))
@@ -353,8 +354,8 @@ class MixupHooks(MethodHooks):
         if not any(masks):
             return x
         shape = (1, -1, 1, 1)
-        mean = _to_device(0.0 if self.mean is None else self.mean, x.device).reshape(shape)
-        std = _to_device(1.0 if self.std is None else self.std, x.device).reshape(shape)
+        mean = to_device(0.0 if self.mean is None else self.mean, x.device).reshape(shape)
+        std = to_device(1.0 if self.std is None else self.std, x.device).reshape(shape)
         raw = x * std + mean
         eps = self.cfg.adv_eps / 255
         noisy = (raw + torch.empty_like(raw).uniform_(-eps, eps)).clamp(0, 1)

@@ -33,9 +33,10 @@ def share_count(share: float, n: int) -> int:
 def trained_model(cfg, ctx, data):
     """`cfg.model` loaded from method.checkpoint, or trained on the train split with the missing class cut
     to dev_share of it (n_missing / (n_missing + n_others) = dev_share)."""
+    from runner.checkpoint import load_checkpoint
     from runner.data import Data
     from runner.models import build_model
-    from runner.train import fit, load_checkpoint
+    from runner.train import fit
 
     m = cfg.method
     model = build_model(cfg.model, data.input_shape, data.num_classes)
