@@ -93,7 +93,7 @@ def canvas_metrics(
     image (ImageNet val, `runner.data.imagenet_boxes`), in network-input pixels as (r0, c0, r1, c1);
     `noise_std` defaults to the dataset's paper (`meta["background_noise_std"]`: ImageNet 0.1), else 0.3.
 
-    The test split is walked through `runner.train.batches` (file-backed splits in batches of at most
+    The test split is walked through `runner.batches.batches` (file-backed splits in batches of at most
     STREAMED_EVAL_BATCH), the replacing images in a second walk in shuffled order, and everything is
     reduced batch by batch, so ImageNet's 50k images never sit in memory. The noise is drawn batch by
     batch in test order from one generator seeded with `seed`: the values one draw for the whole split

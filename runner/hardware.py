@@ -148,10 +148,6 @@ class RunContext:
     def stopwatch(self) -> Stopwatch:
         return Stopwatch(self.device.type == "cuda")
 
-    def pin(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` in page-locked memory on CUDA, so that `.to(device, non_blocking=True)` does not wait."""
-        return t.pin_memory() if self.device.type == "cuda" else t
-
     def synchronize(self) -> None:
         """Wait for the device's queued work (before reading a wall clock that should include it)."""
         if self.device.type == "cuda":

@@ -1,7 +1,7 @@
 """File-backed splits: a list of (path, label) decoded on the fly by DataLoader workers.
 
 A `FileSplit` holds paths and labels only, so memory does not grow with the dataset. When a loop walks the
-split (see `runner.train.batches`), `hardware.num_workers` processes decode the images (`read_rgb`:
+split (see `runner.batches.batches`), `hardware.num_workers` processes decode the images (`read_rgb`:
 libjpeg-turbo through torchvision, PIL for other formats) and crop, resize and flip them as uint8 with
 torchvision's `transforms.v2`; the main process moves each uint8 batch to the device and `decode`s it there
 to normalised float32, so the workers do a quarter of the copying and none of the float arithmetic. It has

@@ -1,4 +1,4 @@
-"""Index-batch samplers beyond `runner.train.EpochBatches`, in its protocol (`set_epoch(epoch, start)`,
+"""Index-batch samplers beyond `runner.batches.EpochBatches`, in its protocol (`set_epoch(epoch, start)`,
 `__len__`, `__iter__` over this rank's index tensors), for `fit`'s `batch_sampler` hook.
 
 - `ClassBalancedSampler` / `ClassBalancedEpochs`: batches of nc classes x m examples (the hierarchical

@@ -13,7 +13,7 @@ def check_batch(key: str, batch_size: int, ctx, n_train: int, need: int, why: st
     """ConfigError (with the fix) unless each training step of `batch_size` (the config's `key`) gives
     every rank and micro-batch at least `need` samples: what a method that mixes or normalises over the
     batch must have; `why` names it. A training set smaller than the batch is one step of all of it
-    (`runner.train.EpochBatches`)."""
+    (`runner.batches.EpochBatches`)."""
     accumulate = 1 if accumulate == "auto" else accumulate  # auto splits only into shares that divide
     parts = ctx.world_size * accumulate
     if min(batch_size, n_train) // parts >= need:
