@@ -17,8 +17,9 @@ def _distributed() -> bool:
 
 
 def predict_all(model, split, ctx: RunContext, batch_size: int = 1024, features: bool = False):
-    """`runner.evaluation.predict` over every sample of `split`, in index order, on every rank: rank r predicts
-    samples r, r + W, r + 2W, ... (W ranks) and the shards are all-gathered (on the device under NCCL)."""
+    """`runner.evaluation.predict` over every sample of `split`, in index order, on every rank: rank r
+    predicts samples r, r + W, r + 2W, ... (W ranks) and the shards are all-gathered (on the device under
+    NCCL)."""
     if not _distributed():
         return predict(model, split, ctx, batch_size, features)
     rank, world, n = dist.get_rank(), dist.get_world_size(), len(split)

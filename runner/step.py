@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runner.data import Data
 from runner.hardware import RunContext, Stopwatch, all_reduce_sum, to_device
 from runner.instruments import around
 from runner.losses import soft_cross_entropy
 from runner.method_hooks import MethodHooks
+from runner.optim import make_optimizer, make_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class Step:
     skipped: torch.Tensor | None = None
     grad_norm: torch.Tensor | None = None  # [sum, count]
     hook_net: torch.nn.Module | None = None  # what the transform runs its own passes (saliency) through
-    step_fn: object = None  # eager_step, or its torch.compile'd twin (set by `runner.train.Loop`)
+    step_fn: object = None  # eager_step, or its torch.compile'd twin (set by `make_step`)
     draw: object = None  # the method's host draws before each step (`MethodHooks.draw`)
     graphed: GraphedStep | None = None  # the step captured as one CUDA graph (hardware.cuda_graph)
 
@@ -204,6 +206,43 @@ def _loss(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int, drawn: tuple 
         if s.loss is None:
             return soft_cross_entropy(s.net(x), y_soft)
         return s.loss(s.net, x, y_soft, idx, epoch, **given)
+
+
+def make_step(model, data: Data, cfg, ctx: RunContext, hooks: MethodHooks) -> Step:
+    """A fit's Step: the optimizer and its schedule (the config's `cfg.optimizer`, or the method's own
+    `hooks.optimizer`), the network to train through (compiled alone, or with the whole step where the hooks
+    are `capturable`) and the EMA; under `hardware.cuda_graph` the step captured as one CUDA graph where it
+    can be (`not_capturable`), else one line why."""
+    if hooks.optimizer is None:
+        optimizer = make_optimizer(model, cfg, fused=ctx.fused_optimizer)
+        scheduler, per_step = make_scheduler(optimizer, cfg), False
+    else:
+        optimizer, scheduler, per_step = hooks.optimizer(model)
+    # torch.compile takes the whole step where the method's hooks run device work alone; else the network
+    whole_step = ctx.compile != "false" and hooks.capturable
+    net = ctx.prepare(model, compile_network=not whole_step)
+    ema = None
+    if cfg.ema:  # on the device beside the model, buffers (batch-norm statistics) averaged too
+        multi_avg_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema)
+        ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=multi_avg_fn, use_buffers=True)
+    s = Step(
+        net, model, optimizer, scheduler, per_step, ctx.grad_scaler(), ctx,
+        to_device(data.train.y, ctx.device), data.num_classes,
+        hooks.transform, hooks.loss, cfg.accumulate,
+        cfg.clip_grad_norm, ema, ctx.stopwatch(), torch.zeros((), device=ctx.device),
+        torch.zeros(2, device=ctx.device),
+        # the transform's passes through the compiled network, but not through DDP (whose gradient
+        # hooks expect one backward per forward): under DDP a compiled twin of the model
+        net if not ctx.distributed else ctx.compiled(model),
+        step_fn=ctx.compiled(eager_step) if whole_step else eager_step, draw=hooks.draw,
+    )  # fmt: skip
+    if ctx.cuda_graph:
+        why = not_capturable(s, hooks)
+        if why is None:
+            s.graphed = GraphedStep(s, hooks.capture_key)
+        elif ctx.is_main:
+            log.info("hardware.cuda_graph: the training step runs eagerly: %s", why)
+    return s
 
 
 # The loop reads the device every AGREE_EVERY steps (the non-finite check, the fp16 loss scale and, under

@@ -32,23 +32,14 @@ from runner.data import Data
 from runner.data.files import UNREADABLE
 from runner.evaluation import evaluate_all
 from runner.faults import Diverged, StopSignals, out_of_memory_stops
-from runner.hardware import RunContext, Stopwatch, all_reduce_sum, renew_host_memory_cap, to_device
+from runner.hardware import RunContext, Stopwatch, all_reduce_sum, renew_host_memory_cap
 from runner.instruments import around
 from runner.memory import check_batch_settings
 from runner.method_hooks import MethodHooks, PlainTraining
 from runner.metrics import history_summary, reliability_plot
-from runner.optim import Phases, final_image_size, follow_config, make_optimizer, make_scheduler
+from runner.optim import Phases, final_image_size, follow_config
 from runner.schema import ConfigError
-from runner.step import (
-    AGREE_EVERY,
-    MIN_LOSS_SCALE,
-    DeferredChecks,
-    GraphedStep,
-    Step,
-    eager_step,
-    not_capturable,
-    train_step,
-)
+from runner.step import AGREE_EVERY, MIN_LOSS_SCALE, DeferredChecks, Step, make_step, train_step
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +154,7 @@ class Loop:
     def __init__(self, model, data: Data, cfg, ctx: RunContext, hooks: MethodHooks, tag: str | None):
         self.model, self.data, self.cfg, self.ctx, self.hooks, self.tag = model, data, cfg, ctx, hooks, tag
         self.warmup = hooks.optimizer is None  # the config's optimizer, schedule and warm-up
-        self.step = self._make_step()
-        if ctx.cuda_graph:
-            self._capture_step()
+        self.step = make_step(model, data, cfg, ctx, hooks)
         self.warmup_lr = self._warmup_schedule()
         path = ctx.dir / checkpoint_file(tag)
         s, extra = self.step, {"ema": self.step.ema, "warmup_lr": self.warmup_lr}
@@ -180,44 +169,6 @@ class Loop:
         self.phases = Phases(cfg.phases) if cfg.phases else None
         self.batch_shape = None  # (batch size, image side) of the current training batches
         self.stage = "training"  # of the current epoch: "pass" (the method's), "training" or "evaluation"
-
-    # --- the step's parts ----------------------------------------------------------------------------
-
-    def _make_step(self) -> Step:
-        """The optimizer and its schedule (the config's, or the method's own), the network to train through
-        (compiled alone, or with the whole step where the hooks are `capturable`) and the EMA, as a Step."""
-        model, data, cfg, ctx, hooks = self.model, self.data, self.cfg, self.ctx, self.hooks
-        if self.warmup:
-            optimizer = make_optimizer(model, cfg, fused=ctx.fused_optimizer)
-            scheduler, per_step = make_scheduler(optimizer, cfg), False
-        else:
-            optimizer, scheduler, per_step = hooks.optimizer(model)
-        # torch.compile takes the whole step where the method's hooks run device work alone; else the network
-        whole_step = ctx.compile != "false" and hooks.capturable
-        net = ctx.prepare(model, compile_network=not whole_step)
-        ema = None
-        if cfg.ema:  # on the device beside the model, buffers (batch-norm statistics) averaged too
-            multi_avg_fn = torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema)
-            ema = torch.optim.swa_utils.AveragedModel(model, multi_avg_fn=multi_avg_fn, use_buffers=True)
-        return Step(
-            net, model, optimizer, scheduler, per_step, ctx.grad_scaler(), ctx,
-            to_device(data.train.y, ctx.device), data.num_classes,
-            hooks.transform, hooks.loss, cfg.accumulate,
-            cfg.clip_grad_norm, ema, ctx.stopwatch(), torch.zeros((), device=ctx.device),
-            torch.zeros(2, device=ctx.device),
-            # the transform's passes through the compiled network, but not through DDP (whose gradient
-            # hooks expect one backward per forward): under DDP a compiled twin of the model
-            net if not ctx.distributed else ctx.compiled(model),
-            step_fn=ctx.compiled(eager_step) if whole_step else eager_step, draw=hooks.draw,
-        )  # fmt: skip
-
-    def _capture_step(self) -> None:
-        """`hardware.cuda_graph`: the step captured as one CUDA graph where it can be, else one line why."""
-        why = not_capturable(self.step, self.hooks)
-        if why is None:
-            self.step.graphed = GraphedStep(self.step, self.hooks.capture_key)
-        elif self.ctx.is_main:
-            log.info("hardware.cuda_graph: the training step runs eagerly: %s", why)
 
     def _warmup_schedule(self):
         """The linear warm-up, per step: lr x (t + 1) / (W + 1) for steps t < W, times the epoch schedule

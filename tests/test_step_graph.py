@@ -65,7 +65,7 @@ def test_a_method_s_loss_is_captured_only_where_it_says_so(tmp_path, caplog):
         capturable = False
 
     for hooks, captured in ((TargetLoss("ce"), True), (HostLoss("ce"), False)):
-        with caplog.at_level("INFO", logger="runner.train"):
+        with caplog.at_level("INFO", logger="runner.step"):
             _fit(tmp_path / str(captured), "train.epochs=1", graph=True, hooks=hooks)
         assert ("the training step runs eagerly: the method's hooks (HostLoss)" in caplog.text) != captured
         caplog.clear()

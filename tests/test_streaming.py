@@ -113,15 +113,15 @@ def test_ece_and_history_against_hand_values():
 
 
 def test_warmup_is_linear_per_step_then_the_schedule_continues(tmp_path, monkeypatch):
-    import runner.train as train
+    import runner.step as step
 
     rng = np.random.default_rng(0)
     split = split_of(rng.normal(size=(40, 3)).astype(np.float32), rng.integers(0, 2, 40))
     data = Data(split, split.subset([]), split.subset([]), 2, (3,))
     optimizers, lrs = [], []
-    make = train.make_optimizer
+    make = step.make_optimizer
     monkeypatch.setattr(
-        train, "make_optimizer", lambda m, cfg, **kw: optimizers.append(make(m, cfg, **kw)) or optimizers[0]
+        step, "make_optimizer", lambda m, cfg, **kw: optimizers.append(make(m, cfg, **kw)) or optimizers[0]
     )
 
     class RecordLR(MethodHooks):  # the loss hook runs once per step: read the lr the step uses
