@@ -23,8 +23,11 @@ FLOORS = [  # bottom first
     {"tasks"},  # every task module
     {"runner.sweeper"},  # the Optuna sweeper, whose search-space checks the preflight runs
     {"runner.compose"},
-    {"runner", "runner.cli", "runner.track", "runner.report", "runner.evaluate_run",
-     "runner.data_check", "runner.sync", "runner.device_tracking"},
+    {"runner", "runner.cli", "runner.track", "runner.evaluate_run", "runner.data_check", "runner.sync",
+     "runner.device_tracking",
+     "runner.report", "runner.report.__main__", "runner.report.callback", "runner.report.claims",
+     "runner.report.command", "runner.report.plots", "runner.report.render", "runner.report.runs",
+     "runner.report.values"},
 ]  # fmt: skip
 
 
