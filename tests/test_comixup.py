@@ -830,18 +830,6 @@ def test_log_reports_sweeps_and_tol_ends_them():
     assert 1 <= info["n_iter"] <= 4 and info["converged"] == (info["err"] < 1e-6)
 
 
-def test_old_names_warn_and_give_the_same_masks():
-    x, y, s = batch(0, 6)
-    new = comixup(x, y, s, max_iter=3, method="gco_swap", rng=0)[2]
-    with pytest.warns(DeprecationWarning, match=r"comixup\(n_iter=\.\.\.\) is deprecated: use max_iter"):
-        old = comixup(x, y, s, n_iter=3, solver="gco_swap", rng=0)[2]
-    assert torch.equal(old, new)
-    unary = np.random.default_rng(0).normal(size=(3, 3, 2))
-    with pytest.warns(DeprecationWarning, match="use method"):
-        old = grid_cut(unary, 1 - np.eye(2), 0.5, solver="brute")
-    assert np.array_equal(old, grid_cut(unary, 1 - np.eye(2), 0.5, "brute"))
-
-
 def test_expansion_and_brute_solvers_run_one_hot():
     x, y, s = batch(0, 6, size=6)
     for method, grid in (("gco_expansion", 3), ("brute", 2)):

@@ -558,29 +558,13 @@ def test_bad_input_on_a_device_is_named_as_on_the_host():
 
 
 # ----------------------------------------------------------------------------------------------------
-# 14. The solver convention (runner.methods._common): reg, deprecated eps, log keys, warnings
+# 14. The solver convention (runner.methods._common): reg, log keys, warnings
 def test_lp_oracle_is_feasible_and_below_the_entropic_objective():
     cost, a, b_low, b_up = random_problem(3, m=12, n=4)
     plan, log = dbot_lp(cost, a, b_low, b_up, log=True)
     assert marginal_violation(plan.sum(1), plan.sum(0), a, b_low, b_up) < 1e-9 and plan.min() >= -1e-12
     entropic = dbot(cost, a, b_low, b_up, 0.01, method="dual", tol=1e-12, max_iter=100_000)
     assert log["cost"] <= (cost * entropic).sum() + 1e-12 and log["converged"]
-
-
-def test_deprecated_eps_alias_warns_and_gives_the_same_result():
-    cost, a, b_low, b_up = random_problem(4, m=10, n=3)
-    with pytest.warns(DeprecationWarning, match="eps"):
-        old = dbot(cost, a, b_low, b_up, eps=0.2)
-    np.testing.assert_array_equal(old, dbot(cost, a, b_low, b_up, reg=0.2))
-    with pytest.raises(TypeError, match="both"):
-        dbot(cost, a, b_low, b_up, eps=0.2, reg=0.2)
-    logits = np.random.default_rng(0).normal(size=(20, 3))
-    with pytest.warns(DeprecationWarning):
-        np.testing.assert_array_equal(
-            dbot_predict(logits, [1, 1, 1], eps=0.5), dbot_predict(logits, [1, 1, 1], reg=0.5)
-        )
-    with pytest.warns(DeprecationWarning):
-        assert dbot_objective(cost, old, eps=0.2) == dbot_objective(cost, old, 0.2)
 
 
 def test_log_keys_and_one_warning_when_not_converged():
