@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from runner.augment import PolicyAugment, cutout
 from runner.data import longtail_counts
@@ -45,8 +44,7 @@ def longtail_loss(
         tau = 1.0 if m.loss == "balanced_softmax" else m.la_tau
         return soft_cross_entropy(logits + tau * torch.log(prior), y_soft)
     if m.loss == "focal":
-        log_p = F.log_softmax(logits, dim=1)
-        return -(y_soft * (1 - log_p.exp()) ** m.focal_gamma * log_p).sum(dim=1).mean()
+        return weighted_focal_loss(logits, y_soft, m.focal_gamma)
     labels = y_soft.argmax(1)
     if m.loss in ("cb_ce", "cb_focal"):
         return weighted_focal_loss(

@@ -740,16 +740,25 @@ def weighted_focal_loss(logits, target, gamma: float = 0.0, weight=None):
 
     ``gamma = 0`` is (weighted) cross-entropy: class-balanced CE with ``weight = class_balanced_weights``;
     ``gamma > 0`` with those weights is class-balanced focal (Cui et al. apply it to sigmoid outputs;
-    here, as the focal baseline of the long-tail task, to the softmax).
+    here, as the focal baseline of the long-tail task, to the softmax). ``target`` is (B,) class indices,
+    or (B, K) soft labels y: then :math:`L = \frac{1}{B} \sum_i \sum_j y_{ij} (1 - p_{ij})^\gamma
+    (-\log p_{ij})` (Lin et al.'s focal loss of a distribution), without class weights.
     """
-    log_p = torch.log_softmax(logits, dim=1).gather(1, target[:, None])[:, 0]
-    per_sample = -log_p
+    log_p = torch.log_softmax(logits, dim=1)
+    soft = target.dim() == 2
+    if not soft:
+        log_p = log_p.gather(1, target[:, None])[:, 0]
+    per_class = -log_p
     if gamma:  # 1 - p floored at the smallest normal: at p = 1, x^gamma's gradient is inf for gamma < 1
-        per_sample = -((1.0 - log_p.exp()).clamp(min=torch.finfo(log_p.dtype).tiny) ** gamma) * log_p
+        per_class = -((1.0 - log_p.exp()).clamp(min=torch.finfo(log_p.dtype).tiny) ** gamma) * log_p
+    if soft:
+        if weight is not None:
+            raise ValueError("weighted_focal_loss: class weights need class indices, not soft labels")
+        return (target * per_class).sum(dim=1).mean()
     if weight is None:
-        return per_sample.mean()
+        return per_class.mean()
     w = torch.as_tensor(weight, dtype=logits.dtype, device=logits.device)[target]
-    return (w * per_sample).sum() / w.sum()
+    return (w * per_class).sum() / w.sum()
 
 
 def ldam_margins(counts, max_margin: float = 0.5) -> np.ndarray:
