@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("runner.data", "runner.methods", "runner.models", "runner.hooks", "runner.configs")
 FLOORS = [  # bottom first
     {"runner.checks", "runner.methods", "runner.faults", "runner.untrusted", "runner.plots",
-     "runner.augment"},
+     "runner.augment", "runner.interrupts"},
     {"runner.configs", "runner.schema", "runner.metrics"},
     {"runner.data", "runner.models", "runner.hardware"},
     {"runner.train", "runner.distributed_passes", "runner.rundir", "runner.canvas_metrics", "runner.task",
