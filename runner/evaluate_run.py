@@ -26,9 +26,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.configs import TASKS
 from runner.faults import CheckpointError, OutOfMemory, out_of_memory_stops
-from runner.schema import ConfigError
 
 WEIGHTS = ("checkpoints/best.pt", "checkpoints/last.pt", "checkpoints/fit.pt")
 

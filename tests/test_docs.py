@@ -134,8 +134,8 @@ def _first_values(overrides: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("args", [a for _, a in COMMANDS], ids=[i for i, _ in COMMANDS])
 def test_every_runner_command_in_the_docs_composes(args):
+    from runner.checks import ConfigError
     from runner.compose import override_args, preflight
-    from runner.schema import ConfigError
 
     command = "runner " + " ".join(args)
     if command in EXPECTED_ERRORS:

@@ -169,3 +169,15 @@ def test_files_are_named_by_one_rule():
 
     assert stems("runner/configs") == stems("tasks") == set(TASKS)
     assert all(entry.module == f"tasks.{name}" for name, entry in TASKS.items())
+
+
+def test_config_error_is_imported_from_runner_checks_only():
+    """`ConfigError` is defined in runner.checks; an import of it through another module (runner.schema
+    imports it too) is a second spelling of one name."""
+    elsewhere = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module != "runner.checks":
+                if any(alias.name == "ConfigError" for alias in node.names):
+                    elsewhere.append(f"{name}: from {node.module} import ConfigError")
+    assert elsewhere == []

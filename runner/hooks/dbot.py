@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from runner.augment import PolicyAugment, cutout
+from runner.checks import ConfigError
 from runner.data import longtail_counts
 from runner.distributed_passes import global_batch
 from runner.hooks import MethodHooks
@@ -20,7 +21,6 @@ from runner.methods.dbot import (
     ldam_margins,
     weighted_focal_loss,
 )
-from runner.schema import ConfigError
 from runner.train import soft_cross_entropy
 
 # the inference rules that solve DB-OT (on the device, on an accelerator)
