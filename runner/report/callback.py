@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from runner.checks import ConfigError
 from runner.report.render import markdown
 from runner.report.runs import build_report
+from runner.rundir import multirun_job
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,12 @@ class SweepSummary(Callback):
 
     def on_job_end(self, config, job_return, **kwargs) -> None:
         from hydra.core.utils import JobStatus
-        from hydra.types import RunMode
 
         from runner.faults import JobFailed
         from runner.sweeper import Pruned
         from runner.track import log_to_file
 
-        if job_return.status != JobStatus.FAILED or config.hydra.mode != RunMode.MULTIRUN:
+        if job_return.status != JobStatus.FAILED or not multirun_job(config.hydra):
             return  # a single run reports its own failure
         error = job_return._return_value  # the exception; `.return_value` would re-raise it
         error = error.cause if isinstance(error, JobFailed) else error
