@@ -52,7 +52,8 @@ def reliability_plot(path, binned: torch.Tensor, title: str = "") -> None:
     centres = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
     acc = torch.where(count > 0, correct / count.clamp(min=1), torch.zeros_like(count))
     fig, ax = new_figure((4, 4))
-    ax.bar(centres, acc, width=1 / bins, edgecolor="black", label="accuracy")
+    # numpy arrays: matplotlib's arithmetic on a tensor calls its NumPy-1 __array_wrap__ (DeprecationWarning)
+    ax.bar(centres.numpy(), acc.numpy(), width=1 / bins, edgecolor="black", label="accuracy")
     ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
     ax.set(xlabel="confidence", ylabel="accuracy", xlim=(0, 1), ylim=(0, 1))
     ax.set_title(f"{title}  ECE {expected_calibration_error(binned):.3f}".strip())
