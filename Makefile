@@ -23,6 +23,7 @@ test-slow: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check runner tasks tests benchmarks
+	$(VENV)/bin/ruff format --check runner tasks tests benchmarks
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(B)

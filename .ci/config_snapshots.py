@@ -13,9 +13,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from runner.compose import CONF_DIR, apply_debug, compose, typed
+from runner.checks import ConfigError
 from runner.cli import run_in_process
-from runner.schema import ConfigError, validate
+from runner.compose import CONF_DIR, apply_debug, compose, typed
+from runner.schema import validate
 
 
 def command_lines() -> list[list[str]]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runner.checks import ConfigError
 from runner.data import Split
 from runner.data.files import UNREADABLE
 from runner.data.views import augment_crop_flip
 from runner.hardware import RunContext, to_device
-from runner.schema import ConfigError
 
 
 class EpochBatches:

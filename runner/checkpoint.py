@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runner.checks import ConfigError
 from runner.faults import CheckpointError, Diverged
 from runner.hardware import RunContext
 from runner.instruments import around
 from runner.method_hooks import MethodHooks
 from runner.rundir import CHECKPOINTS
-from runner.schema import ConfigError
 from runner.untrusted import RefusedPickle, torch_load
 
 log = logging.getLogger(__name__)

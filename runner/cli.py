@@ -21,7 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from runner import handle_dropped_exceptions, rundir
+from runner import rundir
 from runner.compose import (
     CONF_DIR,
     apply_debug,
@@ -36,6 +36,7 @@ from runner.configs import TASKS
 from runner.data import missing_files
 from runner.data.files import UnreadableImage
 from runner.faults import CheckpointError, Diverged, Interrupted, JobFailed, OutOfMemory, out_of_memory_stops
+from runner.interrupts import handle_dropped_exceptions
 from runner.methods._native import NativeBuildError
 from runner.schema import ConfigError, main_metric, objective_key, validate
 

@@ -27,9 +27,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from runner.checkpoint import best_file, checkpoint_file
+from runner.checks import ConfigError
 from runner.configs import TASKS
 from runner.faults import CheckpointError, OutOfMemory, out_of_memory_stops
-from runner.schema import ConfigError
 
 WEIGHTS = (best_file(), checkpoint_file(), checkpoint_file("fit"))  # fit: the long-tail task's tagged fit
 

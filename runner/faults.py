@@ -1,4 +1,4 @@
-"""What stops a run before its end, other than a bad config (`runner.schema.ConfigError`), and the stop
+"""What stops a run before its end, other than a bad config (`runner.checks.ConfigError`), and the stop
 signals the training loop turns into a checkpoint.
 
 The CLI reports each in one line: `Interrupted` with the command that resumes the run, the others with

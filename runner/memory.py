@@ -8,10 +8,10 @@ import logging
 
 import torch
 
+from runner.checks import ConfigError
 from runner.data import Data
 from runner.hardware import RunContext
 from runner.method_hooks import MethodHooks
-from runner.schema import ConfigError
 
 log = logging.getLogger(__name__)
 

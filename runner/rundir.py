@@ -21,12 +21,26 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.schema import ConfigError
+from runner.checks import ConfigError
 
 log = logging.getLogger(__name__)
 
+MULTIRUN_FLAGS = frozenset({"-m", "--multirun"})
 LOCK = "run.lock"
 CHECKPOINTS = "checkpoints"
+
+
+def multirun_args(argv) -> bool:
+    """Whether a command line asks Hydra for a multirun (`-m` / `--multirun`): a sweep dir of job dirs."""
+    return not MULTIRUN_FLAGS.isdisjoint(argv)
+
+
+def multirun_job(hydra_cfg) -> bool:
+    """Whether the job Hydra runs is one of a multirun: `hydra_cfg` is `HydraConfig.get()`, or the
+    `hydra` node of a job's config."""
+    return hydra_cfg.mode.name == "MULTIRUN"
+
+
 # Keys a resumed run may change: how long it trains, where it logs, what hardware it runs on, where the
 # data lives. Any other change makes a different experiment; `train.resume=force` accepts it anyway.
 RESUME_MAY_CHANGE = (

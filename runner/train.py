@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from runner.batches import EpochBatches, batches
 from runner.checkpoint import Monitor, Resumable, checkpoint_file, is_better, selection, snapshot
+from runner.checks import ConfigError
 from runner.data import Data
 from runner.data.files import UNREADABLE
 from runner.evaluation import evaluate_all
@@ -38,7 +39,6 @@ from runner.memory import check_batch_settings
 from runner.method_hooks import MethodHooks, PlainTraining
 from runner.metrics import history_summary, reliability_plot
 from runner.optim import Phases, final_image_size, follow_config
-from runner.schema import ConfigError
 from runner.step import AGREE_EVERY, MIN_LOSS_SCALE, DeferredChecks, Step, make_step, train_step
 
 log = logging.getLogger(__name__)

@@ -63,6 +63,7 @@ def run_cli_here(args, cwd, check=True):
 
     from runner import cli as runner_cli
     from runner import hardware
+    from runner.report.callback import print_sweep_summary
 
     out, err = io.StringIO(), io.StringIO()
     root = logging.getLogger()
@@ -75,7 +76,7 @@ def run_cli_here(args, cwd, check=True):
     code, at_exit, register = 0, [], atexit.register
 
     def keep_sweep_summary(func, *args, **kwargs):  # Hydra's callback: at this process's exit
-        if getattr(func, "__module__", None) == "runner.report" and func.__name__ == "print_sweep_summary":
+        if func is print_sweep_summary:
             at_exit.append(lambda: func(*args, **kwargs))
             return func
         return register(func, *args, **kwargs)

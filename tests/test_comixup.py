@@ -706,9 +706,10 @@ def test_lag_trains_each_batch_on_its_mix_one_step_later():
     """With lag, step t trains on batch t-1's mix (from step t-1's saliency; the in-process one, which the
     pool's equals), solved while step t ran its clean pass; the first step trains on its clean batch. Auto
     workers start a pool for it on the CPU."""
+    from runner.checks import ConfigError
     from runner.configs.classify import CoMixupConfig
     from runner.hooks.mixup import MixupHooks
-    from runner.schema import ConfigError, to_node
+    from runner.schema import to_node
 
     def hooks(lag, workers):
         cfg = to_node(CoMixupConfig(grid=2, part=4, preview=False, lag=lag))
@@ -828,18 +829,6 @@ def test_log_reports_sweeps_and_tol_ends_them():
     x, y, s = batch(0, 6)
     *_, info = comixup(x, y, s, part=3, rng=0, log=True)
     assert 1 <= info["n_iter"] <= 4 and info["converged"] == (info["err"] < 1e-6)
-
-
-def test_old_names_warn_and_give_the_same_masks():
-    x, y, s = batch(0, 6)
-    new = comixup(x, y, s, max_iter=3, method="gco_swap", rng=0)[2]
-    with pytest.warns(DeprecationWarning, match=r"comixup\(n_iter=\.\.\.\) is deprecated: use max_iter"):
-        old = comixup(x, y, s, n_iter=3, solver="gco_swap", rng=0)[2]
-    assert torch.equal(old, new)
-    unary = np.random.default_rng(0).normal(size=(3, 3, 2))
-    with pytest.warns(DeprecationWarning, match="use method"):
-        old = grid_cut(unary, 1 - np.eye(2), 0.5, solver="brute")
-    assert np.array_equal(old, grid_cut(unary, 1 - np.eye(2), 0.5, "brute"))
 
 
 def test_expansion_and_brute_solvers_run_one_hot():
@@ -1178,8 +1167,8 @@ def test_cli_one_epoch_of_comixup_on_digits_canvas(tmp_path):
 def test_search_selects_on_a_validation_metric_or_refuses_in_one_line():
     import tasks.classify
     import tasks.hashing
+    from runner.checks import ConfigError
     from runner.compose import compose, launch_overrides, objective
-    from runner.schema import ConfigError
 
     search = ["-m", "+method=comixup", "+experiment=comixup_digits_canvas", "+sweep=comixup"]
     with pytest.raises(ConfigError, match="selects on val/acc, never on test/acc.*dataset.val_fraction=0.1"):

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
+from runner.checks import ConfigError, check_range
 from runner.compose import CONF_DIR, compose, preflight
-from runner.schema import ConfigError, check_range, validate
+from runner.schema import validate
 
 GROUPS = ["dataset", "model", "hardware", "logger"]
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 from conftest import summaries
 
+from runner.checks import ConfigError
 from runner.compose import compose, preflight, typed
 from runner.hardware import RunContext, seed_everything
 from runner.hooks.pwc import predictive_entropy
-from runner.schema import ConfigError, validate
+from runner.schema import validate
 from runner.track import Tracker
 from tasks.covering import (
     MISSING,

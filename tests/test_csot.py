@@ -587,24 +587,6 @@ def test_load_data_keeps_clean_labels():
 # ----------------------------------------------------------------------------- the solver convention
 
 
-def test_deprecated_names_warn_and_give_the_same_plans():
-    probs, features, labels = chunk(np.random.default_rng(20))
-    a, b = marginals(*probs.shape, 0.5)
-    with pytest.warns(DeprecationWarning, match="n_iter"):
-        old = curriculum_ot(-np.log(probs), a, b, eps=0.1, n_iter=50)
-    np.testing.assert_array_equal(old, curriculum_ot(-np.log(probs), a, b, reg=0.1, max_iter=50))
-    new = csot_plan(probs, features, labels, 0.5, reg=0.2, max_iter=3, inner_max_iter=20, warn=False)
-    with pytest.warns(DeprecationWarning, match="outer_iters"):
-        old = csot_plan(probs, features, labels, 0.5, eps=0.2, outer_iters=3, inner_iters=20, warn=False)
-    np.testing.assert_array_equal(old, new)
-    # the task's call (tasks/noisy_labels.py) through allocate keeps working
-    with pytest.warns(DeprecationWarning):
-        old = allocate(probs, features, labels, 0.5, solve_batch=16, eps=0.2, outer_iters=3, inner_iters=20)
-    new = allocate(probs, features, labels, 0.5, solve_batch=16, reg=0.2, max_iter=3, inner_max_iter=20)
-    for x, y in zip(old, new):
-        np.testing.assert_array_equal(x, y)
-
-
 def test_log_keys_and_convergence_warnings():
     probs, features, labels = chunk(np.random.default_rng(21))
     a, b = marginals(*probs.shape, 0.5)

@@ -134,8 +134,9 @@ def _first_values(overrides: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("args", [a for _, a in COMMANDS], ids=[i for i, _ in COMMANDS])
 def test_every_runner_command_in_the_docs_composes(args):
+    from runner.checks import ConfigError
     from runner.compose import override_args, preflight
-    from runner.schema import ConfigError
+    from runner.rundir import multirun_args
 
     command = "runner " + " ".join(args)
     if command in EXPECTED_ERRORS:
@@ -155,7 +156,7 @@ def test_every_runner_command_in_the_docs_composes(args):
     overrides = [o for o in overrides if o is not None]
     # -m only matters to preflight where a sweeper config adds search spaces (conf/sweep, hydra/sweeper).
     searched = any(o.startswith(("+sweep=", "hydra/sweeper=")) for o in overrides)
-    multirun = ["-m"] if searched and {"-m", "--multirun"} & set(args) else []
+    multirun = ["-m"] if searched and multirun_args(args) else []
     error = None
     try:
         preflight(multirun + _first_values(overrides))

@@ -265,7 +265,7 @@ def _interrupted_after(delay: float, args: list[str], cwd: Path) -> subprocess.C
 
 DROPPED = """
 import gc, sys, time
-from runner import handle_dropped_exceptions
+from runner.interrupts import handle_dropped_exceptions
 handle_dropped_exceptions()
 class _MultiProcessingDataLoaderIter:  # raises in its finalizer, which Python runs and drops
     def __del__(self):

@@ -466,18 +466,6 @@ def test_cascade_groups_and_levels():
     assert log["n_iter"] == sum(level["n_iter"] for level in log["levels"]) >= k
 
 
-def test_old_names_warn_and_keep_working():
-    unary = np.array([[1.0, 0.9], [1.0, 0.2]])
-    with pytest.warns(DeprecationWarning, match=r"assign_codes\(backend=\.\.\.\) is deprecated: use method"):
-        z = hh.assign_codes(unary, 1, 0.0, 0.5, backend="highs")
-    np.testing.assert_array_equal(z, [[0, 1], [1, 0]])
-    with pytest.warns(DeprecationWarning, match="use method"):
-        codes = hh.cascade_codes(unary[None], 1, 0.0, 0.5, backend="ortools")
-    np.testing.assert_array_equal(codes[0], z)
-    with pytest.warns(DeprecationWarning, match="use SOLVERS"):
-        assert hh.BACKENDS == hh.SOLVERS
-
-
 # --------------------------------------------------------------------------------------------
 # Bad input
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("runner.data", "runner.methods", "runner.models", "runner.hooks", "runner.configs")
 FLOORS = [  # bottom first
     {"runner.checks", "runner.methods", "runner.faults", "runner.untrusted", "runner.plots",
-     "runner.augment", "runner.instruments", "runner.losses", "runner.optim"},
+     "runner.augment", "runner.instruments", "runner.interrupts", "runner.losses", "runner.optim"},
     {"runner.configs", "runner.schema", "runner.metrics"},
     {"runner.data", "runner.models", "runner.hardware"},
     {"runner.train", "runner.batches", "runner.step", "runner.evaluation", "runner.checkpoint",
@@ -24,8 +24,11 @@ FLOORS = [  # bottom first
     {"tasks"},  # every task module
     {"runner.sweeper"},  # the Optuna sweeper, whose search-space checks the preflight runs
     {"runner.compose"},
-    {"runner", "runner.cli", "runner.track", "runner.report", "runner.evaluate_run",
-     "runner.data_check", "runner.sync", "runner.device_tracking"},
+    {"runner", "runner.cli", "runner.track", "runner.evaluate_run", "runner.data_check", "runner.sync",
+     "runner.device_tracking",
+     "runner.report", "runner.report.__main__", "runner.report.callback", "runner.report.claims",
+     "runner.report.command", "runner.report.plots", "runner.report.render", "runner.report.runs",
+     "runner.report.values"},
 ]  # fmt: skip
 
 
@@ -125,12 +128,36 @@ def test_the_solvers_facade():
         "from runner.methods import comixup, pwc; import runner.methods.dbot as dbot; "
         "assert (cover, allocate, comixup_masks) == (pwc.cover, sys.modules['runner.methods.csot'].allocate, "
         "comixup.comixup_masks) and dbot_cluster is dbot.dbot_cluster; "
-        "assert all(getattr(m, n).__module__ == 'runner.methods.' + m._module_of()[n] for n in m.__all__); "
+        "where = m.module_of(m.EXPORTS); "
+        "assert all(getattr(m, n).__module__ == 'runner.methods.' + where[n] for n in m.__all__); "
         "assert {'dbot', 'comixup', 'SOLVERS'}.isdisjoint(m.__all__) and len(m.__all__) > 50; "
         "print(sorted(before))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_facade_lists_every_solver_once():
+    """The façade's list is each module's exported functions, no more, no fewer (a new one is listed or
+    the test fails), and a name listed under two modules stops the import instead of dropping the name."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import pytest
+
+    import runner.methods as facade
+
+    modules = {m.name for m in pkgutil.iter_modules(facade.__path__) if not m.name.startswith("_")}
+    assert sorted(facade.EXPORTS) == sorted(modules)
+    for module, names in facade.EXPORTS.items():
+        solvers = importlib.import_module(f"runner.methods.{module}")
+        functions = {n for n in solvers.__all__ if inspect.isfunction(getattr(solvers, n))} - modules
+        assert sorted(names) == sorted(functions), module
+    with pytest.raises(ImportError, match="'cover' is exported by both pwc and csot"):
+        facade.module_of({"pwc": ("cover",), "csot": ("allocate", "cover")})
+    with pytest.raises(ImportError, match="'dbot' is exported by comixup, and is a module"):
+        facade.module_of({"dbot": ("dbot_lp",), "comixup": ("dbot",)})
 
 
 def test_files_are_named_by_one_rule():
@@ -143,3 +170,15 @@ def test_files_are_named_by_one_rule():
 
     assert stems("runner/configs") == stems("tasks") == set(TASKS)
     assert all(entry.module == f"tasks.{name}" for name, entry in TASKS.items())
+
+
+def test_config_error_is_imported_from_runner_checks_only():
+    """`ConfigError` is defined in runner.checks; an import of it through another module (runner.schema
+    imports it too) is a second spelling of one name."""
+    elsewhere = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module != "runner.checks":
+                if any(alias.name == "ConfigError" for alias in node.names):
+                    elsewhere.append(f"{name}: from {node.module} import ConfigError")
+    assert elsewhere == []

@@ -21,12 +21,13 @@ from runner.canvas_metrics import (
     noisy_background,
     outside_masks,
 )
+from runner.checks import ConfigError
 from runner.compose import compose
 from runner.data import load_data
 from runner.data.imagenet_boxes import add_val_boxes
 from runner.hardware import RunContext
 from runner.models import build_model
-from runner.schema import ConfigError, validate
+from runner.schema import validate
 
 WNIDS = ["n01440764", "n01443537"]
 # val image -> (class, (width, height), boxes as xmin, ymin, xmax, ymax in the image's pixels)

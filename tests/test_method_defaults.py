@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from runner import hardware
+from runner.checks import ConfigError
 from runner.compose import (
     CONF_DIR,
     canonical,
@@ -22,7 +23,7 @@ from runner.compose import (
     typed,
 )
 from runner.configs import METHODS, TASKS
-from runner.schema import ConfigError, option_keys, validate
+from runner.schema import option_keys, validate
 
 OPT_OUT = "+experiment=none: without it"
 

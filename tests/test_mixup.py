@@ -379,8 +379,8 @@ def test_integer_one_hot_targets_mix_as_floats():
         _, y_int = mix(x, y.long(), rng=3)
         assert y_int.dtype == torch.float32  # 1 - w in float32 may round once more than in float64:
         torch.testing.assert_close(y_int, y_float.float(), rtol=2**-23, atol=0)
-    with pytest.warns(DeprecationWarning, match="use method"), pytest.raises(ValueError, match="method='bf'"):
-        puzzle_mix(x, y, np.ones((8, 8, 8)), grid=2, solver="bf")
+    with pytest.raises(ValueError, match="method='bf'"):
+        puzzle_mix(x, y, np.ones((8, 8, 8)), grid=2, method="bf")
 
 
 def test_puzzle_mix_hooks_adversarial_option_perturbs_within_the_ball():

@@ -11,13 +11,14 @@ from omegaconf import OmegaConf
 from test_train import KillAt, blobs, setup
 
 from runner.checkpoint import CHECKPOINT
+from runner.checks import ConfigError
 from runner.compose import compose
 from runner.data import Data, split_of
 from runner.hardware import RunContext
 from runner.instruments import Instruments, watching
 from runner.models import build_model
 from runner.optim import make_optimizer
-from runner.schema import ConfigError, validate
+from runner.schema import validate
 from runner.track import Tracker
 from runner.train import fit
 

@@ -94,21 +94,6 @@ def test_empty_selection_is_the_wasserstein_distance():
             assert pw[0] == pytest.approx(w2, abs=1e-12)
 
 
-def test_old_names_warn_and_give_the_same_result():
-    import runner.methods.pwc as pwc
-
-    cost, a, b = random_instance(np.random.default_rng(2), 5, 6)
-    value, f, g = partial_wasserstein_dual(cost, a, b)
-    with pytest.warns(DeprecationWarning, match="use partial_wasserstein_dual"):
-        old = pwc.partial_wasserstein(cost, a, b, num_iter_max=10**6)
-    np.testing.assert_array_equal(np.r_[old[0], old[1], old[2]], np.r_[value, f, g])
-    with pytest.warns(DeprecationWarning, match=r"num_iter_max=\.\.\.\) is deprecated: use max_iter"):
-        partial_wasserstein_dual(cost, a, b, num_iter_max=10**6)
-    with pytest.warns(DeprecationWarning, match="use entropic_partial_wasserstein_dual"):
-        old = pwc.entropic_partial_wasserstein(cost, a, b, 0.1)
-    assert old[0] == entropic_partial_wasserstein_dual(cost, a, b, 0.1)[0]
-
-
 def test_simplex_iteration_limit_is_an_error():
     cost, a, b = random_instance(np.random.default_rng(1), 30, 40)
     with pytest.raises(RuntimeError, match="ot.emd"):

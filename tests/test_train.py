@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.checkpoint import CHECKPOINT
+from runner.checks import ConfigError
 from runner.compose import compose
 from runner.data import Data, split_of
 from runner.data.views import augment_crop_flip
@@ -18,7 +19,7 @@ from runner.hardware import RunContext
 from runner.hooks import MethodHooks
 from runner.losses import soft_cross_entropy
 from runner.models import build_model
-from runner.schema import ConfigError, validate
+from runner.schema import validate
 from runner.track import Tracker
 from runner.train import fit
 

@@ -12,9 +12,9 @@ from test_train import KillAt, blobs, setup
 import runner.evaluate_run
 import runner.evaluation
 from runner.checkpoint import CHECKPOINT
+from runner.checks import ConfigError
 from runner.hooks import MethodHooks
 from runner.models import build_model
-from runner.schema import ConfigError
 from runner.train import fit
 
 

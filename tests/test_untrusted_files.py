@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from runner.checkpoint import load_checkpoint
+from runner.checks import ConfigError
 from runner.data.imagenet32 import read_batches
 from runner.faults import CheckpointError
-from runner.schema import ConfigError
 
 
 class Payload:

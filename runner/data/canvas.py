@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runner.checks import check_range
 from runner.data import Data, Split, register_dataset, three_way_split
-from runner.schema import DatasetConfig, check_range
+from runner.schema import DatasetConfig
 
 DIGIT = 8  # side of a sklearn digit
 

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runner.checks import check_choice, check_range
 from runner.data import Data, Split, register_dataset
 from runner.data.files import IMAGENET_STATS, normalized
-from runner.schema import DatasetConfig, check_choice, check_range
+from runner.schema import DatasetConfig
 
 # like -> (classes, image side, train size, test size) of the real dataset
 IN_MEMORY = ("cifar10", "cifar100")  # the real datasets a run holds in memory

@@ -3,8 +3,8 @@ and feature passes that wire the pure solvers of `runner.methods` into the loop.
 solvers (`runner.methods`) -> loop (`runner.train`) -> hooks (here) -> tasks (`tasks/`). Every hooks
 class subclasses `MethodHooks` (defined below the loop, in `runner.method_hooks`, which the loop imports)."""
 
+from runner.checks import ConfigError
 from runner.method_hooks import MethodHooks
-from runner.schema import ConfigError
 
 __all__ = ["MethodHooks", "check_batch"]
 

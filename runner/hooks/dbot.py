@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from runner.augment import PolicyAugment, cutout
+from runner.checks import ConfigError
 from runner.data import longtail_counts
 from runner.distributed_passes import global_batch
 from runner.hardware import to_device
@@ -23,7 +23,6 @@ from runner.methods.dbot import (
     ldam_margins,
     weighted_focal_loss,
 )
-from runner.schema import ConfigError
 
 # the inference rules that solve DB-OT (on the device, on an accelerator)
 DBOT_RULES = ("sinkhorn", "dbot")
@@ -46,8 +45,7 @@ def longtail_loss(
         tau = 1.0 if m.loss == "balanced_softmax" else m.la_tau
         return soft_cross_entropy(logits + tau * torch.log(prior), y_soft)
     if m.loss == "focal":
-        log_p = F.log_softmax(logits, dim=1)
-        return -(y_soft * (1 - log_p.exp()) ** m.focal_gamma * log_p).sum(dim=1).mean()
+        return weighted_focal_loss(logits, y_soft, m.focal_gamma)
     labels = y_soft.argmax(1)
     if m.loss in ("cb_ce", "cb_focal"):
         return weighted_focal_loss(

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from runner.batches import batches, in_order
+from runner.checks import ConfigError
 from runner.data.samplers import ClassBalancedEpochs, ClassBalancedSampler
 from runner.distributed_passes import global_batch, predict_all
 from runner.hardware import to_device
 from runner.hooks import MethodHooks
 from runner.methods import hier_hash as hh
 from runner.models.hashing import PixelMeanInput
-from runner.schema import ConfigError
 
 
 def hash_loss_and_codes(net, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg, remap):

@@ -3,14 +3,12 @@
 The solver convention (POT's), applied to every public solver in ``runner/methods``:
 
 - ``reg``: the entropic weight (the paper's epsilon), as in ``ot.sinkhorn(a, b, M, reg)``. It is the
-  one name project-wide; ``eps`` is kept one release as a deprecated alias (see :func:`renamed_kwargs`).
-  A regulariser of a different kind gets its own descriptive name, never ``reg``.
+  one name project-wide; a regulariser of a different kind gets its own descriptive name, never ``reg``.
 - ``max_iter``: the cap on outer iterations (sweeps); ``tol``: the stopping threshold on ``err``.
 - ``method=``: the algorithm choice (never ``backend`` or ``solver``).
 - ``log=True``: also return a dict with at least ``n_iter`` (iterations run), ``err`` (the stopping
   criterion's final value) and ``converged`` (bool); build it with :func:`convergence_log`, which also
   emits the one shared ``UserWarning`` when the solver stopped at ``max_iter`` without converging.
-- Old keyword names keep working one release with a ``DeprecationWarning`` (:func:`renamed_kwargs`).
 
 Also here: :func:`logsumexp` for numpy arrays (scipy's) and torch tensors, the transportation-LP
 constraint matrices (:func:`transport_constraints`) with the integrality check of TU LPs
@@ -19,7 +17,6 @@ constraint matrices (:func:`transport_constraints`) with the integrality check o
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import warnings
@@ -32,7 +29,6 @@ __all__ = [
     "ConvergenceWarning",
     "convergence_log",
     "warn_not_converged",
-    "renamed_kwargs",
     "logsumexp",
     "transport_constraints",
     "integral_solution",
@@ -95,39 +91,6 @@ def convergence_log(
     if warn and not converged:
         warn_not_converged(solver, n_iter, err, tol)
     return dict(n_iter=int(n_iter), err=err, converged=converged, **extra)
-
-
-def renamed_kwargs(**old_to_new):
-    """Decorator: accept each old keyword name one release longer, with a ``DeprecationWarning``.
-
-    >>> @renamed_kwargs(eps="reg")
-    ... def solve(cost, reg=1.0):
-    ...     return reg
-    >>> import warnings
-    >>> with warnings.catch_warnings(record=True):
-    ...     warnings.simplefilter("always")
-    ...     solve(0, eps=0.5)
-    0.5
-    """
-
-    def wrap(func):
-        @functools.wraps(func)
-        def inner(*args, **kwargs):
-            for old, new in old_to_new.items():
-                if old in kwargs:
-                    if new in kwargs:
-                        raise TypeError(f"{func.__name__}() got both {old!r} (deprecated) and {new!r}")
-                    warnings.warn(
-                        f"{func.__name__}({old}=...) is deprecated: use {new}=...",
-                        DeprecationWarning,
-                        stacklevel=2,
-                    )
-                    kwargs[new] = kwargs.pop(old)
-            return func(*args, **kwargs)
-
-        return inner
-
-    return wrap
 
 
 def logsumexp(x, axis: int, keepdims: bool = False):

@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from gco import cgco
 
-from runner.methods._common import renamed_kwargs, usable_cores
+from runner.methods._common import usable_cores
 from runner.methods._native import load as load_native
 from runner.methods._native import pointer as _data
 
@@ -83,8 +83,6 @@ __all__ = [
 THRES_TYPES = ("hard", "soft", "none")
 SOLVERS = ("exact", "gco_swap", "gco_expansion", "brute")  # the values of `method=`
 RANDOM_GRIDS = (2, 4, 8, 16)  # grid=-1 draws one of these at every call (the authors' `m_block_num -1`)
-_RENAMED = {"n_iter": "max_iter", "solver": "method"}  # old keyword -> new, accepted one more release
-
 _BLEND_SLOTS = ((0, 1), (0, 2), (1, 2))  # blended labels: halves of the three most used inputs
 _BLEND_FIRST, _BLEND_SECOND = np.array(_BLEND_SLOTS).T
 _PROTECTED_SLOTS = np.array([0, 0, 2, 3])  # [min(inputs in use, 3)]: the leading slots that blends need
@@ -346,14 +344,13 @@ def _brute_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int):
     ).astype(np.intc)
 
 
-@renamed_kwargs(**_RENAMED)
 def grid_cut(unary, pairwise, smooth_weight, method: str = "gco_swap") -> np.ndarray:
     """Minimise sum_k unary[k, l_k] + sum_{4-neighbours e = (k,k')} w_e pairwise[l_k, l_k'] on a grid.
 
     unary: (g, g, L) or (P, g, g, L) for P independent grids (+inf forbids a label at a site);
     pairwise: (L, L) symmetric, zero diagonal (a metric for `gco_expansion`); smooth_weight: w >= 0,
     a scalar or (P, E) per edge (the g(g-1) vertical edges row by row, then the horizontal ones).
-    method (`solver` before, deprecated): `exact` (the global minimum by a DP over the grid's raster
+    method: `exact` (the global minimum by a DP over the grid's raster
     frontier, `grid_dp.c`, where that takes at most `_DP_MAX_WORK` state updates, else `gco_swap`), `gco_swap`
     (alpha-beta swap, a local minimum; exact for L = 2 up to the costs' integer resolution, 1e-6 or coarser
     near gco's limit), `gco_expansion`, `brute` (exact, L^(g^2) <= 2e6).
@@ -664,16 +661,15 @@ def objective(
     return float(f[0]) if not lead else f.reshape(lead)
 
 
-@renamed_kwargs(**_RENAMED)
 def comixup_masks(saliency_grid, A, lam, rng=None, log: bool = False, **options):
     """Algorithm 1 on one partition: masks (m', g, g, m) minimising `objective` (approximately).
 
     saliency_grid: (m, g, g) pooled, normalised saliency; A: (m, m) compatibility; lam: (m,) the
     Dirichlet draw. The start is iid uniform one-hot (from rng). `options` are those of `comixup`
     that Algorithm 1 takes (beta, gamma, eta, tau, thres_type, max_iter, tol, set_resolve,
-    mixed_labels, method), with its defaults (the paper's). At most `max_iter` sweeps (`n_iter`
-    before, deprecated; the paper's 4), fewer once a sweep changes f by less than `tol` relative to
-    it; `method` (`solver` before, deprecated) is the graph cut of `grid_cut`. The sweep count is
+    mixed_labels, method), with its defaults (the paper's). At most `max_iter` sweeps (the
+    paper's 4), fewer once a sweep changes f by less than `tol` relative to
+    it; `method` is the graph cut of `grid_cut`. The sweep count is
     the algorithm's budget, as in the paper, so stopping at max_iter does not warn. With log=True
     also returns a dict: `n_iter` (sweeps run), `err` (the last sweep's relative change of f),
     `converged` (err < tol), `energy` (unclipped f before and after each sweep), `trace` (f with
@@ -707,7 +703,6 @@ def comixup_masks(saliency_grid, A, lam, rng=None, log: bool = False, **options)
 # batch transform
 
 
-@renamed_kwargs(**_RENAMED)
 def comixup(
     x,
     y_onehot,
@@ -934,7 +929,6 @@ class ComixupPool:
         self.workers = workers
         self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
 
-    @renamed_kwargs(**_RENAMED)
     def submit(self, x, y_onehot, saliency_maps, rng=None, with_masks: bool = True, **kwargs) -> _PendingMix:
         options = _option_defaults()
         unknown = set(kwargs) - set(options)

@@ -53,7 +53,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from runner.methods._common import convergence_log, get_backend, renamed_kwargs
+from runner.methods._common import convergence_log, get_backend
 
 __all__ = [
     "allocate",
@@ -121,7 +121,6 @@ def _check_iters(value, name):
 # ----------------------------------------------------------------------------- curriculum OT
 
 
-@renamed_kwargs(eps="reg", n_iter="max_iter")
 def curriculum_ot(cost, row_cap, col_mass, reg, max_iter=100, tol=1e-9, anderson=5, g_init=None, log=False):
     r"""Entropic curriculum optimal transport (CSOT paper, Eq. 4 and Alg. 1).
 
@@ -168,9 +167,9 @@ def curriculum_ot(cost, row_cap, col_mass, reg, max_iter=100, tol=1e-9, anderson
     col_mass : array (C,)
         Column masses ``b > 0`` with ``sum(b) <= sum(a)`` (the transported mass).
     reg : float
-        Entropic regularisation (the paper's epsilon), > 0. ``eps=`` is a deprecated alias.
+        Entropic regularisation (the paper's epsilon), > 0.
     max_iter : int
-        Maximum number of (row, column) scaling steps (``n_iter=`` is a deprecated alias).
+        Maximum number of (row, column) scaling steps.
     tol : float
         Stop when ``err <= tol`` (relative row error; 0 runs all ``max_iter`` steps). A
         ``UserWarning`` says when ``max_iter`` is reached first.
@@ -497,10 +496,6 @@ def _check_chunk(plan_or_probs, features, labels, probs_name="probs", probs=None
 # ----------------------------------------------------------------------------- CSOT plan
 
 
-_PLAN_RENAMES = dict(eps="reg", outer_iters="max_iter", inner_iters="inner_max_iter")
-
-
-@renamed_kwargs(**_PLAN_RENAMES)
 def csot_plan(
     probs,
     features,
@@ -553,7 +548,7 @@ def csot_plan(
         Entropy weight (the paper's epsilon, > 0) and structure weights (>= 0).
     max_iter, inner_max_iter : int
         Conditional-gradient steps and scaling steps per inner solve (a maximum: the inner
-        solve stops at ``inner_tol``). Deprecated aliases: ``eps``, ``outer_iters``, ``inner_iters``.
+        solve stops at ``inner_tol``).
     omega_p_input : {"softmax", "log_softmax"}
         ``W`` of :math:`\Omega^P`: the paper's softmax, or the authors' code default.
     tol, inner_tol : float
@@ -750,7 +745,6 @@ def curriculum_budget(epoch, warmup, end, m0=0.3, rule="paper"):
     raise ValueError(f"rule={rule!r}: must be one of {BUDGET_RULES}")
 
 
-@renamed_kwargs(**_PLAN_RENAMES)
 def allocate(probs, features, labels, m, solve_batch=1024, seed=0, log=False, warn=True, **plan_kwargs):
     """Run :func:`csot_plan` and :func:`select` over a whole training set in random chunks.
 
@@ -758,7 +752,7 @@ def allocate(probs, features, labels, m, solve_batch=1024, seed=0, log=False, wa
     tensors on one device: everything then stays there); the samples are shuffled with ``seed`` and
     cut into chunks of ``solve_batch`` (the last one smaller), each with its own class balance
     ``m / C`` and selection of ``floor(m B_chunk)`` rows. ``plan_kwargs`` go to :func:`csot_plan`
-    (``reg``, ``max_iter``, ...; the deprecated ``eps``, ``outer_iters``, ``inner_iters`` too).
+    (``reg``, ``max_iter``, ...).
     One ``UserWarning`` (``warn``) if some chunk's plan did not converge.
 
     numpy arrays are solved chunk by chunk; tensors as one batched problem (:func:`batched_csot_plan`,

@@ -40,7 +40,6 @@ from runner.methods._common import (
     convergence_log,
     get_backend,
     logsumexp,
-    renamed_kwargs,
     transport_constraints,
 )
 
@@ -107,7 +106,6 @@ def _check_reg(reg):
         raise ValueError(f"reg={reg}: the entropic weight (eps in the paper) must be a finite number > 0")
 
 
-@renamed_kwargs(eps="reg")
 def check_problem(cost, a, b_low, b_up, reg: float):
     """Validate a DB-OT problem; return float64 (cost, a, b_low, b_up) with b_up clipped at sum(a).
 
@@ -229,7 +227,6 @@ class _Stopping:
         return self.err < self.stop
 
 
-@renamed_kwargs(eps="reg")
 def dbot_objective(cost, plan, reg: float) -> float:
     """Primal value <C, P> + reg * sum_ij P_ij (log P_ij - 1), with 0 log 0 = 0 (numpy)."""
     plan = np.asarray(plan, dtype=np.float64)
@@ -242,7 +239,6 @@ def _weighted_sum(x, w) -> float:
         return float(np.where((x == 0) | (w == 0), 0.0, x * w).sum())
 
 
-@renamed_kwargs(eps="reg")
 def dbot_dual(cost, a, b_low, b_up, reg: float, f, g, h) -> float:
     """Dual value <f,a> + <g,b_low> + <h,b_up> - reg * sum_ij exp((f_i + g_j + h_j - C_ij) / reg) (numpy)."""
     cost = np.asarray(cost, dtype=np.float64)
@@ -358,7 +354,6 @@ def _solve_bregman(nx, cost, a, b_low, b_up, reg, max_iter, stopping, check_ever
     return plan, n_iter, {}
 
 
-@renamed_kwargs(eps="reg")
 def dbot(
     cost,
     a,
@@ -378,8 +373,7 @@ def dbot(
     cost : (m, n) array or tensor, the cost C (any units; only C / reg matters).
     a : (m,) source masses, >= 0.
     b_low, b_up : (n,) or scalar column bounds, 0 <= b_low <= b_up (b_up may be inf).
-    reg : entropic regularisation (the paper's eps), > 0, in the units of C. ``eps=`` is a deprecated
-        alias.
+    reg : entropic regularisation (the paper's eps), > 0, in the units of C.
     method : "sinkhorn" (scalings u, q, v; fastest), "dual" (log-domain dual ascent; use for small
         reg), "bregman" (KL projections of the plan with Dykstra's correction; exact) or
         "bregman_plain" (the paper's cycle of projections; exact only when b_low = b_up).
@@ -500,7 +494,6 @@ def round_plan(plan, low_counts, up_counts) -> np.ndarray:
     return res.x.reshape(m, n).argmax(axis=1)
 
 
-@renamed_kwargs(eps="reg")
 def dbot_cluster(
     X,
     n_clusters: int,
@@ -530,8 +523,8 @@ def dbot_cluster(
     Parameters
     ----------
     X : (N, d) samples.  n_clusters : K.  tau : scalar or (K,) bound rate, >= 0 (tau = 0 forces the
-    masses to b exactly).  reg : entropic regularisation relative to the median squared distance
-    (``eps=`` is a deprecated alias).  seed : the initialisation's random state.
+    masses to b exactly).  reg : entropic regularisation relative to the median squared distance.
+    seed : the initialisation's random state.
     weights : (K,) target cluster proportions b (normalised; default uniform 1/K).
     init : "kmeans++" (sklearn's greedy k-means++) or "random" (K distinct samples).
     assign : "argmax" or "rounded" (see above).
@@ -747,16 +740,25 @@ def weighted_focal_loss(logits, target, gamma: float = 0.0, weight=None):
 
     ``gamma = 0`` is (weighted) cross-entropy: class-balanced CE with ``weight = class_balanced_weights``;
     ``gamma > 0`` with those weights is class-balanced focal (Cui et al. apply it to sigmoid outputs;
-    here, as the focal baseline of the long-tail task, to the softmax).
+    here, as the focal baseline of the long-tail task, to the softmax). ``target`` is (B,) class indices,
+    or (B, K) soft labels y: then :math:`L = \frac{1}{B} \sum_i \sum_j y_{ij} (1 - p_{ij})^\gamma
+    (-\log p_{ij})` (Lin et al.'s focal loss of a distribution), without class weights.
     """
-    log_p = torch.log_softmax(logits, dim=1).gather(1, target[:, None])[:, 0]
-    per_sample = -log_p
+    log_p = torch.log_softmax(logits, dim=1)
+    soft = target.dim() == 2
+    if not soft:
+        log_p = log_p.gather(1, target[:, None])[:, 0]
+    per_class = -log_p
     if gamma:  # 1 - p floored at the smallest normal: at p = 1, x^gamma's gradient is inf for gamma < 1
-        per_sample = -((1.0 - log_p.exp()).clamp(min=torch.finfo(log_p.dtype).tiny) ** gamma) * log_p
+        per_class = -((1.0 - log_p.exp()).clamp(min=torch.finfo(log_p.dtype).tiny) ** gamma) * log_p
+    if soft:
+        if weight is not None:
+            raise ValueError("weighted_focal_loss: class weights need class indices, not soft labels")
+        return (target * per_class).sum(dim=1).mean()
     if weight is None:
-        return per_sample.mean()
+        return per_class.mean()
     w = torch.as_tensor(weight, dtype=logits.dtype, device=logits.device)[target]
-    return (w * per_sample).sum() / w.sum()
+    return (w * per_class).sum() / w.sum()
 
 
 def ldam_margins(counts, max_margin: float = 0.5) -> np.ndarray:
@@ -795,7 +797,6 @@ class CosineClassifier(torch.nn.Module):
         return self.scale * cos
 
 
-@renamed_kwargs(eps="reg")
 def dbot_predict(
     logits,
     prior,
@@ -814,7 +815,7 @@ def dbot_predict(
     prior : (K,) expected label frequencies r of the test set (or counts; normalised here; zeros
     allowed).  delta : bound rate >= 0 (delta = 0 is Sinkhorn with column marginal r;
     delta >= max(1, 1/r_min - 1) makes both bounds inactive, i.e. argmax).
-    reg : entropic regularisation in logit units (``eps=`` is a deprecated alias).  batch_size : solve
+    reg : entropic regularisation in logit units.  batch_size : solve
     each consecutive batch of this many rows on its own (None: the whole set at once).
     method, max_iter, tol : passed to :func:`dbot`.
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import ctypes as ct
 import functools
 import math
-import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -40,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from scipy.sparse import coo_matrix, csr_matrix
 
-from runner.methods._common import integral_solution, renamed_kwargs
+from runner.methods._common import integral_solution
 from runner.methods._native import load as load_native
 from runner.methods._native import pointer
 
@@ -86,13 +85,6 @@ ASSIGNMENT_MAX_CLASSES = 256
 # s = 1 it stays 3-4x faster than OR-tools)
 SSP_MAX_CLASSES = 256
 LOSSES = ("triplet", "npairs")
-
-
-def __getattr__(name):
-    if name == "BACKENDS":  # the old name of SOLVERS, kept one release
-        warnings.warn("hier_hash.BACKENDS is deprecated: use SOLVERS", DeprecationWarning, stacklevel=2)
-        return SOLVERS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # Integer backends price arcs in units of 1/cost_scale. OR-tools' cost scaling needs
@@ -498,7 +490,6 @@ def _solve_flow(net: FlowNetwork, method, cost_scale):
     return flow, float(flow @ int_cost) / scale, scale
 
 
-@renamed_kwargs(backend="method")
 def assign_codes(
     unary, sparsity, alpha, beta, groups=None, method="networkx", cost_scale=None, log=False
 ) -> np.ndarray | tuple[np.ndarray, dict]:
@@ -520,7 +511,7 @@ def assign_codes(
         Sibling group id per class (equal ids = equal codes at all earlier levels); ``None`` means
         no siblings (level 1).
     method : {"networkx", "ortools", "highs", "assignment", "ssp"}
-        The algorithm (``backend`` before, deprecated). ``networkx``: network simplex on a
+        The algorithm. ``networkx``: network simplex on a
         MultiDiGraph (the reference). ``ortools``: OR-tools' C++ cost-scaling min-cost flow.
         ``highs``: dual simplex on the arc LP with float costs (integral vertex by total
         unimodularity, asserted). ``assignment``: scipy's ``linear_sum_assignment`` of classes to
@@ -647,13 +638,12 @@ def code_energy(z, unary, alpha, beta, groups=None) -> float:
     return energy
 
 
-@renamed_kwargs(backend="method")
 def cascade_codes(unary, ks, alpha, beta, method="networkx", cost_scale=None, log=False):
     """Class codes for all levels, solved level by level (Alg. 1).
 
     ``unary`` is (k, nc, d). Level v < k takes one bit, level k takes ``ks``; the sibling groups
     at level v are the classes whose codes agree at levels 1..v-1 (none at level 1). ``method``
-    and ``cost_scale`` are those of ``assign_codes`` (``backend`` before, deprecated).
+    and ``cost_scale`` are those of ``assign_codes``.
     Returns (k, nc, d) int64 0/1 codes; with ``log=True`` also a dict with ``n_iter`` (flow
     problems solved, all levels), ``err`` (the largest level's), ``converged`` and ``levels``
     (each level's ``assign_codes`` log).

@@ -14,7 +14,7 @@ lambda ~ Beta(alpha, alpha) drawn once per batch:
 
 and y~ = w y + (1 - w) y[perm] with w the share of x in x~. Tensors or arrays in, the same out (but
 `manifold_mixup`, whose x goes through a model: tensors).
-Puzzle Mix's graph cut is chosen by `method=` (`solver` before, deprecated), as in
+Puzzle Mix's graph cut is chosen by `method=`, as in
 `runner.methods.comixup.grid_cut`.
 """
 
@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.methods._common import renamed_kwargs
 from runner.methods.comixup import (
     RANDOM_GRIDS,
     SOLVERS,
@@ -330,7 +329,6 @@ def _transport(x: torch.Tensor, plan: torch.Tensor, g: int) -> torch.Tensor:
     return _uncells(moved, x.shape)
 
 
-@renamed_kwargs(solver="method")
 @_tensor_io
 def puzzle_mix(
     x,
@@ -366,7 +364,7 @@ def puzzle_mix(
     x~ = M x + (1 - M) x', y~ = mean(M) y + (1 - mean(M)) y'. x is the network input; raw pixels are
     x * std + mean (per channel; None: x is raw).
     saliency_maps: (B, H, W) per-pixel saliency of x. Everything runs on x's device but the cut, by
-    `method` (a `grid_cut` method; `solver` before, deprecated).
+    `method` (a `grid_cut` method).
 
     >>> x, y = torch.rand(4, 3, 8, 8), torch.eye(4)
     >>> x_mix, y_mix = puzzle_mix(x, y, torch.rand(4, 8, 8), grid=2, rng=0)

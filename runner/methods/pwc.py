@@ -27,14 +27,13 @@ the value and the optimal dual potentials, hence the ``_dual`` in their names.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 from scipy import optimize, sparse
 
-from runner.methods._common import convergence_log, logsumexp, renamed_kwargs, transport_constraints
+from runner.methods._common import convergence_log, logsumexp, transport_constraints
 
 __all__ = [
     "BASELINES",
@@ -108,7 +107,6 @@ def _partial_lp(cost_ext, a, b, max_iter=NUM_ITER_MAX):
     return float(log["cost"]), log["u"][:-1] - u_dummy, log["v"] + u_dummy, plan[:-1]
 
 
-@renamed_kwargs(num_iter_max="max_iter")
 def partial_wasserstein_dual(cost, a, b, max_iter=NUM_ITER_MAX, log=False):
     r"""One-sided partial Wasserstein: rows exact, columns capped; its value and optimal dual potentials.
 
@@ -246,26 +244,6 @@ def entropic_partial_wasserstein_dual(cost, a, b, reg, max_iter=10_000, tol=1e-9
     if not log:
         return value, f, g
     return value, f, g, {"plan": plan, **info}
-
-
-def _deprecated_alias(func, old, reason):
-    """``func`` under its old name for one more release, with a DeprecationWarning."""
-
-    @functools.wraps(func)
-    def alias(*args, **kwargs):
-        warnings.warn(f"{old} is deprecated: use {func.__name__} ({reason})", DeprecationWarning, 2)
-        return func(*args, **kwargs)
-
-    alias.__name__ = alias.__qualname__ = old
-    alias.__doc__ = f"Deprecated alias of :func:`{func.__name__}` ({reason})."
-    return alias
-
-
-_NOT_POT = "POT's function of this name returns the plan; this one the value and dual potentials"
-partial_wasserstein = _deprecated_alias(partial_wasserstein_dual, "partial_wasserstein", _NOT_POT)
-entropic_partial_wasserstein = _deprecated_alias(
-    entropic_partial_wasserstein_dual, "entropic_partial_wasserstein", _NOT_POT
-)
 
 
 # --------------------------------------------------------------------------------------------------

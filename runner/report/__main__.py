@@ -1,0 +1,3 @@
+from runner.report.command import main
+
+main()
