@@ -20,6 +20,7 @@ from runner.faults import CheckpointError, Diverged
 from runner.hardware import RunContext
 from runner.instruments import around
 from runner.method_hooks import MethodHooks
+from runner.metrics import parse_metric
 from runner.rundir import CHECKPOINTS
 from runner.untrusted import RefusedPickle, torch_load
 
@@ -248,8 +249,5 @@ def snapshot(model, evaluated: dict, calibration: dict, select, epoch: int) -> d
 
 def selection(rule: str) -> tuple[str, str] | None:
     """`train.select` as `(metric, "max" | "min")` (a loss or an ECE is minimised); None for `last`."""
-    if rule == "last":
-        return None
-    key = rule.removeprefix("best:")
-    return key, "min" if key.rsplit("/", 1)[-1] in ("loss", "ece") else "max"
+    return None if rule == "last" else parse_metric(rule.removeprefix("best:"), given_as="train.select=best:")
 

@@ -37,7 +37,7 @@ from runner.hardware import RunContext, Stopwatch, all_reduce_sum, renew_host_me
 from runner.instruments import around
 from runner.memory import check_batch_settings
 from runner.method_hooks import MethodHooks, PlainTraining
-from runner.metrics import history_summary, reliability_plot
+from runner.metrics import MONITORED, history_summary, parse_metric, reliability_plot
 from runner.optim import Phases, final_image_size, follow_config
 from runner.step import AGREE_EVERY, MIN_LOSS_SCALE, DeferredChecks, Step, make_step, train_step
 
@@ -160,7 +160,7 @@ class Loop:
         s, extra = self.step, {"ema": self.step.ema, "warmup_lr": self.warmup_lr}
         self.state = Resumable(path, ctx, model, s.optimizer, s.scheduler, s.scaler, hooks, extra)
         self.select = selection(cfg.select) or hooks.select
-        self.monitor = Monitor(self.select or ("val/acc", "max"), cfg, path)
+        self.monitor = Monitor(self.select or parse_metric(MONITORED), cfg, path)
         has_pass = hooks.on_epoch_start is not None
         self.mid_epoch = cfg.checkpoint and (not has_pass or hooks.mid_epoch_resume)
         self.last_save = time.monotonic()
