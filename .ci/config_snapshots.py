@@ -13,7 +13,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from runner.compose import CONF_DIR, apply_debug, compose, typed
+from runner.compose import CONF_DIR, compose, typed
+from runner.smoke import apply_debug
 from runner.cli import run_in_process
 from runner.schema import ConfigError, validate
 

@@ -11,7 +11,8 @@ Run: `python -m benchmarks.bench_preflight` (or `make bench B=preflight`).
 
 import time
 
-from runner.compose import canonical, compose, preflight, variants
+from runner.compose import compose, preflight
+from runner.overrides import canonical, variants
 from runner.schema import validate
 
 JOBS, REFERENCE_JOBS = 2000, 50

@@ -19,25 +19,17 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from runner import handle_dropped_exceptions, rundir
-from runner.compose import (
-    CONF_DIR,
-    apply_debug,
-    command_line,
-    compose_hydra,
-    job_overrides,
-    task_of,
-    typed,
-    without_other_options_settings,
-)
+from runner.compose import CONF_DIR, CommandLine, build_job
 from runner.configs import TASKS
 from runner.data import missing_files
 from runner.data.files import UnreadableImage
 from runner.faults import CheckpointError, Diverged, Interrupted, JobFailed, OutOfMemory, out_of_memory_stops
 from runner.methods._native import NativeBuildError
-from runner.schema import ConfigError, main_metric, objective_key, validate
+from runner.schema import ConfigError, main_metric, objective_key
+from runner.task import task_of
 
 log = logging.getLogger("runner")
 
@@ -114,10 +106,8 @@ def _start(cfg: DictConfig, cleanup: contextlib.ExitStack, preset_note: str | No
     from runner.track import Tracker, log_to_file
 
     hydra_cfg = HydraConfig.get()
-    cfg, left_out = without_other_options_settings(cfg, list(hydra_cfg.overrides.task))
     print_config, multirun = cfg.get("print_config", False), hydra_cfg.mode.name == "MULTIRUN"
-    cfg = typed(cfg, validate(cfg))
-    smoke_note = apply_debug(cfg)
+    cfg, left_out, smoke_note = build_job(cfg, list(hydra_cfg.overrides.task))
     cfg.hardware.num_workers = capped_workers(cfg.hardware.num_workers)
     if multirun and cfg.logger.group is None:  # one W&B group per sweep
         cfg.logger.group = "/".join(Path(hydra_cfg.sweep.dir).parts[-2:])
@@ -184,20 +174,15 @@ def _non_finite(value) -> bool:
     return isinstance(value, float) and not math.isfinite(value)
 
 
-def _claim_run_dir(argv: list[str]) -> None:
+def _claim_run_dir(line: CommandLine) -> None:
     """A single run into an existing run dir (a resume): lock it and check the resume before Hydra
     rewrites the dir's .hydra/ files; `_run` takes the same lock again and releases it."""
-    overrides = job_overrides(argv)
-    if overrides is None or {"-m", "--multirun"} & set(argv):
+    if line.overrides is None or line.multirun:
         return
-    cfg = compose_hydra(overrides)
-    run_dir = Path(cfg.hydra.run.dir)
+    run_dir = Path(line.hydra_config.hydra.run.dir)
     if not run_dir.is_dir():
         return
-    with open_dict(cfg):
-        del cfg["hydra"]
-    job = typed(cfg, validate(cfg))
-    apply_debug(job)
+    job = line.job().config  # the job `_run` runs, built as it builds it
     if int(os.environ.get("RANK", 0)) == 0:
         rundir.lock(run_dir)
         atexit.register(rundir.unlock, run_dir)  # should Hydra fail before the job
@@ -214,12 +199,12 @@ def _quiet_optuna() -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-def _check_writable(argv: list[str]) -> None:
-    """A one-line ConfigError where the run (or sweep) dir of `argv` cannot be written: a read-only file
-    system or folder (the working directory, for the default `outputs/`), before Hydra makes it."""
-    overrides = job_overrides(argv)
-    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
-    where = Path(OmegaConf.select(compose_hydra(overrides), key))
+def _check_writable(line: CommandLine) -> None:
+    """A one-line ConfigError where the run (or sweep) dir of the command line cannot be written: a
+    read-only file system or folder (the working directory, for the default `outputs/`), before Hydra
+    makes it."""
+    key = "hydra.sweep.dir" if line.multirun else "hydra.run.dir"
+    where = Path(OmegaConf.select(line.hydra_config, key))
     existing = next(p for p in [where, *where.absolute().parents] if p.exists())
     if os.access(existing, os.W_OK):
         return
@@ -242,16 +227,16 @@ def _main() -> None:
     if any(a.startswith("+sweep=") or a.startswith("hydra/sweeper=optuna") for a in sys.argv[1:]):
         _quiet_optuna()
     try:
-        line = command_line(sys.argv[1:])
+        line = CommandLine.parse(sys.argv[1:])
         printout = {"-c", "--cfg", "-i", "--info"} & set(line.args)
         runs = line.checked is not None and not printout
-        single = not {"-m", "--multirun"} & set(line.args)
+        single = not line.multirun
         missing = runs and single and missing_files(line.checked["dataset"])
         if missing:  # before a run dir is made for it (a sweep's job without its data fails alone)
             raise ConfigError(missing)
         if runs:
-            _check_writable(line.args)
-        _claim_run_dir(line.args)
+            _check_writable(line)
+        _claim_run_dir(line)
     except ConfigError as e:
         print(f"runner: error: {e}", file=sys.stderr)
         sys.exit(2)

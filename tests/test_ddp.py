@@ -167,9 +167,10 @@ def test_ddp_outside_torchrun_is_a_one_line_error(monkeypatch):
 
 
 def _run_task(run_dir, overrides, rank=0, world_size=1) -> dict:
-    from runner.compose import compose, task_of, typed
+    from runner.compose import compose, typed
     from runner.hardware import seed_everything
     from runner.schema import validate
+    from runner.task import task_of
 
     cfg = compose(["logger=none", "train.progress=false", *overrides])
     cfg = typed(cfg, validate(cfg))

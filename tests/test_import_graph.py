@@ -22,6 +22,8 @@ FLOORS = [  # bottom first
     {"runner.hooks"},
     {"tasks"},  # every task module
     {"runner.sweeper"},  # the Optuna sweeper, whose search-space checks the preflight runs
+    {"runner.overrides"},
+    {"runner.presets", "runner.smoke"},
     {"runner.compose"},
     {"runner", "runner.cli", "runner.track", "runner.report", "runner.evaluate_run",
      "runner.data_check", "runner.sync", "runner.device_tracking"},

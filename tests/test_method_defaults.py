@@ -13,15 +13,10 @@ import torch
 import yaml
 
 from runner import hardware
-from runner.compose import (
-    CONF_DIR,
-    canonical,
-    compose,
-    method_preset_override,
-    preset_families,
-    typed,
-)
+from runner.compose import CONF_DIR, compose, typed
 from runner.configs import METHODS, TASKS
+from runner.overrides import canonical
+from runner.presets import method_preset_override, preset_families
 from runner.schema import ConfigError, option_keys, validate
 
 OPT_OUT = "+experiment=none: without it"
