@@ -13,10 +13,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from runner.compose import CONF_DIR, compose, typed
-from runner.smoke import apply_debug
 from runner.cli import run_in_process
-from runner.schema import ConfigError, validate
+from runner.compose import CONF_DIR, compose, typed
+from runner.schema import ConfigError
+from runner.smoke import apply_debug
+from runner.validate import validate
 
 
 def command_lines() -> list[list[str]]:

@@ -13,7 +13,7 @@ import time
 
 from runner.compose import compose, preflight
 from runner.overrides import canonical, variants
-from runner.schema import validate
+from runner.validate import validate
 
 JOBS, REFERENCE_JOBS = 2000, 50
 ARGS = ["-m", f"seed=range(0,{JOBS})", "train.epochs=1"]

@@ -43,9 +43,10 @@ from runner.overrides import (
     variants,
 )
 from runner.presets import fake_like_override, method_preset_override, without_other_options_settings
-from runner.schema import SCALARS, main_metric, objective_key, store_schemas, to_node, validate
+from runner.schema import main_metric, objective_key, store_schemas
 from runner.smoke import apply_debug
 from runner.task import Task, task_of
+from runner.validate import SCALARS, to_node, validate
 
 store_schemas()  # the groups' defaults, the base of their YAML options (the methods': runner.configs)
 

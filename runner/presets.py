@@ -12,7 +12,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from runner.checks import ConfigError
 from runner.configs import METHODS, TASKS
 from runner.overrides import CONF_DIR, given, hydra_compose, parse_overrides
-from runner.schema import OPTION_SCHEMAS, option_keys
+from runner.schema import OPTION_SCHEMAS
+from runner.validate import option_keys
 
 _OPT_OUT = "+experiment=none: without it"
 

@@ -6,7 +6,8 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from runner.compose import CONF_DIR, compose, preflight
-from runner.schema import ConfigError, check_range, validate
+from runner.schema import ConfigError, check_range
+from runner.validate import validate
 
 GROUPS = ["dataset", "model", "hardware", "logger"]
 

@@ -10,8 +10,9 @@ from conftest import summaries
 from runner.compose import compose, preflight, typed
 from runner.hardware import RunContext, seed_everything
 from runner.hooks.pwc import predictive_entropy
-from runner.schema import ConfigError, validate
+from runner.schema import ConfigError
 from runner.track import Tracker
+from runner.validate import validate
 from tasks.covering import (
     MISSING,
     OUTLIER,

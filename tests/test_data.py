@@ -7,7 +7,8 @@ from omegaconf import OmegaConf
 from runner.compose import compose
 from runner.data import inject_label_noise, load_data, longtail_counts
 from runner.data.builtin import CIFAR10_ASYM
-from runner.schema import ConfigError, validate
+from runner.schema import ConfigError
+from runner.validate import validate
 
 
 def dataset_cfg(*overrides):

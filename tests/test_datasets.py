@@ -25,7 +25,8 @@ from runner.compose import compose
 from runner.data import load_data
 from runner.data.builtin import CIFAR100_ASYM, CIFAR100_CLASSES
 from runner.data.files import IMAGENET_STATS
-from runner.schema import ConfigError, validate
+from runner.schema import ConfigError
+from runner.validate import validate
 
 WRITERS = {
     "imagefolder": write_imagefolder,

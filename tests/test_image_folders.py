@@ -19,8 +19,9 @@ from runner.compose import compose
 from runner.data import load_data
 from runner.data.files import UnreadableImage
 from runner.data_check import main as runner_data
-from runner.schema import ConfigError, validate
+from runner.schema import ConfigError
 from runner.train import load_checkpoint
+from runner.validate import validate
 
 FOX = "fénec roux"  # a class folder with a space and a non-ASCII letter, reached through a symlink
 CLASSES = ["cat", "dog", FOX]

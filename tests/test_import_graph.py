@@ -15,7 +15,7 @@ PACKAGES = ("runner.data", "runner.methods", "runner.models", "runner.hooks", "r
 FLOORS = [  # bottom first
     {"runner.checks", "runner.methods", "runner.faults", "runner.untrusted", "runner.plots",
      "runner.augment"},
-    {"runner.configs", "runner.schema", "runner.metrics"},
+    {"runner.configs", "runner.schema", "runner.validate", "runner.metrics"},
     {"runner.data", "runner.models", "runner.hardware"},
     {"runner.train", "runner.distributed_passes", "runner.rundir", "runner.canvas_metrics", "runner.task",
      "runner.method_hooks"},

@@ -15,9 +15,10 @@ from runner.compose import compose
 from runner.data import Data, split_of
 from runner.hardware import RunContext
 from runner.models import build_model
-from runner.schema import ConfigError, validate
+from runner.schema import ConfigError
 from runner.track import Tracker
 from runner.train import CHECKPOINT, fit, make_optimizer
+from runner.validate import validate
 
 # Two phases: 1 epoch at 4 px in batches of 20 (lr 0.1 -> 0.2), then 2 epochs at the data's 8 px in
 # batches of 10 (lr 0.05 -> 0.01).

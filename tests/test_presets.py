@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 from runner.compose import CONF_DIR, compose, preflight
 from runner.configs import METHODS, TASK_METHODS, TASKS
 from runner.overrides import canonical
-from runner.schema import ConfigError, validate
+from runner.schema import ConfigError
+from runner.validate import validate
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml") if p.stem != "none")  # none: none
 # A family preset and another method of its family that `+method=` puts in the preset's place.

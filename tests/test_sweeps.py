@@ -26,7 +26,8 @@ from runner import sweeper
 from runner.compose import CONF_DIR, compose, launch_overrides, preflight
 from runner.overrides import canonical
 from runner.report import main as report_main
-from runner.schema import ConfigError, validate
+from runner.schema import ConfigError
+from runner.validate import validate
 
 FAST = ["logger=none", "train.epochs=1", "train.progress=false"]
 

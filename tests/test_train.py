@@ -12,11 +12,12 @@ from runner.compose import compose
 from runner.data import Data, split_of
 from runner.faults import Diverged, OutOfMemory
 from runner.hardware import RunContext
-from runner.hooks import MethodHooks
+from runner.method_hooks import MethodHooks
 from runner.models import build_model
-from runner.schema import ConfigError, validate
+from runner.schema import ConfigError
 from runner.track import Tracker
 from runner.train import CHECKPOINT, augment_crop_flip, evaluate, fit, soft_cross_entropy
+from runner.validate import validate
 
 
 def blobs(n=300, seed=0) -> Data:

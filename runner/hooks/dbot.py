@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from runner.augment import PolicyAugment, cutout
 from runner.data import longtail_counts
 from runner.distributed_passes import global_batch
-from runner.hooks import MethodHooks
+from runner.method_hooks import MethodHooks
 from runner.methods.dbot import (
     DBOTLoss,
     class_balanced_weights,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from runner.data.samplers import ClassBalancedEpochs, ClassBalancedSampler
 from runner.distributed_passes import global_batch, predict_all
-from runner.hooks import MethodHooks
+from runner.method_hooks import MethodHooks
 from runner.methods import hier_hash as hh
 from runner.models.hashing import PixelMeanInput
 from runner.schema import ConfigError
