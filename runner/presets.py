@@ -1,17 +1,17 @@
-"""Presets: the `+experiment=` preset a `+method=` line gets (`method_preset`), the settings of a preset
-dropped where the command line chose another option of its group, and the generated data's shape where
-`dataset=fake` replaces a preset's dataset."""
+"""Presets: the `+experiment=` preset a `+method=` line gets (`method_preset`: one its task declares for
+the method, `runner.configs.TaskEntry.presets`), the settings of a preset dropped where the command line
+chose another option of its group, and the generated data's shape where `dataset=fake` replaces a
+preset's dataset."""
 
 from __future__ import annotations
 
 import functools
 
 import yaml
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 
-from runner.checks import ConfigError
 from runner.configs import METHODS, TASKS
-from runner.overrides import CONF_DIR, given, hydra_compose, parse_overrides
+from runner.overrides import CONF_DIR, given, parse_overrides
 from runner.schema import OPTION_SCHEMAS
 from runner.validate import option_keys
 
@@ -33,14 +33,10 @@ def _preset_file(name: str) -> tuple[dict, dict]:
 
 @functools.cache
 def preset_families() -> dict[str, tuple[str, str | None]]:
-    """Each preset of conf/experiment that names a method: its method's task and its dataset (None: it
-    keeps the default)."""
-    presets = {}
-    for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
-        chosen, _ = _preset_file(path.stem)
-        if "method" in chosen:
-            presets[path.stem] = (METHODS[chosen["method"]]().task, chosen.get("dataset"))
-    return presets
+    """Each preset a task declares (`TaskEntry.presets`): its task and its dataset (None: it keeps the
+    default)."""
+    declared = {preset: task for task, entry in TASKS.items() for preset in entry.presets}
+    return {preset: (declared[preset], _preset_file(preset)[0].get("dataset")) for preset in sorted(declared)}
 
 
 @functools.cache
@@ -51,31 +47,20 @@ def _default_dataset() -> str:
 
 @functools.cache
 def method_preset(method: str, dataset: str | None) -> tuple[str, str] | None:
-    """The preset `+method=METHOD` applies on `dataset` (None: none named, the default) and why that one;
-    None where its family has none there, or the preset's settings are not the method's (k-means has no
-    DB-OT mass bounds)."""
+    """The preset `+method=METHOD` applies on `dataset` (None: none named, the default) and why that one:
+    of the presets its task declares for it (`TaskEntry.presets`), the one choosing that dataset, or the
+    task's main one there (`TaskEntry.main_presets`); None where none is declared for it there."""
     if method not in METHODS:  # a method of the user's own config dir
         return None
-    task = METHODS[method]().task
-    main = TASKS[task].main_presets
-    on = dataset or _default_dataset()
-    fitting = sorted(name for name, family_on in preset_families().items() if family_on == (task, on))
-    if dataset is None and None in main:
-        preset, why = main[None], "its CPU study"
-    elif len(fitting) > 1:
-        preset, why = main[dataset], f"the paper's main one of {', '.join(fitting)}"
-    elif fitting:
-        preset, why = fitting[0], ""
-    else:
-        return None
-    overrides = [f"method={method}", f"+experiment={preset}"]
-    composed, _ = without_other_options_settings(hydra_compose(overrides), overrides)
-    settings = composed.method  # the method's, the preset's
-    try:
-        METHODS[method](**OmegaConf.to_container(settings, resolve=True))
-    except (ConfigError, TypeError):  # a key or value the method does not take
-        return None
-    return preset, why
+    entry = TASKS[METHODS[method]().task]
+    main, on = entry.main_presets, dataset or _default_dataset()
+    serving = {preset for preset, methods in entry.presets.items() if method in methods}
+    fitting = sorted(preset for preset in serving if preset_families()[preset][1] == on)
+    if dataset is None and main.get(None) in serving:
+        return main[None], "its CPU study"
+    if len(fitting) > 1:
+        return main[dataset], f"the paper's main one of {', '.join(fitting)}"
+    return (fitting[0], "") if fitting else None
 
 
 def without_other_options_settings(cfg: DictConfig, overrides: list[str]) -> tuple[DictConfig, str | None]:
