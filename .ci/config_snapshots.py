@@ -13,9 +13,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.cli import run_in_process
 from runner.compose import CONF_DIR, compose, typed
-from runner.schema import ConfigError
 from runner.smoke import apply_debug
 from runner.validate import validate
 

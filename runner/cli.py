@@ -22,13 +22,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from runner import handle_dropped_exceptions, rundir
+from runner.checks import ConfigError
 from runner.compose import CONF_DIR, CommandLine, build_job
 from runner.configs import TASKS
 from runner.data import missing_files
 from runner.data.files import UnreadableImage
 from runner.faults import CheckpointError, Diverged, Interrupted, JobFailed, OutOfMemory, out_of_memory_stops
 from runner.methods._native import NativeBuildError
-from runner.schema import ConfigError, main_metric, objective_key
+from runner.schema import main_metric, objective_key
 from runner.task import task_of
 
 log = logging.getLogger("runner")

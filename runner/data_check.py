@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from runner.checks import ConfigError
 from runner.data.files import FileSplit, try_read_rgb
-from runner.schema import ConfigError
 
 
 class _Reasons(torch.utils.data.Dataset):

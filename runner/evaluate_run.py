@@ -29,9 +29,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.configs import TASKS
 from runner.faults import CheckpointError, OutOfMemory, out_of_memory_stops
-from runner.schema import ConfigError
 from runner.task import task_of
 
 # A fit's checkpoint (runner.train: `last.pt`, or `<tag>.pt` of a task's tagged fit) and, first, the best

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.methods._common import usable_cores
-from runner.schema import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from runner.schema import ConfigError
+from runner.checks import ConfigError
 
 log = logging.getLogger(__name__)
 

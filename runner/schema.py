@@ -31,7 +31,6 @@ from runner.checks import (
 )
 
 __all__ = [
-    "ConfigError",
     "check_choice",
     "check_range",
     "main_metric",

@@ -20,7 +20,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from runner import rundir
-from runner.schema import ConfigError
+from runner.checks import ConfigError
 from runner.track import WANDB_ID, wandb_init_args
 
 SYNC_DIR = "wandb-sync"

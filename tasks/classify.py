@@ -11,13 +11,13 @@ from collections.abc import Callable
 import torch
 
 from runner.canvas_metrics import canvas_metrics
+from runner.checks import ConfigError
 from runner.configs.classify import METHODS, MIXUP, CoMixupConfig, PuzzleMixConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
 from runner.data.imagenet_boxes import add_val_boxes
 from runner.hooks import check_batch
 from runner.hooks.mixup import MixupHooks, TargetLoss
 from runner.models import build_model
-from runner.schema import ConfigError
 from runner.task import Task
 from runner.train import fit
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runner.checks import ConfigError
 from runner.configs.clustering import METHODS, BalancedClusterConfig, DBOTClusterConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
 from runner.methods.dbot import dbot_cluster
 from runner.plots import category_colors, new_figure, project_2d, save_figure
-from runner.schema import ConfigError
 from runner.task import Task
 
 

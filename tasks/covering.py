@@ -44,11 +44,11 @@ import time
 import numpy as np
 import torch
 
+from runner.checks import ConfigError
 from runner.configs.covering import METHODS, CoverConfig  # noqa: F401  (tests import them here)
 from runner.hooks.pwc import cover_options, predictive_entropy, share_count, trained_model
 from runner.methods.pwc import cover
 from runner.plots import new_figure, project_2d, save_figure
-from runner.schema import ConfigError
 from runner.task import Task
 
 MODES = np.array([[0.0, 0.0], [4.0, 0.0], [2.0, 3.5]])  # mixture2d: A, B, C (C is the missing pattern)

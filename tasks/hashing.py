@@ -40,6 +40,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from runner.checks import ConfigError
 from runner.configs.hashing import METHODS, PER_KS, HierHashConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
 from runner.hooks.hier_hash import (
@@ -56,7 +57,6 @@ from runner.hooks.hier_hash import (
 )
 from runner.models import build_model
 from runner.models.hashing import EmbeddingNet
-from runner.schema import ConfigError
 from runner.task import Task
 from runner.train import fit, save_checkpoint
 

@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from runner.checks import ConfigError
 from runner.configs.longtail import METHODS, LongTailConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
 from runner.distributed_passes import predict_all
 from runner.hooks.dbot import LossHook, evaluate_rules, resampled_test_sets
 from runner.methods.dbot import CosineClassifier
 from runner.models import build_model
-from runner.schema import ConfigError
 from runner.task import Task
 from runner.train import fit
 

@@ -65,6 +65,7 @@ its shard of each global batch of the two loaders.
 
 from __future__ import annotations
 
+from runner.checks import ConfigError
 from runner.configs.noisy_labels import METHODS  # noqa: F401  (runner.schema and tests read it here)
 from runner.data import load_data
 from runner.data.builtin import CIFAR_STATS
@@ -74,7 +75,6 @@ from runner.hooks import check_batch
 from runner.hooks.csot import NoisyLabelHooks
 from runner.models import build_model
 from runner.models.noisy_labels import NoisyLabelNet
-from runner.schema import ConfigError
 from runner.task import Task
 from runner.train import fit
 

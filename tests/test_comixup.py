@@ -706,9 +706,9 @@ def test_lag_trains_each_batch_on_its_mix_one_step_later():
     """With lag, step t trains on batch t-1's mix (from step t-1's saliency; the in-process one, which the
     pool's equals), solved while step t ran its clean pass; the first step trains on its clean batch. Auto
     workers start a pool for it on the CPU."""
+    from runner.checks import ConfigError
     from runner.configs.classify import CoMixupConfig
     from runner.hooks.mixup import MixupHooks
-    from runner.schema import ConfigError
     from runner.validate import to_node
 
     def hooks(lag, workers):
@@ -1179,8 +1179,8 @@ def test_cli_one_epoch_of_comixup_on_digits_canvas(tmp_path):
 def test_search_selects_on_a_validation_metric_or_refuses_in_one_line():
     import tasks.classify
     import tasks.hashing
+    from runner.checks import ConfigError
     from runner.compose import compose, launch_overrides, objective
-    from runner.schema import ConfigError
 
     search = ["-m", "+method=comixup", "+experiment=comixup_digits_canvas", "+sweep=comixup"]
     with pytest.raises(ConfigError, match="selects on val/acc, never on test/acc.*dataset.val_fraction=0.1"):

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
+from runner.checks import ConfigError
 from runner.compose import CONF_DIR, compose, preflight
-from runner.schema import ConfigError, check_range
+from runner.schema import check_range
 from runner.validate import validate
 
 GROUPS = ["dataset", "model", "hardware", "logger"]

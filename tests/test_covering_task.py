@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import summaries
 
+from runner.checks import ConfigError
 from runner.compose import compose, preflight, typed
 from runner.hardware import RunContext, seed_everything
 from runner.hooks.pwc import predictive_entropy
-from runner.schema import ConfigError
 from runner.track import Tracker
 from runner.validate import validate
 from tasks.covering import (

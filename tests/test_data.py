@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.compose import compose
 from runner.data import inject_label_noise, load_data, longtail_counts
 from runner.data.builtin import CIFAR10_ASYM
-from runner.schema import ConfigError
 from runner.validate import validate
 
 

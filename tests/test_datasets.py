@@ -21,11 +21,11 @@ from fixtures_data import (
 )
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.compose import compose
 from runner.data import load_data
 from runner.data.builtin import CIFAR100_ASYM, CIFAR100_CLASSES
 from runner.data.files import IMAGENET_STATS
-from runner.schema import ConfigError
 from runner.validate import validate
 
 WRITERS = {

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from conftest import summaries
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.compose import preflight
 from runner.data import load_data, longtail_counts
 from runner.data.blobs import BlobsConfig
@@ -28,7 +29,6 @@ from runner.methods.dbot import (
     ldam_margins,
     weighted_focal_loss,
 )
-from runner.schema import ConfigError
 from tasks.clustering import BalancedClusterConfig, DBOTClusterConfig, cluster_scores
 from tasks.longtail import LongTailConfig
 

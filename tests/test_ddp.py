@@ -22,11 +22,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.data import Data, split_of
 from runner.hardware import RunContext, setup, teardown
 from runner.method_hooks import MethodHooks
 from runner.models import build_model
-from runner.schema import ConfigError, HardwareConfig, MLPConfig, TrainConfig
+from runner.schema import HardwareConfig, MLPConfig, TrainConfig
 from runner.track import Tracker
 from runner.train import fit
 

@@ -135,9 +135,9 @@ def _first_values(overrides: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("args", [a for _, a in COMMANDS], ids=[i for i, _ in COMMANDS])
 def test_every_runner_command_in_the_docs_composes(args):
+    from runner.checks import ConfigError
     from runner.compose import preflight
     from runner.overrides import override_args
-    from runner.schema import ConfigError
 
     command = "runner " + " ".join(args)
     if command in EXPECTED_ERRORS:

@@ -7,9 +7,9 @@ from test_train import blobs, setup
 
 import runner.hardware
 import runner.train
+from runner.checks import ConfigError
 from runner.hooks.mixup import TargetLoss
 from runner.models import build_model
-from runner.schema import ConfigError
 from runner.train import fit
 
 

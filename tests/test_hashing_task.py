@@ -9,13 +9,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.compose import compose
 from runner.data import Data, Split, load_data
 from runner.data.samplers import ClassBalancedSampler
 from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.hooks import hier_hash as hash_training
 from runner.methods import hier_hash as hh
-from runner.schema import ConfigError, TrainConfig
+from runner.schema import TrainConfig
 from runner.track import Tracker
 from runner.train import fit
 from runner.validate import validate

@@ -15,11 +15,11 @@ from fixtures_data import write_image
 from omegaconf import OmegaConf
 from PIL import Image
 
+from runner.checks import ConfigError
 from runner.compose import compose
 from runner.data import load_data
 from runner.data.files import UnreadableImage
 from runner.data_check import main as runner_data
-from runner.schema import ConfigError
 from runner.train import load_checkpoint
 from runner.validate import validate
 

@@ -11,13 +11,13 @@ import torch
 from conftest import summaries
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.compose import compose
 from runner.data import load_data
 from runner.data.imagenet_split import TABLE5, imagenet_wnids, imagenetsplit_classes, wnid_of_name
 from runner.hardware import RunContext
 from runner.hooks.hier_hash import baseline_codes
 from runner.models import build_model
-from runner.schema import ConfigError
 from runner.validate import validate
 
 

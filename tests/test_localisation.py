@@ -20,12 +20,12 @@ from runner.canvas_metrics import (
     noisy_background,
     outside_masks,
 )
+from runner.checks import ConfigError
 from runner.compose import compose
 from runner.data import load_data
 from runner.data.imagenet_boxes import add_val_boxes
 from runner.hardware import RunContext
 from runner.models import build_model
-from runner.schema import ConfigError
 from runner.train import batches, in_order
 from runner.validate import validate
 

@@ -14,11 +14,11 @@ import yaml
 from omegaconf import OmegaConf
 
 from runner import hardware
+from runner.checks import ConfigError
 from runner.compose import CONF_DIR, compose, typed
 from runner.configs import METHODS, TASKS
 from runner.overrides import canonical
 from runner.presets import method_preset_override, preset_families
-from runner.schema import ConfigError
 from runner.validate import option_keys, validate
 
 OPT_OUT = "+experiment=none: without it"

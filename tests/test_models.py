@@ -11,10 +11,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.methods.mixup import default_mixup_layers, manifold_mixup
 from runner.models import build_model
 from runner.models.cifar import SameAvgPool2d, SameMaxPool2d
-from runner.schema import ConfigError, model_config
+from runner.schema import model_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 

@@ -12,6 +12,7 @@ from conftest import run_cli_here
 from omegaconf import OmegaConf
 
 from runner.augment import OPS, PolicyAugment, apply_ops, cutout, policy_table, shift
+from runner.checks import ConfigError
 from runner.data import Data, Split
 from runner.data.samplers import EpochSample, PoolBatches, SampleBatches, balanced_quotas, pool_batches
 from runner.data.views import Views, random_resized_crop_flip
@@ -27,7 +28,7 @@ from runner.hooks.csot import (
 from runner.methods.csot import allocate
 from runner.models import MLP
 from runner.models.noisy_labels import NoisyLabelNet
-from runner.schema import ConfigError, TrainConfig
+from runner.schema import TrainConfig
 from runner.train import EpochBatches, fit
 from tasks.noisy_labels import METHODS
 

@@ -11,11 +11,11 @@ from omegaconf import OmegaConf
 from test_train import KillAt, blobs, setup
 
 import runner.train
+from runner.checks import ConfigError
 from runner.compose import compose
 from runner.data import Data, split_of
 from runner.hardware import RunContext
 from runner.models import build_model
-from runner.schema import ConfigError
 from runner.track import Tracker
 from runner.train import CHECKPOINT, fit, make_optimizer
 from runner.validate import validate

@@ -5,10 +5,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.data import Data, split_of
 from runner.hardware import RunContext
 from runner.models import build_model
-from runner.schema import CNNConfig, ConfigError, HardwareConfig, TrainConfig
+from runner.schema import CNNConfig, HardwareConfig, TrainConfig
 from runner.train import fit
 
 CPU = torch.device("cpu")

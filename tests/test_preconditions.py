@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from fixtures_data import write_class_folders
 
+from runner.checks import ConfigError
 from runner.compose import preflight
 from runner.configs.longtail import METHODS as LONGTAIL_METHODS
 from runner.hooks.dbot import infer
-from runner.schema import ConfigError
 
 # 8 classes x 4 training images: fewer points than the VQ baseline's default centroids (d^k = 128)
 SMALL_FOLDER = ["dataset=imagefolder", "dataset.image_size=16"]

@@ -15,10 +15,10 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.compose import CONF_DIR, compose, preflight
 from runner.configs import METHODS, TASK_METHODS, TASKS
 from runner.overrides import canonical
-from runner.schema import ConfigError
 from runner.validate import validate
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml") if p.stem != "none")  # none: none

@@ -8,13 +8,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from runner.checks import ConfigError
 from runner.compose import compose
 from runner.data import Data, split_of
 from runner.faults import Diverged, OutOfMemory
 from runner.hardware import RunContext
 from runner.method_hooks import MethodHooks
 from runner.models import build_model
-from runner.schema import ConfigError
 from runner.track import Tracker
 from runner.train import CHECKPOINT, augment_crop_flip, evaluate, fit, soft_cross_entropy
 from runner.validate import validate

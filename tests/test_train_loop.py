@@ -11,9 +11,9 @@ from test_train import KillAt, blobs, setup
 
 import runner.evaluate_run
 import runner.train
+from runner.checks import ConfigError
 from runner.method_hooks import MethodHooks
 from runner.models import build_model
-from runner.schema import ConfigError
 from runner.train import CHECKPOINT, fit
 
 

@@ -6,9 +6,9 @@ import pickle
 import pytest
 import torch
 
+from runner.checks import ConfigError
 from runner.data.imagenet32 import read_batches
 from runner.faults import CheckpointError
-from runner.schema import ConfigError
 from runner.train import load_checkpoint
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runner.schema import DATASET_SCHEMAS, ConfigError, DatasetConfig
+from runner.checks import ConfigError
+from runner.schema import DATASET_SCHEMAS, DatasetConfig
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runner.checks import ConfigError
 from runner.data import Data, register_dataset, split_of, three_way_split
-from runner.schema import ConfigError, DatasetConfig, check_range
+from runner.schema import DatasetConfig, check_range
 
 
 @dataclass

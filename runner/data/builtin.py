@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runner.checks import ConfigError
 from runner.data import Data, Split, next_class_map, register_dataset, split_of, three_way_split
-from runner.schema import HUMAN_NOISE_VARIANTS, ConfigError, SyntheticConfig
+from runner.schema import HUMAN_NOISE_VARIANTS, SyntheticConfig
 from runner.untrusted import RefusedPickle, torch_load
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runner.checks import ConfigError
 from runner.data import Data, Split, register_dataset
 from runner.data.builtin import carve
 from runner.data.files import IMAGENET_STATS
-from runner.schema import ConfigError
 from runner.untrusted import RefusedPickle, load_pickle
 
 LAYOUT = "Imagenet32_train/train_data_batch_1..10 and Imagenet32_val/val_data (pickled dicts: data, labels)"

@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runner.checks import ConfigError
 from runner.data import Data
-from runner.schema import ConfigError
 
 LAYOUT = "one PASCAL VOC XML per val image, PATH/ILSVRC2012_val_<8 digits>.xml (ILSVRC2012_bbox_val_v3.tgz)"
 NOISE_STD = 0.1  # Co-Mixup's Table 3: N(0, 0.1^2) outside the box, clipped

@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runner.checks import ConfigError
 from runner.data import Data, register_dataset
 from runner.data.builtin import carve
 from runner.data.imagenet32 import pickle_files, read_batches, uint8_split
-from runner.schema import ConfigError, DatasetConfig
+from runner.schema import DatasetConfig
 
 # Table 5 of the supplementary, row by row: four C_train names, then their C_test siblings in order.
 TABLE5 = (

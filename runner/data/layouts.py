@@ -27,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
+from runner.checks import ConfigError
 from runner.data import Data, register_dataset
 from runner.data.builtin import carve
 from runner.data.files import IMAGENET_STATS, FileSplit, image_transforms
-from runner.schema import ConfigError, DatasetConfig, check_range
+from runner.schema import DatasetConfig, check_range
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 LAYOUTS = {

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runner.schema import ConfigError
+from runner.checks import ConfigError
 
 
 def _epoch_generator(seed: int, epoch: int) -> torch.Generator:

@@ -3,7 +3,7 @@ and feature passes that wire the pure solvers of `runner.methods` into the loop.
 solvers (`runner.methods`) -> loop (`runner.train`) -> hooks (here) -> tasks (`tasks/`). Every hooks
 class subclasses `MethodHooks`, imported from `runner.method_hooks` (below the loop, which imports it)."""
 
-from runner.schema import ConfigError
+from runner.checks import ConfigError
 
 __all__ = ["check_batch"]
 

@@ -12,11 +12,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runner.checks import ConfigError
 from runner.data.samplers import EpochSample, PoolBatches, SampleBatches
 from runner.distributed_passes import broadcast_from_main, predict_all
 from runner.method_hooks import MethodHooks
 from runner.methods.csot import allocate, curriculum_budget
-from runner.schema import ConfigError
 from runner.train import soft_cross_entropy
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from runner.augment import PolicyAugment, cutout
+from runner.checks import ConfigError
 from runner.data import longtail_counts
 from runner.distributed_passes import global_batch
 from runner.method_hooks import MethodHooks
@@ -21,7 +22,6 @@ from runner.methods.dbot import (
     ldam_margins,
     weighted_focal_loss,
 )
-from runner.schema import ConfigError
 from runner.train import soft_cross_entropy
 
 # the inference rules that solve DB-OT (on the device, on an accelerator)

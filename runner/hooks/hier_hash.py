@@ -12,12 +12,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runner.checks import ConfigError
 from runner.data.samplers import ClassBalancedEpochs, ClassBalancedSampler
 from runner.distributed_passes import global_batch, predict_all
 from runner.method_hooks import MethodHooks
 from runner.methods import hier_hash as hh
 from runner.models.hashing import PixelMeanInput
-from runner.schema import ConfigError
 from runner.train import batches, in_order
 
 

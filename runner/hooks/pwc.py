@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runner.schema import ConfigError
+from runner.checks import ConfigError
 
 __all__ = ["COVER_KEYS", "cover_options", "predictive_entropy", "share_count", "trained_model"]
 

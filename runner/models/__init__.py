@@ -8,11 +8,12 @@ import math
 
 from torch import nn
 
+from runner.checks import ConfigError
 from runner.models.base import Classifier
 from runner.models.cifar import NIN, BasicBlock, PreActResNet18, ResNet32, ResNeXt29, ResNeXtBlock, WideResNet
 from runner.models.imagenet import INCEPTION_MIN_SIDE, RESNETS, ImageNetResNet, InceptionResNetV2
 from runner.models.weights import load_weights
-from runner.schema import POST_ACTIVATION, ConfigError, model_config
+from runner.schema import POST_ACTIVATION, model_config
 
 
 class MLP(Classifier):

@@ -7,7 +7,7 @@ import logging
 import torch
 from torch import nn
 
-from runner.schema import ConfigError
+from runner.checks import ConfigError
 from runner.untrusted import torch_load
 
 log = logging.getLogger(__name__)
