@@ -79,11 +79,11 @@ def compose_hydra(overrides: list[str]) -> DictConfig:
     return hydra_compose(job, return_hydra_config=True)
 
 
-def sweep_params(overrides: list[str]) -> list[str]:
+def _sweep_params(line: CommandLine) -> list[str]:
     """The sweeper's `params` (search spaces from a config such as conf/sweep/*.yaml) as overrides, but
     for keys the command line sweeps itself (its value wins in the sweep)."""
-    params = compose_hydra(overrides).hydra.sweeper.get("params") or {}
-    given = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    params = line.hydra_config.hydra.sweeper.get("params") or {}
+    given = {o.partition("=")[0].lstrip("+~") for o in line.overrides}
     return [f"{key}={value}" for key, value in params.items() if key not in given]
 
 
@@ -99,7 +99,7 @@ def _check_jobs(line: CommandLine) -> dict:
     settings: `CommandLine.hydra_config`), each other job changed from it where one plain value differs."""
     overrides = line.overrides
     if line.multirun:
-        overrides = sweep_params(overrides) + overrides
+        overrides = _sweep_params(line) + overrides
     searchpath = [o for o in overrides if o.lstrip("+").startswith("hydra.searchpath=")]  # users' groups
     jobs = variants(overrides)
     if len(jobs) >= _ANNOUNCED_CHECKS:
@@ -226,7 +226,7 @@ def _launch_overrides(line: CommandLine) -> list[str]:
             check_settings(sweeper.pruner, sweeper.direction, sweeper.n_trials, sweeper.n_jobs,
                            sweeper.max_failure_rate)  # fmt: skip
             overrides = line.overrides
-            search_space(sweep_params(overrides) + [o for o in overrides if not is_hydra_override(o)])
+            search_space(_sweep_params(line) + [o for o in overrides if not is_hydra_override(o)])
             objective(task_of(cfg), cfg)  # selects on validation data, or stops here
             direction = {"max": "maximize", "min": "minimize"}[main_metric(cfg, task_of(cfg).metric)[1]]
             # A failed or diverged trial is told to Optuna as failed; the search goes on.
