@@ -15,8 +15,9 @@ from omegaconf import OmegaConf
 
 from runner.checks import ConfigError
 from runner.cli import run_in_process
-from runner.compose import CONF_DIR, apply_debug, compose, typed
-from runner.schema import validate
+from runner.compose import CONF_DIR, compose, typed
+from runner.smoke import apply_debug
+from runner.validate import validate
 
 
 def command_lines() -> list[list[str]]:

@@ -47,7 +47,7 @@ from runner.methods.comixup import (
 )
 from runner.methods.mixup import puzzle_mix
 from runner.models import build_model
-from runner.schema import to_node
+from runner.validate import to_node
 
 TARGET_S = 0.15  # the issue's bound for one batch on the 2-core CPU
 PARTITION_SPEEDUP = 2.0  # issue 37: one partition of the CIFAR preset's shape, exact steps against the swap

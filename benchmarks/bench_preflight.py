@@ -11,8 +11,9 @@ Run: `python -m benchmarks.bench_preflight` (or `make bench B=preflight`).
 
 import time
 
-from runner.compose import canonical, compose, preflight, variants
-from runner.schema import validate
+from runner.compose import compose, preflight
+from runner.overrides import canonical, variants
+from runner.validate import validate
 
 JOBS, REFERENCE_JOBS = 2000, 50
 ARGS = ["-m", f"seed=range(0,{JOBS})", "train.epochs=1"]

@@ -19,26 +19,20 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from runner import rundir
-from runner.compose import (
-    CONF_DIR,
-    apply_debug,
-    command_line,
-    compose_hydra,
-    job_overrides,
-    task_of,
-    typed,
-    without_other_options_settings,
-)
+from runner.checks import ConfigError
+from runner.compose import CONF_DIR, CommandLine, build_job
 from runner.configs import TASKS
 from runner.data import missing_files
 from runner.data.files import UnreadableImage
 from runner.faults import CheckpointError, Diverged, Interrupted, JobFailed, OutOfMemory, out_of_memory_stops
 from runner.interrupts import handle_dropped_exceptions
 from runner.methods._native import NativeBuildError
-from runner.schema import ConfigError, main_metric, objective_key, validate
+from runner.report.callback import cancel_sweep_summary
+from runner.schema import main_metric, objective_key
+from runner.task import task_of
 
 log = logging.getLogger("runner")
 
@@ -53,7 +47,7 @@ def _job(cfg: DictConfig, preset_note: str | None) -> float | None:
     """One job Hydra launches, its end whatever it is: a result, one line and an exit code, or in a
     sweep a failed job for the sweep's table."""
     hydra_cfg = HydraConfig.get()
-    multirun = hydra_cfg.mode.name == "MULTIRUN"
+    multirun = rundir.multirun_job(hydra_cfg)
     # Whatever ends the job, `cleanup` finishes its W&B run, leaves the process group, frees the run dir.
     with contextlib.ExitStack() as cleanup:
         try:
@@ -61,7 +55,7 @@ def _job(cfg: DictConfig, preset_note: str | None) -> float | None:
         except (KeyboardInterrupt, Interrupted) as e:
             stop = signal.Signals(getattr(e, "signum", signal.SIGINT))
             print(f"runner: stopped by {stop.name}; resume with: {_resume_hint(hydra_cfg)}", file=sys.stderr)
-            _no_sweep_table()
+            cancel_sweep_summary()
             sys.exit(128 + stop)
         # bad input, or a run gone wrong
         except (ConfigError, Diverged, CheckpointError, OutOfMemory, UnreadableImage, NativeBuildError) as e:
@@ -74,7 +68,7 @@ def _job(cfg: DictConfig, preset_note: str | None) -> float | None:
 def _resume_hint(hydra_cfg) -> str:
     """The command that resumes the job (checkpoints/last.pt of its run dir), and in a sweep the sweep."""
     hint = rundir.resume_command(hydra_cfg.runtime.output_dir, hydra_cfg.overrides.task)
-    if hydra_cfg.mode.name == "MULTIRUN":
+    if rundir.multirun_job(hydra_cfg):
         hint += f" (the whole sweep: its command line with hydra.sweep.dir={hydra_cfg.sweep.dir})"
     return hint
 
@@ -115,10 +109,8 @@ def _start(cfg: DictConfig, cleanup: contextlib.ExitStack, preset_note: str | No
     from runner.track import Tracker, log_to_file
 
     hydra_cfg = HydraConfig.get()
-    cfg, left_out = without_other_options_settings(cfg, list(hydra_cfg.overrides.task))
-    print_config, multirun = cfg.get("print_config", False), hydra_cfg.mode.name == "MULTIRUN"
-    cfg = typed(cfg, validate(cfg))
-    smoke_note = apply_debug(cfg)
+    print_config, multirun = cfg.get("print_config", False), rundir.multirun_job(hydra_cfg)
+    cfg, left_out, smoke_note = build_job(cfg, list(hydra_cfg.overrides.task))
     cfg.hardware.num_workers = capped_workers(cfg.hardware.num_workers)
     if multirun and cfg.logger.group is None:  # one W&B group per sweep
         cfg.logger.group = "/".join(Path(hydra_cfg.sweep.dir).parts[-2:])
@@ -161,7 +153,7 @@ def _finish(cfg: DictConfig, task, ctx, summary: dict, what: str) -> float | Non
     non-finite main metric or search objective fails the run (for the report, and for Optuna). Returns
     what a search optimises: the validation twin of the main metric, never the test metric."""
     hydra_cfg = HydraConfig.get()
-    multirun = hydra_cfg.mode.name == "MULTIRUN"
+    multirun = rundir.multirun_job(hydra_cfg)
     metric = main_metric(cfg, task.metric)[0]  # the task's, or the preset's headline (`metric:`)
     bad = [f"{k}={summary[k]}" for k in {metric, objective_key(metric)} if _non_finite(summary.get(k))]
     if bad:
@@ -185,20 +177,15 @@ def _non_finite(value) -> bool:
     return isinstance(value, float) and not math.isfinite(value)
 
 
-def _claim_run_dir(argv: list[str]) -> None:
+def _claim_run_dir(line: CommandLine) -> None:
     """A single run into an existing run dir (a resume): lock it and check the resume before Hydra
     rewrites the dir's .hydra/ files; `_run` takes the same lock again and releases it."""
-    overrides = job_overrides(argv)
-    if overrides is None or {"-m", "--multirun"} & set(argv):
+    if line.overrides is None or line.multirun:
         return
-    cfg = compose_hydra(overrides)
-    run_dir = Path(cfg.hydra.run.dir)
+    run_dir = Path(line.hydra_config.hydra.run.dir)
     if not run_dir.is_dir():
         return
-    with open_dict(cfg):
-        del cfg["hydra"]
-    job = typed(cfg, validate(cfg))
-    apply_debug(job)
+    job = line.job().config  # the job `_run` runs, built as it builds it
     if int(os.environ.get("RANK", 0)) == 0:
         rundir.lock(run_dir)
         atexit.register(rundir.unlock, run_dir)  # should Hydra fail before the job
@@ -215,12 +202,12 @@ def _quiet_optuna() -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-def _check_writable(argv: list[str]) -> None:
-    """A one-line ConfigError where the run (or sweep) dir of `argv` cannot be written: a read-only file
-    system or folder (the working directory, for the default `outputs/`), before Hydra makes it."""
-    overrides = job_overrides(argv)
-    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
-    where = Path(OmegaConf.select(compose_hydra(overrides), key))
+def _check_writable(line: CommandLine) -> None:
+    """A one-line ConfigError where the run (or sweep) dir of the command line cannot be written: a
+    read-only file system or folder (the working directory, for the default `outputs/`), before Hydra
+    makes it."""
+    key = "hydra.sweep.dir" if line.multirun else "hydra.run.dir"
+    where = Path(OmegaConf.select(line.hydra_config, key))
     existing = next(p for p in [where, *where.absolute().parents] if p.exists())
     if os.access(existing, os.W_OK):
         return
@@ -243,16 +230,16 @@ def _main() -> None:
     if any(a.startswith("+sweep=") or a.startswith("hydra/sweeper=optuna") for a in sys.argv[1:]):
         _quiet_optuna()
     try:
-        line = command_line(sys.argv[1:])
+        line = CommandLine.parse(sys.argv[1:])
         printout = {"-c", "--cfg", "-i", "--info"} & set(line.args)
         runs = line.checked is not None and not printout
-        single = not {"-m", "--multirun"} & set(line.args)
+        single = not line.multirun
         missing = runs and single and missing_files(line.checked["dataset"])
         if missing:  # before a run dir is made for it (a sweep's job without its data fails alone)
             raise ConfigError(missing)
         if runs:
-            _check_writable(line.args)
-        _claim_run_dir(line.args)
+            _check_writable(line)
+        _claim_run_dir(line)
     except ConfigError as e:
         print(f"runner: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -271,16 +258,8 @@ def _main() -> None:
         sweep = HydraConfig.get().sweep.dir if HydraConfig.initialized() else None
         resume = f" with hydra.sweep.dir={sweep}" if sweep else ""
         print(f"runner: interrupted between jobs; its command line{resume} runs the rest", file=sys.stderr)
-        _no_sweep_table()
+        cancel_sweep_summary()
         sys.exit(130)
-
-
-def _no_sweep_table() -> None:
-    """No table at the exit of a stopped sweep: its results are partial, and the imports it needs may
-    have been cut short (scipy's: "name '_ndimage_api' is not defined")."""
-    report = sys.modules.get("runner.report")
-    if report is not None:
-        atexit.unregister(report.print_sweep_summary)
 
 
 def run_in_process(args: list[str]) -> None:

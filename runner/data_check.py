@@ -43,7 +43,7 @@ def dataset_files(root: str, overrides: list[str]) -> tuple[str, list[Path]]:
 
     from runner.compose import compose
     from runner.data import describe, load_data
-    from runner.schema import validate
+    from runner.validate import validate
 
     if not all(o.startswith(("dataset=", "dataset.")) for o in overrides):
         raise ConfigError(f"{' '.join(overrides)}: only dataset=NAME and dataset.KEY=VALUE overrides apply")

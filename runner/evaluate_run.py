@@ -3,9 +3,12 @@ or on another dataset.
 
 The run's config is composed again from its command line (`RUN_DIR/.hydra/overrides.yaml`) with
 OVERRIDES after it, so a group can change (`dataset=imagefolder dataset.root=...`: ImageNet val for a
-WebVision run, CIFAR-10-C style folders). The weights are `checkpoints/best.pt` (kept by
-`train.save_top_k`), else `checkpoints/last.pt`. Prints the evaluation splits' metrics in the run's format
-and writes them to `RUN_DIR/eval-<name>.json` (`--name`, default: the overrides, or `test`).
+WebVision run, CIFAR-10-C style folders). The weights are those the run reported: the best checkpoint
+`train.save_top_k` kept (`checkpoints/best.pt`; a task's tagged fit's `checkpoints/fit-best.pt`), else the
+fit's checkpoint (`checkpoints/last.pt`, `checkpoints/fit.pt`): the best weights by `train.select=best:KEY`
+where the run selected (restored and reported) them, else its last. Prints the evaluation splits'
+metrics in the run's format and writes them to `RUN_DIR/eval-<name>.json` (`--name`, default: the
+overrides, or `test`).
 
     runner-eval outputs/2026-11-25/10-00-00
     runner-eval outputs/2026-11-25/10-00-00 dataset=imagefolder dataset.root=data/cifar10c --name cifar10c
@@ -30,29 +33,30 @@ from runner.checkpoint import best_file, checkpoint_file
 from runner.checks import ConfigError
 from runner.configs import TASKS
 from runner.faults import CheckpointError, OutOfMemory, out_of_memory_stops
+from runner.task import task_of
 
-WEIGHTS = (best_file(), checkpoint_file(), checkpoint_file("fit"))  # fit: the long-tail task's tagged fit
+# A fit's checkpoint (runner.checkpoint: `last.pt`, or `<tag>.pt` of a task's tagged fit) and, first, the best
+# one `train.save_top_k` keeps beside it (`best.pt`, `<tag>-best.pt`).
+WEIGHTS = (best_file(), checkpoint_file(), best_file("fit"), checkpoint_file("fit"))
 
 
 def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -> dict:
-    """The metrics of `run_dir`'s best (else last) weights on the evaluation splits of its config with
-    `overrides`; written to `run_dir/eval-<name>.json`."""
+    """The metrics of the weights `run_dir` reported (`WEIGHTS`; the module's docstring) on the evaluation
+    splits of its config with `overrides`; written to `run_dir/eval-<name>.json`."""
     from runner.canvas_metrics import canvas_metrics
     from runner.checkpoint import load_checkpoint
-    from runner.compose import compose, task_of, typed
+    from runner.compose import CommandLine
     from runner.data import load_data
     from runner.data.imagenet_boxes import add_val_boxes
     from runner.evaluation import evaluate_splits
     from runner.hardware import RunContext, setup
     from runner.optim import final_image_size
-    from runner.schema import validate
 
     run_dir = Path(run_dir)
     saved = run_dir / ".hydra" / "overrides.yaml"
     if not saved.exists():
         raise ConfigError(f"{run_dir} is not a run dir (no .hydra/overrides.yaml); pass the folder of a run")
-    cfg = compose([*OmegaConf.load(saved), *overrides])
-    cfg = typed(cfg, validate(cfg))
+    cfg = CommandLine.parse([*OmegaConf.load(saved), *overrides]).job().config  # as the run built it
     task = task_of(cfg)
     # the tasks whose checkpoint is a classifier of the dataset's classes (`Task.network` builds it)
     evaluable = [entry.module for entry in TASKS.values() if entry.evaluable]
@@ -66,7 +70,9 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
     data = load_data(cfg.dataset, cfg.seed)
     add_val_boxes(data, cfg.dataset.imagenet_boxes)
     model = task.network(cfg, data)
-    weights = load_checkpoint(path, device)["model"]  # a file it cannot read: CheckpointError, its own line
+    state = load_checkpoint(path, device)  # a file it cannot read: CheckpointError, its own line
+    selected = (state.get("extra") or {}).get("best")  # train.select=best:KEY: the weights it restored
+    weights = selected["state"] if selected is not None else state["model"]
     try:
         model.load_state_dict(weights)
     except RuntimeError as e:

@@ -1,6 +1,6 @@
 """`MethodHooks`: every hook through which a method plugs into the training loop (`runner.train.fit`),
-each with the loop's default. It sits below the loop, which imports it, and `runner.hooks` re-exports it
-for the methods' hooks classes (the import graph reads solvers -> loop -> hooks -> tasks)."""
+each with the loop's default. It sits below the loop, which imports it, as do the methods' hooks classes
+(`runner.hooks`; the import graph reads solvers -> loop -> hooks -> tasks)."""
 
 from __future__ import annotations
 

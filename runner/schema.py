@@ -29,16 +29,13 @@ from runner.checks import (
     field_types,
     omegaconf_type,
 )
-from runner.configs import TASK_METHODS
+from runner.metrics import parse_metric
 
 __all__ = [
-    "ConfigError",
     "check_choice",
     "check_range",
     "main_metric",
     "objective_key",
-    "to_node",
-    "validate",
 ]
 
 
@@ -217,7 +214,7 @@ MODEL_SCHEMAS: dict[str, type] = {
 
 def model_config(node: DictConfig) -> ModelConfig:
     """The checked schema object of a `model` config node, defaults filled in."""
-    return _to_schema(node, _group_schema("model", node.name), "model")
+    return to_schema(node, group_schema("model", node.name), "model")
 
 
 COMPILE_MODES = ("false", "default", "reduce-overhead", "max-autotune")
@@ -300,7 +297,7 @@ class TrainConfig:
     resume: str = "auto"
     progress: bool = True  # false: no progress bar and no per-epoch lines (the metrics are still logged)
     # micro-batches per optimizer step (train.batch_size stays the step's batch); auto: the fewest that fit
-    # the GPU, probed once at the start (`runner.train.micro_batches`)
+    # the GPU, probed once at the start (`runner.memory.micro_batches`)
     accumulate: Any = 1
     clip_grad_norm: float = 0.0  # bound on the gradients' total norm (0: off); logs train/grad_norm
     ema: float = 0.0  # decay of an exponential moving average of the weights, evaluated beside them (0: off)
@@ -402,7 +399,7 @@ def paper_values(node) -> dict[str, PaperValue]:
     """The checked `paper:` block: a mapping metric name -> {value: float, table: str}."""
     if not isinstance(node, DictConfig):
         raise ConfigError(f"paper={node!r} must be a mapping: metric name -> {{value: float, table: str}}")
-    return {str(metric): _to_schema(entry, PaperValue, f"paper.{metric}") for metric, entry in node.items()}
+    return {str(metric): to_schema(entry, PaperValue, f"paper.{metric}") for metric, entry in node.items()}
 
 
 # Dataset-specific schemas by dataset name; runner.data fills it as it registers each dataset.
@@ -438,10 +435,6 @@ def store_schemas() -> None:
             store.store(group=f"schema/{group}", name=name, node=node, provider="runner")
 
 
-# Optional top-level keys and their checks: a method (`+method=NAME`), `+debug=smoke`, a preset's numbers.
-OPTIONAL = ("method", "debug", "paper", "per_method")
-# Top-level scalars: their type and, for numbers, their range (numpy takes seeds in [0, 2**32 - 1]).
-SCALARS = {"seed": (int, 0, 2**32 - 1), "name": (str,), "metric": (str,), "print_config": (bool,)}
 # `field(metadata=ALLOW_INF)` marks a float key for which an infinity is meaningful; NaN never is.
 ALLOW_INF = {"allow_inf": True}
 
@@ -461,10 +454,10 @@ def _check_finite(node: DictConfig, path: str) -> None:
                 raise ConfigError(f"{where}={value}: must be a finite number")
 
 
-def _to_schema(node: DictConfig, schema: type, path: str):
+def to_schema(node: DictConfig, schema: type, path: str):
     """Merge `node` into `schema`, returning the dataclass instance; one-line errors."""
     if not isinstance(node, DictConfig):
-        raise ConfigError(f"{path}={node!r} must be a mapping with keys: {', '.join(_names(schema))}")
+        raise ConfigError(f"{path}={node!r} must be a mapping with keys: {', '.join(field_names(schema))}")
     _check_keys(node, schema, path)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(omegaconf_type(schema)), node)
@@ -485,7 +478,7 @@ def _to_schema(node: DictConfig, schema: type, path: str):
 def _check_keys(node: DictConfig, schema: type, path: str) -> None:
     """A one-line error for a key `schema` lacks, in `node` or a node of a nested schema (a phase of
     `train.phases`: `train.phases.0.bogus`), which OmegaConf's merge would name without its place."""
-    names = _names(schema)
+    names = field_names(schema)
     for key in node:
         if key not in names:
             raise ConfigError(f"unknown key {path}.{key}; valid keys: {', '.join(names)}")
@@ -499,27 +492,13 @@ def _check_keys(node: DictConfig, schema: type, path: str) -> None:
                     _check_keys(entry, item, f"{path}.{key}.{i}")
 
 
-def to_node(obj) -> DictConfig:
-    """A checked schema object as a typed DictConfig: `OmegaConf.structured(obj)`, through the object's
-    `Literal`-free twin (`omegaconf_type`) where it has `Literal` fields (OmegaConf knows none)."""
-    twin = omegaconf_type(type(obj))
-    if twin is type(obj):
-        return OmegaConf.structured(obj)
-    return OmegaConf.merge(OmegaConf.structured(twin), dataclasses.asdict(obj))
-
-
-def _names(schema: type) -> list[str]:
+def field_names(schema: type) -> list[str]:
     return [f.name for f in dataclasses.fields(schema)]
 
 
-def _group_schema(group: str, name: str | None) -> type:
+def group_schema(group: str, name: str | None) -> type:
     """The schema of a top-level group whose node is named `name`: that name's own, else the group's."""
     return OPTION_SCHEMAS.get(group, {}).get(name, TOP_LEVEL[group])
-
-
-def option_keys(group: str, name: str | None) -> list[str]:
-    """The keys a top-level group's node named `name` (`model.name`: mlp, cnn, ...) may hold."""
-    return _names(_group_schema(group, name))
 
 
 def main_metric(config, task_metric: tuple[str, str]) -> tuple[str, str]:
@@ -529,123 +508,10 @@ def main_metric(config, task_metric: tuple[str, str]) -> tuple[str, str]:
     given = config.get("metric")
     if not given:
         return task_metric
-    key, _, direction = str(given).partition(":")
-    direction = direction or task_metric[1]
-    if direction not in ("max", "min"):
-        raise ConfigError(f"metric={given}: the direction after ':' must be max or min")
-    return key, direction
+    return parse_metric(given, default=task_metric[1])
 
 
 def objective_key(metric: str) -> str:
     """The validation twin of a task's metric (`test/acc` -> `val/acc`), what a search optimises; an
     unsupervised score as is."""
     return "val/" + metric.removeprefix("test/") if metric.startswith("test/") else metric
-
-
-def _with_preset_settings(method: DictConfig, per_method, schemas: dict) -> DictConfig:
-    """`method` with a family preset's settings for it: `per_method: {NAME: {key: value}}` (e.g. Co-Mixup's
-    ImageNet partition, which the ERM row of the same preset has no key for) sets each key the run leaves
-    at its schema default; a value given on the command line (another than the default) wins."""
-    if per_method is None:
-        return method
-    if not isinstance(per_method, DictConfig) or any(name not in schemas for name in per_method):
-        raise ConfigError(
-            f"per_method={per_method!r} must map method names ({', '.join(schemas)}) to their settings"
-        )
-    settings = per_method.get(method.name)
-    if settings is None:
-        return method
-    default = schemas[method.name]()
-    kept = {key: value for key, value in settings.items() if method.get(key) == getattr(default, key, None)}
-    return OmegaConf.merge(method, kept)
-
-
-# The validation metric train.early_stop and train.save_top_k follow (runner.train.Monitor), unless a
-# method's hooks choose their own (hier_hash: val/p@1).
-MONITORED = "val/acc"
-
-
-def _check_monitor(train: TrainConfig, metric: str | None) -> None:
-    """Refuse early stopping or top-k checkpoints beside a run `metric` they would not follow."""
-    watched = [
-        f"train.{key}={getattr(train, key)}" for key in ("early_stop", "save_top_k") if getattr(train, key)
-    ]
-    if not metric or not watched:
-        return
-    key = str(metric).partition(":")[0]
-    if key.removeprefix("test/").removeprefix("val/") != MONITORED.removeprefix("val/"):
-        raise ConfigError(
-            f"{' and '.join(watched)} follow {MONITORED}, not metric={metric}; leave metric unset or "
-            f"set it to test/acc, or turn them off (train.early_stop=0 train.save_top_k=0)"
-        )
-
-
-def _check_phase_sides(train: TrainConfig, model) -> None:
-    """A network that flattens its input (model=mlp) takes one image size: no phase may resize."""
-    if model.name != "mlp":
-        return
-    for i, phase in enumerate(train.phases):
-        if phase.image_size:
-            raise ConfigError(
-                f"train.phases.{i}.image_size={phase.image_size}: model=mlp takes the data's own image "
-                f"size only; set it to 0, or choose a convolutional model (model=cnn)"
-            )
-
-
-def validate(cfg: DictConfig, reuse: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Check every group of a composed config; return the schema objects by group name. `reuse`: groups
-    already checked in a config of the same values (a sweep's first job, for the others)."""
-    reuse = reuse or {}
-    checked: dict[str, Any] = {}
-    known = set(TOP_LEVEL) | set(SCALARS) | set(OPTIONAL)
-    for key in cfg:
-        if key not in known:
-            raise ConfigError(f"unknown key {key}; valid top-level keys: {', '.join(sorted(known))}")
-    for key, (kind, *bounds) in SCALARS.items():
-        if key in cfg and (
-            not isinstance(cfg[key], kind) or (isinstance(cfg[key], bool) and kind is not bool)
-        ):
-            raise ConfigError(f"{key}={cfg[key]!r} must be of type {kind.__name__}")
-        if key in cfg and bounds:
-            check_range(key, cfg[key], *bounds)
-    if cfg.get("metric"):
-        main_metric(cfg, ("", "max"))  # a bad direction
-        checked["metric"] = cfg.metric
-    random_weights = cfg.get("debug") is not None and OmegaConf.select(cfg, "model.pretrained") == "required"
-    if random_weights:  # smoke checks a preset's wiring: random weights have the pretrained ones' shapes
-        cfg = OmegaConf.merge(cfg, {"model": {"pretrained": "none"}})
-    for group in TOP_LEVEL:
-        if group in reuse:
-            checked[group] = reuse[group]
-            continue
-        node = cfg[group]
-        name = node.get("name") if isinstance(node, DictConfig) else None
-        checked[group] = _to_schema(node, _group_schema(group, name), group)
-    method = cfg.get("method")
-    if method is not None:
-        task = method.get("task") if isinstance(method, DictConfig) else None
-        if task is None:
-            raise ConfigError("method.task is missing; every method config names its task")
-        check_choice("method.task", task, TASK_METHODS)
-        schemas = TASK_METHODS[task]
-        name = method.get("name")
-        if name not in schemas:
-            raise ConfigError(
-                f"method.name={name!r} is not a method of task {task!r}; choices: {', '.join(schemas)}"
-            )
-        method = _with_preset_settings(method, cfg.get("per_method"), schemas)
-        checked["method"] = reuse.get("method") or _to_schema(method, schemas[name], "method")
-    _check_monitor(checked["train"], cfg.get("metric"))
-    _check_phase_sides(checked["train"], checked["model"])
-    epoch_samples = checked["dataset"].epoch_samples
-    if epoch_samples and getattr(checked.get("method"), "task", None) != "noisy_labels":
-        raise ConfigError(
-            f"dataset.epoch_samples={epoch_samples}: only the noisy_labels task draws a sample per epoch; "
-            "set it to 0 (dataset.max_train: one fixed random subset)"
-        )
-    if cfg.get("debug") is not None:
-        checked["debug"] = _to_schema(cfg.debug, DebugConfig, "debug")
-        checked["debug"].random_weights |= random_weights
-    if "paper" in cfg:
-        checked["paper"] = paper_values(cfg.paper)
-    return checked

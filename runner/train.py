@@ -1,7 +1,7 @@
 """The training loop every classification-style task shares: `fit` trains, evaluates val, test and any extra
 splits each epoch, logs to the tracker, checkpoints (every epoch, every `train.checkpoint_every_minutes`
 and on a stop signal) and resumes from the last checkpoint in the run dir at the same step
-(`runner.checkpoint.Resumable`). Methods plug in through a subclass of `runner.hooks.MethodHooks`
+(`runner.checkpoint.Resumable`). Methods plug in through a subclass of `runner.method_hooks.MethodHooks`
 (`runner.method_hooks`), whose docstring lists every hook the loop calls (a per-epoch pass, a batch
 transform, the loss, the optimizer, the evaluation, the batches, checkpointed state, and whether the step
 may be captured or split) with the loop's default for each. Its rooms: the batches (`runner.batches`), the
@@ -96,7 +96,7 @@ def _method_hooks(hooks: MethodHooks | None) -> MethodHooks:
     if hooks is None:
         return PlainTraining()
     if not isinstance(hooks, MethodHooks):
-        raise TypeError(f"fit's hooks subclass runner.hooks.MethodHooks; {type(hooks).__name__} does not")
+        raise TypeError(f"fit's hooks subclass runner.method_hooks.MethodHooks; {type(hooks).__name__} does not")
     return hooks
 
 
@@ -111,7 +111,7 @@ def fit(
 ) -> dict:
     """Train `model` on `data.train` for `cfg.epochs` (a `TrainConfig`); return the final metrics, with
     the best, last and median-of-last-10 test accuracy, and write `reliability.png` of the test split.
-    `hooks` is the method's (a `runner.hooks.MethodHooks`: its docstring lists each hook and the loop's
+    `hooks` is the method's (a `runner.method_hooks.MethodHooks`: its docstring lists each hook and the loop's
     default), None the plain baseline (`PlainTraining`). `augment` is the training augmentation
     (`dataset.augment`; in-memory crop padding from `data.meta["crop_pad"]`).
 

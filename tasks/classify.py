@@ -1,7 +1,7 @@
 """Supervised classification: plain ERM, or ERM with a method's training hooks (e.g. a batch mixup).
 
 Without `+method=`, this task trains the dataset's baseline. A method of this task registers its
-schema in `METHODS` and a hooks factory in `HOOKS` (a `runner.hooks.MethodHooks`).
+schema in `METHODS` and a hooks factory in `HOOKS` (a `runner.method_hooks.MethodHooks`).
 """
 
 from __future__ import annotations

@@ -567,7 +567,7 @@ def hooks_step(workers, seed=3, overlap=True):
     (mixed x, mixed y, loss, weight gradients, the hooks)."""
     from runner.configs.classify import CoMixupConfig
     from runner.hooks.mixup import MixupHooks
-    from runner.schema import to_node
+    from runner.validate import to_node
 
     cfg = to_node(CoMixupConfig(grid=2, part=4, preview=False))
     cfg.workers = workers  # -1 (auto) is the hooks' to resolve, past the schema's range
@@ -596,7 +596,7 @@ def test_a_diverged_network_stops_with_the_diverged_line_not_the_saliency_check(
     from runner.configs.classify import CoMixupConfig
     from runner.faults import Diverged
     from runner.hooks.mixup import MixupHooks
-    from runner.schema import to_node
+    from runner.validate import to_node
 
     cfg = to_node(CoMixupConfig(grid=2, part=4, preview=False))
     cfg.workers = workers
@@ -709,7 +709,7 @@ def test_lag_trains_each_batch_on_its_mix_one_step_later():
     from runner.checks import ConfigError
     from runner.configs.classify import CoMixupConfig
     from runner.hooks.mixup import MixupHooks
-    from runner.schema import to_node
+    from runner.validate import to_node
 
     def hooks(lag, workers):
         cfg = to_node(CoMixupConfig(grid=2, part=4, preview=False, lag=lag))
@@ -750,7 +750,7 @@ def test_auto_workers_start_a_pool_on_an_accelerator(monkeypatch):
     import runner.hardware
     from runner.configs.classify import CoMixupConfig
     from runner.hooks import mixup as mixup_training
-    from runner.schema import to_node
+    from runner.validate import to_node
 
     monkeypatch.setattr(runner.hardware, "is_accelerator", lambda device: True)  # what the ctx is asked
     monkeypatch.setattr(mixup_training, "ComixupPool", lambda workers: ("pool", workers))
@@ -987,7 +987,7 @@ PAPER_TRAIN |= dict(weight_decay=1e-4, schedule="step", milestones=[100, 200], g
 @pytest.mark.parametrize("net", ["preactresnet18", "wrn16_8", "resnext29"])
 def test_table1_rows_compose_with_one_train_block_and_loss(net):
     from runner.compose import compose
-    from runner.schema import validate
+    from runner.validate import validate
 
     trains = []
     for method in TABLE_ROWS:
@@ -1006,7 +1006,7 @@ def test_table1_rows_compose_with_one_train_block_and_loss(net):
 
 def test_tiny_imagenet_and_imagenet_presets_compose_for_every_row():
     from runner.compose import compose
-    from runner.schema import validate
+    from runner.validate import validate
 
     for method in TABLE_ROWS:
         tiny = validate(compose([f"+method={method}", "+experiment=comixup_tiny_imagenet"]))
@@ -1027,7 +1027,7 @@ def test_tiny_imagenet_and_imagenet_presets_compose_for_every_row():
 
 def test_a_command_line_value_wins_over_the_tiny_presets_baseline_setting():
     from runner.compose import compose
-    from runner.schema import validate
+    from runner.validate import validate
 
     args = ["+method=cutmix", "+experiment=comixup_tiny_imagenet", "method.alpha=0.5"]
     assert validate(compose(args))["method"].alpha == 0.5

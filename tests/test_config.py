@@ -7,7 +7,7 @@ from omegaconf import OmegaConf, open_dict
 
 from runner.checks import ConfigError, check_range
 from runner.compose import CONF_DIR, compose, preflight
-from runner.schema import validate
+from runner.validate import validate
 
 GROUPS = ["dataset", "model", "hardware", "logger"]
 

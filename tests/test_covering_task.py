@@ -11,8 +11,8 @@ from runner.checks import ConfigError
 from runner.compose import compose, preflight, typed
 from runner.hardware import RunContext, seed_everything
 from runner.hooks.pwc import predictive_entropy
-from runner.schema import validate
 from runner.track import Tracker
+from runner.validate import validate
 from tasks.covering import (
     MISSING,
     OUTLIER,

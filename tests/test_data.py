@@ -8,7 +8,7 @@ from runner.checks import ConfigError
 from runner.compose import compose
 from runner.data import inject_label_noise, load_data, longtail_counts
 from runner.data.builtin import CIFAR10_ASYM
-from runner.schema import validate
+from runner.validate import validate
 
 
 def dataset_cfg(*overrides):

@@ -26,7 +26,7 @@ from runner.compose import compose
 from runner.data import load_data
 from runner.data.builtin import CIFAR100_ASYM, CIFAR100_CLASSES
 from runner.data.files import IMAGENET_STATS
-from runner.schema import validate
+from runner.validate import validate
 
 WRITERS = {
     "imagefolder": write_imagefolder,

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from runner.checks import ConfigError
 from runner.data import Data, split_of
 from runner.hardware import RunContext, setup, teardown
-from runner.hooks import MethodHooks
+from runner.method_hooks import MethodHooks
 from runner.models import build_model
 from runner.schema import HardwareConfig, MLPConfig, TrainConfig
 from runner.track import Tracker
@@ -168,9 +168,10 @@ def test_ddp_outside_torchrun_is_a_one_line_error(monkeypatch):
 
 
 def _run_task(run_dir, overrides, rank=0, world_size=1) -> dict:
-    from runner.compose import compose, task_of, typed
+    from runner.compose import compose, typed
     from runner.hardware import seed_everything
-    from runner.schema import validate
+    from runner.task import task_of
+    from runner.validate import validate
 
     cfg = compose(["logger=none", "train.progress=false", *overrides])
     cfg = typed(cfg, validate(cfg))
@@ -330,7 +331,8 @@ def _mixup_rank(rank, world_size, tmp_path, method):
     """A mixup-family method's hooks and `fit` on 8x8 toy images: every rank's parameters, per rank."""
     from runner.configs.classify import METHODS
     from runner.hooks.mixup import MixupHooks
-    from runner.schema import CNNConfig, to_node
+    from runner.schema import CNNConfig
+    from runner.validate import to_node
 
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 3, (80,), generator=g)

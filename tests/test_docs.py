@@ -16,6 +16,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -135,7 +136,8 @@ def _first_values(overrides: list[str]) -> list[str]:
 @pytest.mark.parametrize("args", [a for _, a in COMMANDS], ids=[i for i, _ in COMMANDS])
 def test_every_runner_command_in_the_docs_composes(args):
     from runner.checks import ConfigError
-    from runner.compose import override_args, preflight
+    from runner.compose import preflight
+    from runner.overrides import override_args
     from runner.rundir import multirun_args
 
     command = "runner " + " ".join(args)
@@ -218,3 +220,49 @@ def test_every_relative_link_in_the_docs_resolves():
 def test_the_link_checker_finds_links():
     assert sum(1 for _ in _links()) >= 10
     assert _slug("Co-Mixup and the `mixup` baselines") == "co-mixup-and-the-mixup-baselines"
+
+
+def _single_runs_of_the_readme() -> list[tuple[str, list[str]]]:
+    """(id, overrides) of each README command that starts one run (no sweep, no bad input, no help or
+    info), its files the reader supplies dropped as above."""
+    from runner.overrides import override_args
+
+    runs = []
+    for where, args in COMMANDS:
+        command = "runner " + " ".join(args)
+        args = args[:-1] if args and args[-1] == "..." else args
+        sweep = {"-m", "--multirun"} & set(args)
+        if not where.startswith("README.md") or command in EXPECTED_ERRORS or sweep:
+            continue
+        overrides = override_args(args)
+        if overrides is None or PLACEHOLDER.search(" ".join(args)) or {"-c", "--cfg"} & set(args):
+            continue
+        runs.append((where, [o for o in overrides if not USER_FILE.match(o)]))
+    return runs
+
+
+README_RUNS = _single_runs_of_the_readme()
+# a preset's key for its own model where the command line names another (the resume once refused it)
+OTHER_MODEL = ("+method=csot on another model", ["+method=csot", "model=cnn", "train.epochs=1"])
+
+
+@pytest.mark.parametrize("args", [a for _, a in [*README_RUNS, OTHER_MODEL]],
+                         ids=[i for i, _ in [*README_RUNS, OTHER_MODEL]])  # fmt: skip
+def test_every_readme_run_resumed_in_its_run_dir_composes_its_first_job_again(args, tmp_path):
+    """A run's job is what Hydra composes of the command line `CommandLine` completed, built by `build_job`
+    (`runner.cli`); the same command again in that run dir (a resume) checks the checkpoint against
+    `CommandLine.job()`: both must be the same job config."""
+    from runner.compose import CommandLine, build_job
+    from runner.overrides import hydra_compose, is_hydra_override
+
+    argv = [*args, f"hydra.run.dir={tmp_path / 'run'}"]
+    first = CommandLine.parse(argv)
+    recorded = [o for o in first.overrides if not is_hydra_override(o)]  # Hydra's `overrides.task`
+    ran = build_job(hydra_compose(recorded), recorded).config
+    (tmp_path / "run").mkdir()
+    resumed = CommandLine.parse(argv).job().config
+    assert OmegaConf.to_yaml(resumed) == OmegaConf.to_yaml(ran)
+
+
+def test_the_readme_runs_are_found():
+    assert len(README_RUNS) >= 5, [i for i, _ in README_RUNS]

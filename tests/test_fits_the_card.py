@@ -7,6 +7,7 @@ from test_train import blobs, setup
 
 import runner.hardware
 import runner.memory
+import runner.train
 from runner.checks import ConfigError
 from runner.hooks.mixup import TargetLoss
 from runner.models import build_model

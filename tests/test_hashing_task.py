@@ -16,9 +16,10 @@ from runner.data.samplers import ClassBalancedSampler
 from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.hooks import hier_hash as hash_training
 from runner.methods import hier_hash as hh
-from runner.schema import TrainConfig, validate
+from runner.schema import TrainConfig
 from runner.track import Tracker
 from runner.train import fit
+from runner.validate import validate
 from tasks import hashing
 
 

@@ -21,7 +21,7 @@ from runner.compose import compose
 from runner.data import load_data
 from runner.data.files import UnreadableImage
 from runner.data_check import main as runner_data
-from runner.schema import validate
+from runner.validate import validate
 
 FOX = "fénec roux"  # a class folder with a space and a non-ASCII letter, reached through a symlink
 CLASSES = ["cat", "dog", FOX]

@@ -18,7 +18,7 @@ from runner.data.imagenet_split import TABLE5, imagenet_wnids, imagenetsplit_cla
 from runner.hardware import RunContext
 from runner.hooks.hier_hash import baseline_codes
 from runner.models import build_model
-from runner.schema import validate
+from runner.validate import validate
 
 
 def test_the_paper_names_give_119_disjoint_pairs_of_imagenet_classes():

@@ -15,7 +15,7 @@ PACKAGES = ("runner.data", "runner.methods", "runner.models", "runner.hooks", "r
 FLOORS = [  # bottom first
     {"runner.checks", "runner.methods", "runner.faults", "runner.untrusted", "runner.plots",
      "runner.augment", "runner.instruments", "runner.interrupts", "runner.losses", "runner.optim"},
-    {"runner.configs", "runner.schema", "runner.metrics"},
+    {"runner.configs", "runner.schema", "runner.validate", "runner.metrics"},
     {"runner.data", "runner.models", "runner.hardware"},
     {"runner.train", "runner.batches", "runner.step", "runner.evaluation", "runner.checkpoint",
      "runner.memory", "runner.distributed_passes", "runner.rundir", "runner.canvas_metrics", "runner.task",
@@ -23,6 +23,8 @@ FLOORS = [  # bottom first
     {"runner.hooks"},
     {"tasks"},  # every task module
     {"runner.sweeper"},  # the Optuna sweeper, whose search-space checks the preflight runs
+    {"runner.overrides"},
+    {"runner.presets", "runner.smoke"},
     {"runner.compose"},
     {"runner", "runner.cli", "runner.track", "runner.evaluate_run", "runner.data_check", "runner.sync",
      "runner.device_tracking",

@@ -27,7 +27,7 @@ from runner.data import load_data
 from runner.data.imagenet_boxes import add_val_boxes
 from runner.hardware import RunContext
 from runner.models import build_model
-from runner.schema import validate
+from runner.validate import validate
 
 WNIDS = ["n01440764", "n01443537"]
 # val image -> (class, (width, height), boxes as xmin, ymin, xmax, ymax in the image's pixels)

@@ -11,19 +11,15 @@ import sys
 import pytest
 import torch
 import yaml
+from omegaconf import OmegaConf
 
 from runner import hardware
 from runner.checks import ConfigError
-from runner.compose import (
-    CONF_DIR,
-    canonical,
-    compose,
-    method_preset_override,
-    preset_families,
-    typed,
-)
+from runner.compose import CONF_DIR, compose, typed
 from runner.configs import METHODS, TASKS
-from runner.schema import option_keys, validate
+from runner.overrides import canonical
+from runner.presets import method_preset_override, preset_families
+from runner.validate import option_keys, validate
 
 OPT_OUT = "+experiment=none: without it"
 
@@ -282,3 +278,32 @@ def test_another_model_than_the_presets_runs_without_the_presets_settings_of_its
     assert "; left out the preset's model.hidden (for its model mlp); device: cpu" in first
     saved = yaml.safe_load((root / "other_model" / "config.yaml").read_text())["model"]
     assert saved["name"] == "cnn" and "hidden" not in saved
+
+
+def _as_the_cli_composes(args: list[str]):
+    preset, _ = method_preset_override(canonical(args))  # as `CommandLine.parse` adds it
+    return compose([*args, *([preset] if preset else [])])
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_a_method_composes_the_same_with_its_default_dataset_written_out(method):
+    """`+method=X` composes on the dataset its default (or its CPU study) chooses; naming that dataset
+    changes nothing, in every family (presets are declared per method, `TaskEntry.presets`)."""
+    alone = _as_the_cli_composes([f"+method={method}"])
+    written = _as_the_cli_composes([f"+method={method}", f"dataset={alone.dataset.name}"])
+    assert OmegaConf.to_yaml(written) == OmegaConf.to_yaml(alone)
+
+
+def test_every_preset_of_a_method_is_declared_by_its_task_and_serves_that_method():
+    """A preset that chooses a method is declared by that method's task (`TaskEntry.presets`) and serves
+    that method; a preset that chooses none is declared by no task."""
+    declared = {preset: task for task, entry in TASKS.items() for preset in entry.presets}
+    for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
+        chosen = yaml.safe_load(path.read_text()).get("defaults", [])
+        methods = [e["override /method"] for e in chosen if isinstance(e, dict) and "override /method" in e]
+        if not methods:
+            assert path.stem not in declared, f"{path.stem} chooses no method"
+            continue
+        task = METHODS[methods[0]]().task
+        assert declared.get(path.stem) == task, f"{path.stem}: not declared by task {task}"
+        assert methods[0] in TASKS[task].presets[path.stem]

@@ -389,7 +389,7 @@ def test_puzzle_mix_hooks_adversarial_option_perturbs_within_the_ball():
     from runner.configs.classify import PuzzleMixConfig
     from runner.hardware import RunContext
     from runner.hooks.mixup import MixupHooks
-    from runner.schema import to_node
+    from runner.validate import to_node
 
     cfg = to_node(PuzzleMixConfig(adv_p=1.0, adv_eps=10.0, grid=2, clean_lam=1.0, preview=False))
     mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)

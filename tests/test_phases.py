@@ -18,9 +18,9 @@ from runner.hardware import RunContext
 from runner.instruments import Instruments, watching
 from runner.models import build_model
 from runner.optim import make_optimizer
-from runner.schema import validate
 from runner.track import Tracker
 from runner.train import fit
+from runner.validate import validate
 
 # Two phases: 1 epoch at 4 px in batches of 20 (lr 0.1 -> 0.2), then 2 epochs at the data's 8 px in
 # batches of 10 (lr 0.05 -> 0.01).

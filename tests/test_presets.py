@@ -16,9 +16,10 @@ from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
 from runner.checks import ConfigError
-from runner.compose import CONF_DIR, canonical, compose, preflight
+from runner.compose import CONF_DIR, compose, preflight
 from runner.configs import METHODS, TASK_METHODS, TASKS
-from runner.schema import validate
+from runner.overrides import canonical
+from runner.validate import validate
 
 PRESETS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml") if p.stem != "none")  # none: none
 # A family preset and another method of its family that `+method=` puts in the preset's place.
@@ -71,7 +72,7 @@ def test_a_method_given_with_a_family_preset_replaces_its_method_in_any_order(co
 
 def test_a_method_sweep_over_a_preset_composes_each_method_after_the_preset(tmp_path):
     """The Table 1 sweep: each job's method is the swept one, with the preset's protocol."""
-    from runner.compose import variants
+    from runner.overrides import variants
 
     jobs = variants(canonical(["+method=erm,comixup", "+experiment=comixup_digits_canvas"]))
     assert [j[0] for j in jobs] == ["method=erm", "method=comixup"]
@@ -80,7 +81,8 @@ def test_a_method_sweep_over_a_preset_composes_each_method_after_the_preset(tmp_
 
 
 def test_a_sweep_checks_each_distinct_job_once(tmp_path):
-    from runner.compose import preflight, variants
+    from runner.compose import preflight
+    from runner.overrides import variants
 
     jobs = variants(["seed=0,0,1,1", "train.lr=0.1"])
     assert jobs == [["seed=0", "train.lr=0.1"], ["seed=1", "train.lr=0.1"]]
@@ -186,7 +188,8 @@ def test_the_cli_runs_an_experiment_from_a_users_config_folder(tmp_path):
 
 def _smoke_config(*overrides):
     """A job config as `_run` makes it (typed, then bounded by +debug=smoke) and smoke's line."""
-    from runner.compose import apply_debug, typed
+    from runner.compose import typed
+    from runner.smoke import apply_debug
 
     cfg = compose([*overrides, "+debug=smoke", "hardware=cpu"])
     job = typed(cfg, validate(cfg))
@@ -206,7 +209,7 @@ def _smoke_config(*overrides):
     ],
 )
 def test_fake_data_takes_the_shape_of_the_presets_dataset(overrides, like):
-    from runner.compose import fake_like_override
+    from runner.presets import fake_like_override
 
     assert fake_like_override(canonical(overrides)) == like
 

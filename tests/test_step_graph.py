@@ -23,9 +23,9 @@ from runner.hooks.hier_hash import HashHooks
 from runner.hooks.mixup import MixupHooks, TargetLoss
 from runner.method_hooks import MethodHooks, PlainTraining
 from runner.models import build_model
-from runner.schema import to_node
 from runner.step import GraphedStep, not_capturable
 from runner.train import _method_hooks, fit
+from runner.validate import to_node
 
 SCHEDULES = ["train.schedule=cosine", "train.warmup_epochs=1", "train.momentum=0.9", "train.nesterov=true",
              "train.weight_decay=5e-4", "train.clip_grad_norm=1.0"]  # fmt: skip

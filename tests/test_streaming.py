@@ -19,7 +19,7 @@ from runner.data import Data, Split, split_of
 from runner.data.files import FileSplit, image_transforms
 from runner.evaluation import predict
 from runner.hardware import RunContext
-from runner.hooks import MethodHooks
+from runner.method_hooks import MethodHooks
 from runner.metrics import calibration_bins, expected_calibration_error, history_summary
 from runner.schema import TrainConfig
 from runner.train import fit

@@ -24,9 +24,10 @@ from test_report import PNG, mean_std, table_rows
 import tasks.classify
 from runner import sweeper
 from runner.checks import ConfigError
-from runner.compose import CONF_DIR, canonical, compose, launch_overrides, preflight
+from runner.compose import CONF_DIR, compose, launch_overrides, preflight
+from runner.overrides import canonical
 from runner.report import main as report_main
-from runner.schema import validate
+from runner.validate import validate
 
 FAST = ["logger=none", "train.epochs=1", "train.progress=false"]
 

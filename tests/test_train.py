@@ -16,12 +16,12 @@ from runner.data.views import augment_crop_flip
 from runner.evaluation import evaluate
 from runner.faults import Diverged, OutOfMemory
 from runner.hardware import RunContext
-from runner.hooks import MethodHooks
 from runner.losses import soft_cross_entropy
+from runner.method_hooks import MethodHooks
 from runner.models import build_model
-from runner.schema import validate
 from runner.track import Tracker
 from runner.train import fit
+from runner.validate import validate
 
 
 def blobs(n=300, seed=0) -> Data:

@@ -11,9 +11,10 @@ from test_train import KillAt, blobs, setup
 
 import runner.evaluate_run
 import runner.evaluation
+import runner.train
 from runner.checkpoint import CHECKPOINT
 from runner.checks import ConfigError
-from runner.hooks import MethodHooks
+from runner.method_hooks import MethodHooks
 from runner.models import build_model
 from runner.train import fit
 
@@ -57,7 +58,7 @@ def test_hooks_that_do_not_subclass_method_hooks_are_refused(tmp_path):
         def loss(self, model, x, y_soft, idx, epoch):
             return model(x).sum()
 
-    with pytest.raises(TypeError, match="runner.hooks.MethodHooks; Duck does not"):
+    with pytest.raises(TypeError, match="runner.method_hooks.MethodHooks; Duck does not"):
         run(tmp_path, hooks=Duck())
 
 
@@ -165,6 +166,29 @@ def test_runner_eval_scores_the_best_checkpoint_again_and_on_other_data(cli_here
         "runner-eval: error: ran out of CUDA memory (it tried to allocate 3.00 GiB) at "
         "train.eval_batch_size=512; lower it\n"
     )
+
+
+def test_runner_eval_scores_the_weights_a_run_selected_and_reported(cli_here, tmp_path, capsys):
+    """train.select=best:KEY restores and reports the best epoch's weights (kept in the checkpoint beside
+    the last epoch's); a task's tagged fit keeps its top k as `checkpoints/fit-best.pt`: runner-eval
+    scores those, not the last epoch's `last.pt` / `fit.pt` weights."""
+    cli_here("logger=none", "train.epochs=4", "train.lr=2", "train.select=best:val/acc", "hydra.run.dir=sel",
+             "train.progress=false")  # fmt: skip
+    reported = json.loads((tmp_path / "sel" / "summary.json").read_text())
+    assert reported["tested_epoch"] < 4  # else the last epoch's weights are the selected ones
+    runner.evaluate_run.main([str(tmp_path / "sel")])
+    again = json.loads((tmp_path / "sel" / "eval-test.json").read_text())
+    assert again["test/acc"] == pytest.approx(reported["test/acc"], abs=1e-12)
+
+    cli_here("+method=lt_ce", "logger=none", "train.epochs=2", "train.save_top_k=1",
+             "dataset.val_fraction=0.2", "hydra.run.dir=lt", "train.progress=false")  # fmt: skip
+    epochs = [row for row in rows(tmp_path / "lt") if "fit/val/acc" in row]
+    best = min(epochs, key=lambda row: (-row["fit/val/acc"], row["fit/epoch"]))
+    runner.evaluate_run.main([str(tmp_path / "lt")])
+    again = json.loads((tmp_path / "lt" / "eval-test.json").read_text())
+    assert again["checkpoint"].endswith("checkpoints/fit-best.pt")
+    assert again["test/acc"] == pytest.approx(best["fit/test/acc"], abs=1e-12)
+    capsys.readouterr()
 
 
 def evaluate(run_dir, *args, check=False):

@@ -20,7 +20,9 @@ class TaskEntry:
 
     - `module`: the dotted path of the module defining its `TASK` (a `runner.task.Task`).
     - `methods`: its methods' schemas by name; each is the base of `conf/method/<name>.yaml`.
-    - `main_presets`: dataset -> the preset `+method=NAME` applies where several presets of the task fit
+    - `presets`: each preset of the task (conf/experiment/NAME.yaml) -> the methods it serves, named: the
+      presets `+method=NAME` may get (on the dataset a preset chooses), declared here, never inferred.
+    - `main_presets`: dataset -> the preset `+method=NAME` applies where several presets serving it choose
       that dataset (None: the default dataset, none named on the command line).
     - `evaluable`: `runner-eval` re-evaluates its runs' checkpoints on other evaluation splits.
     - `bench_presets`, `bench_baseline`, `bench_target`: its rows in `make bench-gpu`, the overrides that
@@ -31,6 +33,7 @@ class TaskEntry:
     name: str
     module: str
     methods: dict[str, type]
+    presets: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     main_presets: dict[str | None, str] = dataclasses.field(default_factory=dict)
     evaluable: bool = False
     bench_presets: tuple[str, ...] = ()
@@ -43,6 +46,9 @@ def register_task(entry: TaskEntry) -> TaskEntry:
     ConfigStore (plain values: `validate` types them), the base its YAML extends."""
     from hydra.core.config_store import ConfigStore
 
+    strangers = sorted({m for served in entry.presets.values() for m in served} - entry.methods.keys())
+    if strangers:
+        raise ValueError(f"task {entry.name!r}: its presets serve {', '.join(strangers)}, not its methods")
     clash = sorted(entry.methods.keys() & METHODS.keys() - TASK_METHODS.get(entry.name, {}).keys())
     if clash:
         raise ValueError(f"task {entry.name!r}: method names {', '.join(clash)} are registered already")

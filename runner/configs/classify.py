@@ -134,12 +134,25 @@ class CoMixupConfig(InputMixupConfig):
 MIXUP = (InputMixupConfig, ManifoldMixupConfig, CutMixConfig, PuzzleMixConfig, CoMixupConfig)
 
 METHODS: dict[str, type] = {"erm": ERMConfig, **{c.name: c for c in MIXUP}}
+# the Co-Mixup study's rows: ERM and each mixup
+STUDY = ("erm", "input_mixup", "manifold_mixup", "cutmix", "puzzle_mix", "comixup")
 
 TASK = register_task(
     TaskEntry(
         "classify",
         "tasks.classify",
         METHODS,
+        presets={
+            preset: STUDY
+            for preset in (
+                "comixup_cifar100_preactresnet18",
+                "comixup_cifar100_resnext29",
+                "comixup_cifar100_wrn16_8",
+                "comixup_digits_canvas",
+                "comixup_imagenet",
+                "comixup_tiny_imagenet",
+            )
+        },
         main_presets={"cifar100": "comixup_cifar100_preactresnet18", None: "comixup_digits_canvas"},
         evaluable=True,
         bench_presets=(

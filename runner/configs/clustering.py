@@ -79,4 +79,7 @@ METHODS = {
     "balanced_cluster": BalancedClusterConfig,
 }
 
-TASK = register_task(TaskEntry("clustering", "tasks.clustering", METHODS))
+# DB-OT clustering's settings (its mass bounds): k-means and balanced clustering have none of them
+PRESETS = {"dbot_cluster_blobs": ("dbot_cluster",), "dbot_cluster_digits": ("dbot_cluster",)}
+
+TASK = register_task(TaskEntry("clustering", "tasks.clustering", METHODS, presets=PRESETS))

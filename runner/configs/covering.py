@@ -70,5 +70,8 @@ class CoverConfig(MethodConfig):
 METHODS = {"pwc": CoverConfig}
 
 # PWC trains the same network for every selector: its bench-gpu baseline picks at random.
-TASK = register_task(TaskEntry("covering", "tasks.covering", METHODS, bench_presets=("pwc_cifar10",),
+PRESETS = {preset: ("pwc",) for preset in ("pwc_cifar10", "pwc_digits", "pwc_mixture2d", "pwc_optimality")}
+
+TASK = register_task(TaskEntry("covering", "tasks.covering", METHODS, presets=PRESETS,
+                               bench_presets=("pwc_cifar10",),
                                bench_baseline=("method.selector=random",)))  # fmt: skip

@@ -126,6 +126,18 @@ TASK = register_task(
         "hashing",
         "tasks.hashing",
         METHODS,
+        presets={
+            preset: ("hier_hash",)
+            for preset in (
+                "hier_hash_cifar100_npairs",
+                "hier_hash_cifar100_triplet",
+                "hier_hash_imagenet",
+                "hier_hash_imagenet32_npairs",
+                "hier_hash_imagenet32_triplet",
+                "hier_hash_imagenetsplit",
+                "hier_hash_synthetic",
+            )
+        },
         main_presets={  # the setting of hier_hash.yaml's defaults
             "cifar100": "hier_hash_cifar100_npairs",
             "imagenet32": "hier_hash_imagenet32_npairs",

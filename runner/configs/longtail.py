@@ -123,6 +123,10 @@ TASK = register_task(
         "longtail",
         "tasks.longtail",
         METHODS,
+        presets={  # DB-OT and each baseline of the paper's tables
+            preset: ("dbot", *BASELINE_LOSSES)
+            for preset in ("dbot_cifar100_lt", "dbot_cifar10_lt", "dbot_digits_lt", "dbot_imagenet_lt")
+        },
         evaluable=True,
         bench_presets=("dbot_cifar100_lt", "dbot_imagenet_lt"),
         bench_baseline=("+method=lt_ce",),

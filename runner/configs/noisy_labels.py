@@ -100,6 +100,11 @@ TASK = register_task(
         "noisy_labels",
         "tasks.noisy_labels",
         METHODS,
+        presets={  # CSOT and its Table 4 ablations
+            preset: ("csot", "cot", "ot", "sot", "small_loss", "ce")
+            for preset in ("csot_cifar10", "csot_cifar100", "csot_clothing1m", "csot_digits",
+                           "csot_webvision")  # fmt: skip
+        },
         evaluable=True,
         bench_presets=("csot_cifar100", "csot_webvision", "csot_clothing1m"),
         bench_baseline=("+method=ce",),

@@ -1,12 +1,11 @@
 """The methods' training glue: the `runner.train.fit` hooks (batch transforms, losses, per-epoch passes)
 and feature passes that wire the pure solvers of `runner.methods` into the loop. The import graph reads
 solvers (`runner.methods`) -> loop (`runner.train`) -> hooks (here) -> tasks (`tasks/`). Every hooks
-class subclasses `MethodHooks` (defined below the loop, in `runner.method_hooks`, which the loop imports)."""
+class subclasses `MethodHooks`, imported from `runner.method_hooks` (below the loop, which imports it)."""
 
 from runner.checks import ConfigError
-from runner.method_hooks import MethodHooks
 
-__all__ = ["MethodHooks", "check_batch"]
+__all__ = ["check_batch"]
 
 
 def check_batch(key: str, batch_size: int, ctx, n_train: int, need: int, why: str, accumulate=1) -> None:

@@ -16,8 +16,8 @@ from runner.checks import ConfigError
 from runner.data.samplers import EpochSample, PoolBatches, SampleBatches
 from runner.distributed_passes import broadcast_from_main, predict_all
 from runner.hardware import to_device
-from runner.hooks import MethodHooks
 from runner.losses import soft_cross_entropy
+from runner.method_hooks import MethodHooks
 from runner.methods.csot import allocate, curriculum_budget
 
 

@@ -13,8 +13,8 @@ from runner.checks import ConfigError
 from runner.data import longtail_counts
 from runner.distributed_passes import global_batch
 from runner.hardware import to_device
-from runner.hooks import MethodHooks
 from runner.losses import soft_cross_entropy
+from runner.method_hooks import MethodHooks
 from runner.methods.dbot import (
     DBOTLoss,
     class_balanced_weights,

@@ -17,7 +17,7 @@ from runner.checks import ConfigError
 from runner.data.samplers import ClassBalancedEpochs, ClassBalancedSampler
 from runner.distributed_passes import global_batch, predict_all
 from runner.hardware import to_device
-from runner.hooks import MethodHooks
+from runner.method_hooks import MethodHooks
 from runner.methods import hier_hash as hh
 from runner.models.hashing import PixelMeanInput
 

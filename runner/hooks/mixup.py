@@ -1,5 +1,5 @@
 """The mixup family in training: `MixupHooks` plugs the batch transforms of `runner.methods.mixup`
-and `runner.methods.comixup` into `runner.train.fit` (the hook protocol of `runner.hooks.MethodHooks`).
+and `runner.methods.comixup` into `runner.train.fit` (the hook protocol of `runner.method_hooks.MethodHooks`).
 
 One step, as in the Co-Mixup / Puzzle Mix code:
 1. clean pass (when `clean_lam` > 0 or the method needs saliency): forward the clean batch under the
@@ -30,8 +30,8 @@ from torch.autograd.graph import get_gradient_edge
 
 from runner.faults import Diverged
 from runner.hardware import to_device
-from runner.hooks import MethodHooks
 from runner.losses import soft_cross_entropy
+from runner.method_hooks import MethodHooks
 from runner.methods.comixup import CONFIG_KEYS as COMIXUP_CONFIG_KEYS
 from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
 from runner.methods.comixup import ComixupPool, auto_workers, comixup
