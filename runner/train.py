@@ -96,7 +96,9 @@ def _method_hooks(hooks: MethodHooks | None) -> MethodHooks:
     if hooks is None:
         return PlainTraining()
     if not isinstance(hooks, MethodHooks):
-        raise TypeError(f"fit's hooks subclass runner.method_hooks.MethodHooks; {type(hooks).__name__} does not")
+        raise TypeError(
+            f"fit's hooks subclass runner.method_hooks.MethodHooks; {type(hooks).__name__} does not"
+        )
     return hooks
 
 
