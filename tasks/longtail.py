@@ -48,6 +48,7 @@ import copy
 import logging
 
 import numpy as np
+import torch
 
 from runner.configs.longtail import METHODS, LongTailConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
@@ -80,7 +81,7 @@ def last_epoch_model(model, fitted: dict, cfg, ctx):
         log.warning("no last-epoch rule metrics (*_last): train.checkpoint=false wrote no %s", path)
         return None
     last = copy.deepcopy(model)
-    last.load_state_dict(load_checkpoint(path, ctx.device)["model"])
+    last.load_state_dict(load_checkpoint(path, torch.device("cpu"))["model"])  # copied to the model's device
     return last
 
 
