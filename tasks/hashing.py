@@ -22,7 +22,9 @@
    of the base embedding), VQ-m (ks nearest of m k-means centroids, m in `vq_centroids`, fit on the
    train split; VQ-test-m: on the test split, with `vq_fit: [train, test]`), [11] =
    k=1 codes trained on class labels as Jeong & Song 2018 (d in `level1_d`, their `level1_*`
-   settings), LSH-n (n-bit random-hyperplane codes of the base embedding, ks=1 as the paper).
+   settings), LSH-n (n-bit random-hyperplane codes of the base embedding, ks=1 as the paper), DCH-n
+   (Deep Cauchy Hashing, Cao et al. 2018: a hash net of n outputs trained on DCH's pairwise Cauchy loss
+   with the hash nets' batches and schedule, its bucket the sign pattern of the tanh codes; ks=1).
 
 Summary: `test/p@K`, `test/suf@K`, `test/nmi` for the hierarchical codes at the first ks on the
 first table, `test/metric_p@K` for exhaustive search, `val/p@1` (the selection score, with a
@@ -37,6 +39,7 @@ import logging
 import zlib
 from functools import partial
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -48,6 +51,8 @@ from runner.hooks.hier_hash import (
     HashHooks,
     base_loss,
     baseline_codes,
+    bucket_bits,
+    dch_batch_loss,
     hash_loss_and_codes,
     outputs,
     pixel_mean_input,
@@ -56,6 +61,7 @@ from runner.hooks.hier_hash import (
     val_precision,
     vq_centroid_counts,
 )
+from runner.methods import hier_hash as hh
 from runner.models import build_model
 from runner.models.hashing import EmbeddingNet
 from runner.task import Task
@@ -140,6 +146,17 @@ def hash_nets(method) -> list[tuple]:
     return nets
 
 
+def new_hash_net(method, backbone, input_norm, n_outputs, device):
+    """A copy of the backbone + Linear(feature_dim -> n_outputs) (std 0.01), and its Adam parameter groups
+    (the head at lr_head, the backbone at lr_backbone, frozen at 0)."""
+    net = EmbeddingNet(copy.deepcopy(backbone), n_outputs, 0.01, copy.deepcopy(input_norm)).to(device)
+    net.backbone.requires_grad_(method.lr_backbone > 0)
+    groups = [{"params": net.head.parameters(), "lr": method.lr_head}]
+    if method.lr_backbone > 0:
+        groups.append({"params": net.backbone.parameters(), "lr": method.lr_backbone})
+    return net, groups
+
+
 def train_hash_nets(cfg, ctx, data, embed, backbone, input_norm, splits):
     """Codes {(row, ks): (d, k, {split name: activations})} of every trained hash net, and timings."""
     method = cfg.method
@@ -148,11 +165,7 @@ def train_hash_nets(cfg, ctx, data, embed, backbone, input_norm, splits):
     codes, timing = {}, {}
     for row, d, k, remap, betas, margins, l2s in hash_nets(method):
         for i, ks in enumerate(method.ks):
-            net = EmbeddingNet(copy.deepcopy(backbone), d * k, 0.01, copy.deepcopy(input_norm)).to(ctx.device)
-            net.backbone.requires_grad_(method.lr_backbone > 0)
-            groups = [{"params": net.head.parameters(), "lr": method.lr_head}]
-            if method.lr_backbone > 0:
-                groups.append({"params": net.backbone.parameters(), "lr": method.lr_backbone})
+            net, groups = new_hash_net(method, backbone, input_norm, d * k, ctx.device)
             beta, margin, l2_reg = (per_ks(values, i) for values in (betas, margins, l2s))
             loss = partial(hash_loss_and_codes, nc=method.classes_per_batch, m=method.per_class, k=k, d=d,
                            ks=ks, method=method, beta=beta, margin=margin, l2_reg=l2_reg,
@@ -167,6 +180,29 @@ def train_hash_nets(cfg, ctx, data, embed, backbone, input_norm, splits):
             timing[tag] = train_net(cfg, ctx, data, tag, net, groups, loss, method.iters, score)
             act = {name: outputs(net, split, ctx, batch_size) for name, split in splits.items()}
             codes[(row, ks)] = (d, k, act)
+    return codes, timing
+
+
+def train_dch_nets(cfg, ctx, data, backbone, input_norm, splits):
+    """Codes {("DCH-<n>", 1): (2^n, 1, {split name: activations})} of the Deep Cauchy Hashing nets (n in
+    `dch_bits`, ks=1 as the paper), trained on `hh.dch_loss` with the hash nets' batches and schedule,
+    without model selection; an item's bucket is the sign pattern of its code. And their timings."""
+    method = cfg.method
+    codes, timing = {}, {}
+    if "dch" not in method.baselines or 1 not in method.ks:
+        return codes, timing
+    shape = dict(nc=method.classes_per_batch, m=method.per_class)
+    for n in method.dch_bits or [bucket_bits(method)]:
+        net, groups = new_hash_net(method, backbone, input_norm, n, ctx.device)
+        loss = partial(dch_batch_loss, **shape, gamma=method.dch_gamma, quantization=method.dch_quantization)
+        tag = f"DCH-{n}"
+        with_no_code_time = partial(lambda net, x, loss: (loss(net, x), 0.0), loss=loss)
+        timing[tag] = train_net(cfg, ctx, data, tag, net, groups, with_no_code_time, method.iters)
+        act = {
+            name: hh.sign_activations(np.tanh(outputs(net, split, ctx, cfg.train.eval_batch_size)))
+            for name, split in splits.items()
+        }
+        codes[(tag, 1)] = (2**n, 1, act)
     return codes, timing
 
 
@@ -204,6 +240,9 @@ def run(cfg, ctx) -> dict:
     splits = {name: getattr(data, name) for name in ("test", *method.tables)}
     emb = {name: embed(split) for name, split in splits.items()}
     codes, timing = train_hash_nets(cfg, ctx, data, embed, backbone, input_norm, splits)
+    dch_codes, dch_timing = train_dch_nets(cfg, ctx, data, backbone, input_norm, splits)
+    codes.update(dch_codes)
+    timing.update(dch_timing)
     train_emb = (lambda: emb["train"]) if "train" in emb else partial(embed, data.train)
     codes.update(baseline_codes(method, cfg.seed, emb, train_emb))
     summary, report = retrieval_tables(codes, emb, splits, method.tables, method.eval_k, method.ks)

@@ -37,28 +37,52 @@ few <= few_max, medium between) as `<test set>/<rule>/<all|many|medium|few>`. `t
 argmax accuracy on the uniform (balanced) test set, what the paper's Table 1 reports; `test/acc_<predict>`
 is the uniform-test accuracy of the rule `method.predict` (e.g. `test/acc_dbot`). The training run's own
 metrics on the whole test split are `fit/test/*` (`fit/test/acc`, `fit/test/acc_best`, ...); `val/acc`
-keeps its name (the objective of a search).
+keeps its name (the objective of a search). Where `train.select` tests another epoch than the last, every
+one of these rule metrics is reported for the last epoch's weights too, as `<key>_last` (e.g.
+`uniform/argmax/few_last`, `test/acc_sinkhorn_last`), read back from the fit's checkpoint.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+
 import numpy as np
+import torch
 
 from runner.checks import ConfigError
 from runner.configs.longtail import METHODS, LongTailConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
-from runner.distributed_passes import predict_all
+from runner.distributed_passes import broadcast_from_main, predict_all
 from runner.hooks.dbot import LossHook, evaluate_rules, resampled_test_sets
 from runner.methods.dbot import CosineClassifier
 from runner.models import build_model
 from runner.task import Task
-from runner.train import fit
+from runner.train import fit, load_checkpoint
+
+log = logging.getLogger(__name__)
 
 
 def smoke(cfg) -> None:
     """`+debug=smoke`: the subsets keep a sample of every class (the loss needs every training count,
     the long-tailed evaluation every test class)."""
     cfg.dataset.min_per_class = max(cfg.dataset.min_per_class, 1)
+
+
+def last_epoch_model(model, fitted: dict, cfg, ctx):
+    """A copy of `model` with the last epoch's weights where fit tested another epoch's (`train.select`),
+    read from the fit's checkpoint (it holds the last epoch's weights beside the kept best); None where the
+    tested model is the last one, or no checkpoint was written (`train.checkpoint=false`)."""
+    if fitted.get("tested_model", "last") == "last":
+        return None
+    path = ctx.dir / "checkpoints" / "fit.pt"
+    # rank 0 wrote it before its fit returned: its answer is also the other ranks' wait for the file
+    if not broadcast_from_main(cfg.train.checkpoint and path.exists()):
+        log.warning("no last-epoch rule metrics (*_last): train.checkpoint=false wrote no %s", path)
+        return None
+    last = copy.deepcopy(model)
+    last.load_state_dict(load_checkpoint(path, torch.device("cpu"))["model"])  # copied to the model's device
+    return last
 
 
 def run(cfg, ctx) -> dict:
@@ -86,11 +110,18 @@ def run(cfg, ctx) -> dict:
     # test/* of the inference rules on the resampled test sets below
     fitted = fit(model, data, cfg.train, ctx, hooks, augment=cfg.dataset.augment, tag="fit")
 
-    logits = predict_all(model, data.test, ctx).double().numpy()
-    feats = predict_all(model, data.test, ctx, features=True).double().numpy()
+    tested = {"": model, "_last": last_epoch_model(model, fitted, cfg, ctx)}
+    outputs = {
+        suffix: (
+            predict_all(net, data.test, ctx).double().numpy(),
+            predict_all(net, data.test, ctx, features=True).double().numpy(),
+            net.classifier.weight.detach().double().cpu().numpy(),
+        )
+        for suffix, net in tested.items()
+        if net is not None
+    }
     if not ctx.is_main:  # the inference rules run on rank 0, which writes the summary
         return {}
-    weight = model.classifier.weight.detach().double().cpu().numpy()
     y_test = data.test.y_clean.numpy()
     rng = np.random.default_rng(cfg.seed + 1)
     imbalance = m.test_imbalance or data.meta.get("imbalance", cfg.dataset.imbalance)
@@ -99,8 +130,10 @@ def run(cfg, ctx) -> dict:
     summary = {f"fit/{key}" if key.startswith("test/") else key: value for key, value in fitted.items()}
     summary["train/counts"] = [int(c) for c in train_counts]
     # the DB-OT rules solve where the model ran: float64 on the accelerator, else numpy on the host
-    rules = evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, ctx)
-    return {**summary, **rules}
+    for suffix, (logits, feats, weight) in outputs.items():
+        rules = evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, ctx)
+        summary |= {key + suffix: value for key, value in rules.items()}
+    return summary
 
 
 TASK = Task("longtail", ("test/acc", "max"), run, smoke=smoke)

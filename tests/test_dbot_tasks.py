@@ -251,6 +251,24 @@ def test_longtail_cli_reports_every_rule_on_every_test_set(cli, tmp_path):
     assert counts == sorted(counts, reverse=True) and counts[-1] == int(counts[0] / 10)
 
 
+@pytest.mark.slow
+def test_longtail_reports_the_last_epochs_rules_beside_the_selected_models(cli_here, tmp_path):
+    """With `train.select` testing another epoch (test/ece's best: the untrained net, epoch 0), every rule
+    metric of the last epoch's weights is reported as `<key>_last`: equal to the same run tested at its last
+    epoch (`train.select=last`; the CPU run is deterministic, so to the last bit)."""
+    common = ("+method=dbot", "dataset.imbalance=10", "train.epochs=3", "logger=none", "train.progress=false",
+              "method.many_min=60", "method.few_max=20", "method.predict=sinkhorn")  # fmt: skip
+    cli_here(*common, "train.select=best:test/ece", f"hydra.run.dir={tmp_path}/best")
+    cli_here(*common, "train.select=last", f"hydra.run.dir={tmp_path}/last")
+    best, last = (summaries(tmp_path / name)[tmp_path / name] for name in ("best", "last"))
+    assert best["tested_model"] == "best:test/ece" and best["tested_epoch"] != 3  # not the last epoch
+    rules = [key for key in last if key.split("/")[0] in ("test", "lt", "uniform", "reversed")]
+    assert {"uniform/argmax/few", "uniform/argmax/many", "test/acc_sinkhorn"} <= set(rules)
+    assert {key: best[key + "_last"] for key in rules} == {key: last[key] for key in rules}
+    assert best["test/acc"] != best["test/acc_last"]  # the two models differ: the check can fail
+    assert not any(key.endswith("_last") for key in rules)  # no last-epoch copies where the last is tested
+
+
 def test_cli_preflight_rejects_bad_method_keys():
     with pytest.raises(ConfigError, match="method.loss=.*balanced_softmax"):
         preflight(["+method=dbot", "method.loss=hinge"])

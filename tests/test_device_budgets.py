@@ -102,7 +102,9 @@ def test_dbot_evaluation_reads_the_device_at_most_twice_per_split(tmp_path, monk
     evaluation, sites = report["counts"].get("dbot_eval", {}), "\n".join(report["sites"][:15])
     assert evaluation.get("mix", 0) == 0 and evaluation.get("numpy", 0) == 0, sites
     splits, per_evaluation = (3, 2) if preset == "dbot" else (1, 0)
-    assert 0 < evaluation.get("sync", 0) <= 2 * splits + per_evaluation, sites
+    # the CIFAR-LT preset tests its best epoch, so the last epoch's weights are evaluated too (<key>_last)
+    models = 2 if preset == "dbot" else 1
+    assert 0 < evaluation.get("sync", 0) <= models * (2 * splits + per_evaluation), sites
     if preset == "dbot":  # the DB-OT rules did solve on the device
         assert any("converged" in site for site in report["sites"]), sites
 

@@ -59,7 +59,9 @@ def test_synthetic_hier_bad_value_is_one_line():
         ("method.solver=lemon", "method.solver='lemon'"),
         ("method.per_class=3", "exactly 2 with the N-pairs loss"),
         ("method.tables=[val]", "method.tables="),
-        ("method.baselines=[dch]", "method.baselines="),
+        ("method.baselines=[pq]", "method.baselines="),
+        ("method.dch_bits=[0]", "method.dch_bits="),
+        ("method.dch_gamma=0", "method.dch_gamma=0"),
         ("method.decay_at=[30000,20000]", "method.decay_at="),
         ("method.input_norm=zca", "method.input_norm='zca'"),
         ("method.level1_beta=[0.1,0.2]", "one per ks"),
@@ -343,10 +345,12 @@ def test_pixel_mean_input_is_x_over_255_minus_the_mean_image(tmp_path):
 def test_cli_synthetic_reports_every_row(cli, tmp_path):
     run_dir = tmp_path / "run"
     cli("+experiment=hier_hash_synthetic", "method.iters=50", "method.ks=[1,2]", "method.level1_d=[32]",
-        "method.vq_centroids=[16,256]", "logger=none", f"hydra.run.dir={run_dir}")  # fmt: skip
+        "method.vq_centroids=[16,256]", "method.baselines=[th,vq,level1,lsh,dch]", "logger=none",
+        f"hydra.run.dir={run_dir}")  # fmt: skip
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [(row, ks) for row in ("ours", "k1-d32", "Th", "VQ-16", "VQ-256") for ks in (1, 2)] + [
-        ("LSH-5", 1)
+        ("LSH-5", 1),
+        ("DCH-5", 1),
     ]
     for row, ks in rows:
         cell = {key: summary[f"hash/test/{row}/ks{ks}/{key}"] for key in ("p@1", "p@16", "suf@1", "nmi")}
@@ -356,8 +360,10 @@ def test_cli_synthetic_reports_every_row(cli, tmp_path):
     assert 0 < summary["time/mcf_share"] < 1
     # a 256-bucket table cannot beat the exhaustive search's candidate count by more than 1919x
     assert summary["hash/test/VQ-256/ks1/suf@1"] > summary["hash/test/VQ-16/ks1/suf@1"]
-    assert "| ks | ours | k1-d32 | Th | VQ-16 | VQ-256 | LSH-5 |" in (run_dir / "retrieval.md").read_text()
-    assert "hash/test/LSH-5/ks2/p@1" not in summary  # LSH at ks=1 only, as the paper
+    header = "| ks | ours | k1-d32 | DCH-5 | Th | VQ-16 | VQ-256 | LSH-5 |"
+    assert header in (run_dir / "retrieval.md").read_text()
+    assert "hash/test/LSH-5/ks2/p@1" not in summary  # LSH and DCH at ks=1 only, as the paper
+    assert "hash/test/DCH-5/ks2/p@1" not in summary
 
 
 @pytest.mark.slow

@@ -903,6 +903,53 @@ def test_lsh_activations_are_sign_buckets_with_multi_probe_order():
         hh.lsh_activations(emb, 0)
 
 
+def test_sign_activations_rank_the_sign_bucket_first():
+    proj = np.array([[0.5, -2.0, 0.1], [-1.0, 3.0, -0.2]])
+    act = hh.sign_activations(proj)
+    np.testing.assert_array_equal(act.argmax(1), [0b101, 0b010])  # bit j set <=> p_j > 0
+    np.testing.assert_array_equal(np.argsort(-act, axis=1)[:, 1], [0b001, 0b110])  # weakest bit flipped
+    with pytest.raises(ValueError, match=r"need \(N, n\)"):
+        hh.sign_activations(np.zeros(3))
+
+
+def dch_loss_by_definition(h, y, gamma, quantization):
+    """DCH's loss written out pair by pair in float64 (Cao et al. 2018, with the balancing weights
+    |S| / |S_s| and |S| / |S_d|), the oracle of `hh.dch_loss`."""
+    n, bits = h.shape
+    unit = h / np.linalg.norm(h, axis=1, keepdims=True)
+    costs = {True: [], False: []}
+    for i in range(n):
+        for j in range(n):
+            if i != j:
+                d = bits / 2 * (1 - unit[i] @ unit[j])
+                sigma = gamma / (gamma + d)
+                costs[bool(y[i] == y[j])].append(-np.log(sigma) if y[i] == y[j] else -np.log(1 - sigma))
+    to_ones = bits / 2 * (1 - np.abs(h).sum(1) / (np.linalg.norm(h, axis=1) * np.sqrt(bits)))
+    return np.mean(costs[True]) + np.mean(costs[False]) + quantization * np.mean(np.log(1 + to_ones / gamma))
+
+
+def test_dch_loss_is_its_definition_and_its_gradient_finite_differences():
+    rng = np.random.default_rng(0)
+    h = np.tanh(rng.normal(size=(8, 6)))
+    y = np.array([0, 0, 1, 1, 1, 2, 3, 3])
+    codes = torch.tensor(h, requires_grad=True)
+    for gamma, quantization in ((20.0, 0.1), (2.0, 1.5)):
+        loss = hh.dch_loss(codes, torch.from_numpy(y), gamma, quantization)
+        # float64 sums of 56 pair terms and 8 quantization terms: rounding stays near 1e-15 relative
+        assert loss.item() == pytest.approx(dch_loss_by_definition(h, y, gamma, quantization), rel=1e-12)
+    # central differences at eps 1e-6: truncation ~eps^2 f''' ~ 1e-12, rounding ~1e-16 / eps = 1e-10
+    assert torch.autograd.gradcheck(
+        lambda c: hh.dch_loss(c, torch.from_numpy(y), 2.0, 1.5), (codes,), eps=1e-6, atol=1e-8, rtol=1e-6
+    )
+    # similar codes that agree and dissimilar ones that point apart cost less than the reverse
+    aligned = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 1], [-1, -1, -1, -1], [-1, -1, -1, -1]]) * 0.9
+    crossed = aligned[[0, 2, 1, 3]]
+    labels = torch.tensor([0, 0, 1, 1])
+    assert hh.dch_loss(aligned, labels) < hh.dch_loss(crossed, labels)
+    with pytest.raises(ValueError, match="a similar and a dissimilar pair"):
+        hh.dch_loss(aligned, torch.tensor([0, 1, 2, 3]))
+
+
 def test_docstring_examples_run():
     import doctest
 

@@ -487,10 +487,11 @@ def test_every_paper_scale_preset_has_a_paper_block_of_values_and_tables():
     for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
         preset = yaml.safe_load(path.read_text())
         gpu = {"override /hardware": "auto"} in preset["defaults"]  # paper scale: CUDA where visible
-        assert ("paper" in preset) == gpu, path.name
+        # pwc_optimality: the paper's Fig. 3 at the paper's own size, which is a CPU run
+        assert ("paper" in preset) == (gpu or path.stem == "pwc_optimality"), path.name
         for metric, entry in (preset.get("paper") or {}).items():
             assert set(entry) == {"value", "table"} and isinstance(entry["value"], float), (path.name, metric)
-            assert entry["table"].startswith("Table "), (path.name, metric)
+            assert entry["table"].startswith(("Table ", "Fig. ")), (path.name, metric)
             level1 = re.match(r"hash/\w+/k1-d(\d+)/", metric)  # [11]'s row is named by its width
             assert not level1 or int(level1.group(1)) in preset["method"]["level1_d"], (path.name, metric)
 

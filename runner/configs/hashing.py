@@ -10,7 +10,7 @@ from runner.configs._base import MethodConfig, TaskEntry, register_task
 from runner.methods.hier_hash import LOSSES, SOLVERS
 
 TABLES = ("test", "train")
-BASELINES = ("th", "vq", "level1", "lsh")
+BASELINES = ("th", "vq", "level1", "lsh", "dch")
 INPUT_NORMS = ("dataset", "pixel_mean")
 # list keys with one value, or one per entry of `ks`
 PER_KS = ("beta", "margin", "npairs_l2", "level1_beta", "level1_margin", "level1_npairs_l2")
@@ -68,6 +68,11 @@ class HierHashConfig(MethodConfig):
     level1_margin: list[float] = field(default_factory=lambda: [1.0])
     level1_npairs_l2: list[float] = field(default_factory=lambda: [0.003])
     lsh_bits: list[int] = field(default_factory=list)  # empty: [log2(d*k)] (2^n = dk buckets, as the paper)
+    # Deep Cauchy Hashing (Cao et al. 2018): n-bit nets trained as the hash nets; gamma and the quantization
+    # weight are not in the hashing paper (DCH's own paper cross-validates them)
+    dch_bits: list[int] = field(default_factory=list)  # empty: [log2(d*k)], as LSH
+    dch_gamma: float = 20.0
+    dch_quantization: float = 0.1
     eval_every: float = 0.0  # epochs between validation Pr@1 checks (best kept); 0: never
     log_every: int = 100
     checkpoint_every: int = 2000
@@ -113,8 +118,11 @@ class HierHashConfig(MethodConfig):
             bad("vq_centroids", self.vq_centroids, f"ints >= max(ks)={max(self.ks)}")
         if self.level1_d and min(self.level1_d) < max(self.ks):
             bad("level1_d", self.level1_d, f"ints >= max(ks)={max(self.ks)}")
-        if self.lsh_bits and not all(1 <= n <= 20 for n in self.lsh_bits):
-            bad("lsh_bits", self.lsh_bits, "ints in [1, 20]")
+        for key in ("lsh_bits", "dch_bits"):
+            if getattr(self, key) and not all(1 <= n <= 20 for n in getattr(self, key)):
+                bad(key, getattr(self, key), "ints in [1, 20]")
+        check_range("method.dch_gamma", self.dch_gamma, 0.0, lo_open=True)
+        check_range("method.dch_quantization", self.dch_quantization, 0.0)
         check_range("method.log_every", self.log_every, 1)
         check_range("method.checkpoint_every", self.checkpoint_every, 1)
 

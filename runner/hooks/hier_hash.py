@@ -58,6 +58,14 @@ def base_loss(net, x, *, nc, m, method):
     )
 
 
+def dch_batch_loss(net, x, *, nc, m, gamma, quantization):
+    """Deep Cauchy Hashing's loss (`hh.dch_loss`) of the net's tanh codes on a batch of nc classes x m
+    examples (class-major; of the gathered batch under DDP, as `hash_loss_and_codes`)."""
+    (out,) = global_batch(net(x))
+    labels = torch.arange(nc, device=out.device).repeat_interleave(m)
+    return hh.dch_loss(torch.tanh(out.float()), labels, gamma, quantization)
+
+
 def hash_step(net, optimizer, x, **kwargs):
     """One iteration of Alg. 1 (`hash_loss_and_codes`, then an optimizer step): (loss, code seconds)."""
     loss, code_seconds = hash_loss_and_codes(net, x, **kwargs)
@@ -226,6 +234,11 @@ def retrieval_tables(codes, emb, splits, tables, eval_k, ks_list) -> tuple[dict,
     return summary, report
 
 
+def bucket_bits(method) -> int:
+    """The bits of the LSH and DCH baselines' codes by default: 2^n = d*k buckets, as the paper."""
+    return max(1, round(math.log2(method.d * method.k)))
+
+
 def vq_centroid_counts(method) -> list[int]:
     """The VQ baseline's centroid counts: `method.vq_centroids`, else [d, d^k] (as many as the hash
     codes' outputs per level, and as their buckets)."""
@@ -253,7 +266,7 @@ def baseline_codes(method, seed, emb, embed_train):
                 act = {name: -(kmeans.transform(e) ** 2) for name, e in emb.items()}
                 codes.update({(f"{prefix}-{n}", ks): (n, 1, act) for ks in method.ks})
     if "lsh" in method.baselines and 1 in method.ks:
-        for n in method.lsh_bits or [max(1, round(math.log2(method.d * method.k)))]:
+        for n in method.lsh_bits or [bucket_bits(method)]:
             act = {name: hh.lsh_activations(e, n, seed=seed) for name, e in emb.items()}
             codes[(f"LSH-{n}", 1)] = (2**n, 1, act)
     return codes

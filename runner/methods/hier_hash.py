@@ -756,8 +756,20 @@ def lsh_activations(embedding, n_bits, seed=0) -> np.ndarray:
     if embedding.ndim != 2 or not 1 <= n_bits <= 20:
         raise ValueError(f"embedding {embedding.shape}, n_bits={n_bits}: need (N, e) and 1 <= n_bits <= 20")
     planes = np.random.default_rng(seed).standard_normal((embedding.shape[1], n_bits))
+    return sign_activations(embedding @ planes)
+
+
+def sign_activations(projections) -> np.ndarray:
+    """n-bit sign codes of real projections (N, n) as single-level activations (N, 2^n): act[i, b] =
+    sum_j p_ij S_bj with S_b in {-1, +1}^n the pattern of bucket b (bit j of b set <=> +1). The argmax is
+    the bucket of sign(p_i) (LSH's hyperplanes, DCH's tanh codes); lower ranks flip the bits of smallest
+    |p_ij| first (multi-probe)."""
+    projections = np.asarray(projections, dtype=np.float64)
+    if projections.ndim != 2 or not 1 <= projections.shape[1] <= 20:
+        raise ValueError(f"projections {projections.shape}: need (N, n) with 1 <= n <= 20")
+    n_bits = projections.shape[1]
     signs = 2.0 * ((np.arange(2**n_bits)[:, None] >> np.arange(n_bits)) & 1) - 1  # (2^n, n)
-    return (embedding @ planes) @ signs.T
+    return projections @ signs.T
 
 
 # --------------------------------------------------------------------------------------------
@@ -1047,3 +1059,38 @@ def hash_loss(outputs, codes, labels, loss, margin=0.5, l2_reg=0.003) -> torch.T
         else:
             raise ValueError(f"loss={loss!r}: must be one of {LOSSES}")
     return total
+
+
+def dch_loss(codes, labels, gamma=20.0, quantization=0.1) -> torch.Tensor:
+    """Deep Cauchy Hashing's loss (Cao, Long, Liu & Wang, CVPR 2018), the hashing paper's DCH baseline.
+
+    codes (N, K) continuous codes (tanh outputs), labels (N,) classes; s_ij = [y_i = y_j]. With the
+    normalized Hamming distance d_ij = K/2 (1 - cos(h_i, h_j)) and the Cauchy probability
+    sigma(d) = gamma / (gamma + d) of a similar pair, each ordered pair i != j costs the cross-entropy
+
+        l_ij = -s_ij log sigma(d_ij) - (1 - s_ij) log(1 - sigma(d_ij))
+             = s_ij log(d_ij / gamma) + log(1 + gamma / d_ij),
+
+    weighted w_ij = |S| / |S_s| (similar pairs) or |S| / |S_d| (dissimilar ones), |S| all pairs: the
+    loss is (1/|S|) sum w_ij l_ij = the mean over similar pairs + the mean over dissimilar pairs. The
+    quantization term adds quantization * mean_i log(1 + d(|h_i|, 1) / gamma), the Cauchy loss of each
+    |code| against the all-ones vector. d is floored at 1e-6 (the authors' offset): a dissimilar pair
+    at distance 0 costs log(1 + gamma / 1e-6), finite.
+    """
+    if codes.ndim != 2 or labels.shape != codes.shape[:1]:
+        raise ValueError(f"codes {tuple(codes.shape)}, labels {tuple(labels.shape)}: need (N, K) and (N,)")
+    n, bits = codes.shape
+    similar = labels[:, None] == labels[None, :]
+    off_diagonal = ~torch.eye(n, dtype=torch.bool, device=codes.device)
+    pos, neg = similar & off_diagonal, ~similar
+    if not (pos.any() and neg.any()):
+        raise ValueError(
+            "dch_loss: the batch needs a similar and a dissimilar pair (a class twice, two classes)"
+        )
+    unit = F.normalize(codes, dim=1)
+    dist = (bits / 2 * (1 - unit @ unit.T)).clamp_min(1e-6)
+    log_mixed = torch.log(gamma + dist)
+    pair = torch.where(similar, log_mixed - math.log(gamma), log_mixed - torch.log(dist))
+    ones = torch.ones(bits, dtype=codes.dtype, device=codes.device) / math.sqrt(bits)
+    to_ones = (bits / 2 * (1 - F.normalize(codes.abs(), dim=1) @ ones)).clamp_min(0)
+    return pair[pos].mean() + pair[neg].mean() + quantization * torch.log1p(to_ones / gamma).mean()
