@@ -50,6 +50,7 @@ import logging
 import numpy as np
 import torch
 
+from runner.checkpoint import load_checkpoint
 from runner.checks import ConfigError
 from runner.configs.longtail import METHODS, LongTailConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
@@ -58,7 +59,7 @@ from runner.hooks.dbot import LossHook, evaluate_rules, resampled_test_sets
 from runner.methods.dbot import CosineClassifier
 from runner.models import build_model
 from runner.task import Task
-from runner.train import fit, load_checkpoint
+from runner.train import fit
 
 log = logging.getLogger(__name__)
 
