@@ -63,9 +63,10 @@ def save_checkpoint(path, state) -> None:
         raise CheckpointError(f"cannot write {path} ({_first_line(e)}); the previous one is intact") from None
 
 
-def load_checkpoint(path, device) -> dict:
+def load_checkpoint(path, device, hint: str = "move it away to start the run over") -> dict:
     """`torch.load` a checkpoint with `weights_only=True` (a run dir can come from someone else: no
-    unpickled object may run code); CheckpointError naming the file (which is kept) if it cannot be read."""
+    unpickled object may run code); CheckpointError naming the file (which is kept) and `hint`, what to do
+    about it, if it cannot be read."""
     try:
         return torch_load(path, device)
     except RefusedPickle:
@@ -75,8 +76,7 @@ def load_checkpoint(path, device) -> dict:
         ) from None
     except Exception as e:  # truncated or corrupt: zip, pickle and EOF errors, among others
         raise CheckpointError(
-            f"cannot read checkpoint {path} ({type(e).__name__}: {_first_line(e)}); the file is kept: "
-            "move it away to start the run over"
+            f"cannot read checkpoint {path} ({type(e).__name__}: {_first_line(e)}); the file is kept: {hint}"
         ) from None
 
 

@@ -7,8 +7,8 @@ WebVision run, CIFAR-10-C style folders). The weights are those the run reported
 `train.save_top_k` kept (`checkpoints/best.pt`; a task's tagged fit's `checkpoints/fit-best.pt`), else the
 fit's checkpoint (`checkpoints/last.pt`, `checkpoints/fit.pt`): the best weights by `train.select=best:KEY`
 where the run selected (restored and reported) them, else its last. Prints the evaluation splits'
-metrics in the run's format and writes them to `RUN_DIR/eval-<name>.json` (`--name`, default: the
-overrides, or `test`).
+metrics in the run's format, then writes them to `RUN_DIR/eval-<name>.json` (`--name`, default: the
+overrides, or `test`), or to `--out PATH` (a run dir that cannot be written: another run's, a read-only copy).
 
     runner-eval outputs/2026-11-25/10-00-00
     runner-eval outputs/2026-11-25/10-00-00 dataset=imagefolder dataset.root=data/cifar10c --name cifar10c
@@ -40,9 +40,9 @@ from runner.task import task_of
 WEIGHTS = (best_file(), checkpoint_file(), best_file("fit"), checkpoint_file("fit"))
 
 
-def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -> dict:
+def evaluate_run(run_dir: Path, overrides: list[str]) -> dict:
     """The metrics of the weights `run_dir` reported (`WEIGHTS`; the module's docstring) on the evaluation
-    splits of its config with `overrides`; written to `run_dir/eval-<name>.json`."""
+    splits of its config with `overrides`, with the checkpoint and the overrides."""
     from runner.canvas_metrics import canvas_metrics
     from runner.checkpoint import load_checkpoint
     from runner.compose import CommandLine
@@ -70,7 +70,8 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
     data = load_data(cfg.dataset, cfg.seed)
     add_val_boxes(data, cfg.dataset.imagenet_boxes)
     model = task.network(cfg, data)
-    state = load_checkpoint(path, device)  # a file it cannot read: CheckpointError, its own line
+    # a file it cannot read: CheckpointError, its own line, with what an evaluation can do about it
+    state = load_checkpoint(path, device, hint="restore it from a copy of the run to evaluate it")
     selected = (state.get("extra") or {}).get("best")  # train.select=best:KEY: the weights it restored
     weights = selected["state"] if selected is not None else state["model"]
     try:
@@ -89,26 +90,37 @@ def evaluate_run(run_dir: Path, overrides: list[str], name: str | None = None) -
         metrics, _ = evaluate_splits(model, data, ctx, batch_size, cfg.train.ece_bins)
         if "boxes" in data.meta:  # digits_canvas, ImageNet val with dataset.imagenet_boxes
             metrics.update(canvas_metrics(model, data, ctx, batch_size=batch_size))
+    return {"checkpoint": str(path), "overrides": overrides, **metrics}
+
+
+def default_out(run_dir: Path, overrides: list[str], name: str | None) -> Path:
+    """`run_dir/eval-<name>.json`; the name defaults to the overrides, or `test`."""
     name = name or (re.sub(r"[^\w.=-]+", "_", "_".join(overrides)) if overrides else "test")
-    out = {"checkpoint": str(path), "overrides": overrides, **metrics}
-    (run_dir / f"eval-{name}.json").write_text(json.dumps(out, indent=2) + "\n")
-    return out
+    return Path(run_dir) / f"eval-{name}.json"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="runner-eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("overrides", nargs="*", help="config overrides after the run's own (key=value)")
-    parser.add_argument("--name", help="eval-<name>.json (default: the overrides, or 'test')")
+    parser.add_argument("--name", help="RUN_DIR/eval-<name>.json (default: the overrides, or 'test')")
+    parser.add_argument("--out", type=Path, help="the metrics' json file (default: RUN_DIR/eval-<name>.json)")
     args = parser.parse_args(argv)
     try:
-        out = evaluate_run(args.run_dir, args.overrides, args.name)
+        out = evaluate_run(args.run_dir, args.overrides)
     except (ConfigError, CheckpointError, OutOfMemory) as e:
         print(f"runner-eval: error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ConfigError) else 1)
     shown = {k: v for k, v in out.items() if isinstance(v, float)}
+    # printed before the write: metrics a write cannot keep are still on the console
     print(f"runner-eval {args.run_dir} ({out['checkpoint']}): "
-          + "  ".join(f"{k}={v:.4f}" for k, v in shown.items()))  # fmt: skip
+          + "  ".join(f"{k}={v:.4f}" for k, v in shown.items()), flush=True)  # fmt: skip
+    path = args.out or default_out(args.run_dir, args.overrides, args.name)
+    try:
+        path.write_text(json.dumps(out, indent=2) + "\n")
+    except OSError as e:
+        print(f"runner-eval: error: cannot write {path} ({e.strerror}); give --out PATH", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import logging
 import os
 import shlex
@@ -126,7 +127,8 @@ def config_changes(saved: dict, cfg: dict) -> list[str]:
 
 def check_resume(run_dir, cfg: DictConfig) -> bool:
     """Whether this run resumes the checkpoint in `run_dir`; ConfigError where `train.resume` forbids what
-    is there, or where the config differs from the saved one (nothing in the run dir is touched)."""
+    is there, where the config differs from the saved one, or where it asks fewer epochs of a finished
+    run (nothing in the run dir is touched)."""
     run_dir, mode = Path(run_dir), cfg.train.resume
     found = has_checkpoint(run_dir) and cfg.train.checkpoint
     if mode == "must" and not found:
@@ -138,9 +140,17 @@ def check_resume(run_dir, cfg: DictConfig) -> bool:
             f"train.resume=never but {run_dir} holds a checkpoint: choose another run dir, or resume it"
         )
     saved_path = run_dir / "config.yaml"
-    if not found or not saved_path.exists():
+    if not saved_path.exists():
         return found
     saved = OmegaConf.to_container(OmegaConf.load(saved_path))
+    done = saved.get("train", {}).get("epochs")
+    if _finished(run_dir) and isinstance(done, int) and cfg.train.epochs < done:
+        raise ConfigError(
+            f"train.epochs={cfg.train.epochs}: {run_dir} holds a finished run of {done} epochs; to train "
+            f"fewer, use another run dir (hydra.run.dir=...); to evaluate it, runner-eval {run_dir}"
+        )
+    if not found:
+        return found
     changes = sorted(config_changes(saved, OmegaConf.to_container(cfg)))
     if changes and mode != "force":
         raise ConfigError(
@@ -150,6 +160,14 @@ def check_resume(run_dir, cfg: DictConfig) -> bool:
     if changes:
         log.warning("train.resume=force: resuming %s with changed %s", run_dir, "; ".join(changes))
     return True
+
+
+def _finished(run_dir: Path) -> bool:
+    """Whether the run in `run_dir` ended with its result: a summary.json without an error."""
+    try:
+        return "error" not in json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def resume_command(run_dir, overrides) -> str:

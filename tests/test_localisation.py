@@ -194,7 +194,7 @@ def test_a_run_and_runner_eval_report_the_box_metrics(tmp_path, cli):
         "test/ece10",
     ):
         assert 0 <= summary[key] <= 1, key
-    again = evaluate_run(run_dir, [f"dataset.imagenet_boxes={boxes}"], name="boxes")
+    again = evaluate_run(run_dir, [f"dataset.imagenet_boxes={boxes}"])
     assert again["test/err_bg_noise"] == pytest.approx(summary["test/err_bg_noise"])
     assert again["test/loc_acc"] == pytest.approx(summary["test/loc_acc"])
 
