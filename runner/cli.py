@@ -102,6 +102,7 @@ def _start(cfg: DictConfig, cleanup: contextlib.ExitStack, preset_note: str | No
         cap_host_memory,
         capped_workers,
         describe,
+        idle_flags,
         seed_everything,
         setup,
         teardown,
@@ -127,6 +128,8 @@ def _start(cfg: DictConfig, cleanup: contextlib.ExitStack, preset_note: str | No
         log.info("; ".join(filter(None, [preset_note, left_out, describe(cfg.hardware, device)])))
         if smoke_note:
             log.info(smoke_note)
+        for line in idle_flags(cfg, device):
+            log.info(line)
     if world_size > 1:  # torchrun's ranks: rank 0's run dir (another rank's clock may name another)
         run_dir = rundir.shared(run_dir, rank)
     if rank == 0:

@@ -351,6 +351,18 @@ def describe(hw, device: torch.device) -> str:
     return f"device: {device} (hardware={hw.name}: {chosen}; {hw.precision}, {hw.num_workers} loader workers)"
 
 
+def idle_flags(cfg, device: torch.device) -> list[str]:
+    """A line for each flag of `cfg` (a job's config) that does nothing on `device`, naming it and why."""
+    lines = []
+    if device.type != "cuda" and cfg.hardware.cuda_graph:
+        lines.append(f"hardware.cuda_graph=true does nothing on {device.type}: CUDA graphs need a CUDA "
+                     "device; the training step runs eagerly")  # fmt: skip
+    if not is_accelerator(device) and cfg.train.accumulate == "auto":
+        lines.append(f"train.accumulate=auto does nothing on {device.type}: it sizes micro-batches to a "
+                     "GPU's memory; each batch is one pass (train.accumulate=1)")  # fmt: skip
+    return lines
+
+
 def teardown() -> None:
     """Leave the process group, if this process joined one. Garbage reference cycles hold on to a
     DistributedDataParallel wrapper after its run, until the cycle collector runs; freed by the
