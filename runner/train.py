@@ -215,8 +215,17 @@ class Loop:
         metric = self.select[0]
         evaluated, calibration = evaluate_all(self.model, self.data, self.ctx, self.cfg, self.hooks)
         if metric not in evaluated:
-            raise ConfigError(f"train.select=best:{metric}: this run does not report {metric}; "
-                              f"choices: {', '.join(f'best:{key}' for key in evaluated)}")  # fmt: skip
+            choices = ", ".join(f"best:{key}" for key in evaluated)
+            # a val split first: weights selected on the test set flatter its metric
+            if metric.startswith("val/") and not len(self.data.val):
+                raise ConfigError(
+                    f"train.select=best:{metric}: this run has no validation split; give it one with "
+                    f"dataset.val_fraction=0.1 (dataset.val_per_class=10 for per-class sized sets), "
+                    f"or choose among {choices}"
+                )
+            raise ConfigError(
+                f"train.select=best:{metric}: this run does not report {metric}; choices: {choices}"
+            )
         self.best = snapshot(self.model, evaluated, calibration, self.select, 0)
         _log(self.ctx, self.tag, {"epoch": 0, **evaluated}, -1)
 
