@@ -138,6 +138,7 @@ class RunContext:
     cuda_graph: bool = False  # replay a capturable training step as one CUDA graph (`train.GraphedStep`)
     sync_bn: bool = False  # under DDP, batch-norm statistics over the global batch
     info: dict = field(default_factory=dict)  # facts for summary.json (the model's parameter count)
+    told: set = field(default_factory=set)  # the notes a run says once (`runner.progress`), once said
     eval_image_size: int = 0  # evaluation passes resize images to this side (train.phases' last; 0: as read)
 
     @property

@@ -48,6 +48,7 @@ RESUME_MAY_CHANGE = (
     "name",
     "train.epochs",
     "train.progress",
+    "train.log_every_s",
     "train.resume",
     "train.checkpoint_every_minutes",
     "train.eval_batch_size",

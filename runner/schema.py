@@ -296,6 +296,9 @@ class TrainConfig:
     # force resumes it even when the config differs from the run dir's config.yaml (see runner/rundir.py).
     resume: str = "auto"
     progress: bool = True  # false: no progress bar and no per-epoch lines (the metrics are still logged)
+    # Without a terminal (a pipe, a log file, Slurm), where the bar is off: a line every this many seconds
+    # within an epoch (step, loss, images/s, the epoch's estimated end)
+    log_every_s: float = 30.0
     # micro-batches per optimizer step (train.batch_size stays the step's batch); auto: the fewest that fit
     # the GPU, probed once at the start (`runner.memory.micro_batches`)
     accumulate: Any = 1
@@ -329,6 +332,7 @@ class TrainConfig:
                               f"train.schedule={self.schedule!r}: set train.cosine_delay=0")  # fmt: skip
         check_range("train.gamma", self.gamma, 0.0, 1.0, lo_open=True)
         check_range("train.checkpoint_every_minutes", self.checkpoint_every_minutes, 0.0)
+        check_range("train.log_every_s", self.log_every_s, 0.0, lo_open=True)
         check_choice("train.resume", self.resume, RESUME_MODES)
         if self.accumulate != "auto":
             if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int):

@@ -39,6 +39,7 @@ from runner.memory import check_batch_settings
 from runner.method_hooks import MethodHooks, PlainTraining
 from runner.metrics import MONITORED, history_summary, parse_metric, reliability_plot
 from runner.optim import Phases, final_image_size, follow_config
+from runner.progress import EpochProgress
 from runner.step import AGREE_EVERY, MIN_LOSS_SCALE, DeferredChecks, Step, make_step, train_step
 
 log = logging.getLogger(__name__)
@@ -62,14 +63,14 @@ def train_one_epoch(
         # The partial loss sum of a resumed epoch is the global one: rank 0 carries it.
         loss_sum = torch.full((), carried_loss if first and ctx.is_main else 0.0, device=ctx.device)
         checks = DeferredChecks(s, check_loss=not s.scaler.is_enabled())
-        bar = tqdm(
-            train_batches,
-            desc=f"{tag + ' ' if tag else ''}epoch {epoch + 1}/{cfg.epochs}",
-            initial=first,
-            total=steps,
-            leave=False,
-            disable=None if cfg.progress and ctx.is_main else True,
-        )
+        what = f"{tag + ' ' if tag else ''}epoch {epoch + 1}/{cfg.epochs}"
+        shown = cfg.progress and ctx.is_main
+        bar = tqdm(train_batches, desc=what, initial=first, total=steps, leave=False,
+                   disable=None if shown else True)  # fmt: skip
+        # where the bar is off for want of a terminal: a line every train.log_every_s seconds
+        on_cpu = ctx.is_main and ctx.device.type == "cpu"
+        progress = EpochProgress(what, first, steps, cfg.log_every_s, lines=shown and bar.disable,
+                                 hint_slow=on_cpu, told=ctx.told)  # fmt: skip
         for step, (x, idx) in enumerate(bar, start=first):
             if phases is not None:
                 phases.set_lr(s.optimizer, epoch, step, steps)
@@ -78,6 +79,7 @@ def train_one_epoch(
                 warmup_lr.step()
             loss_sum += loss
             checks.record(step, loss)
+            progress.step(step, len(idx) * ctx.world_size, loss)
             save, stop = loop.save_due(), loop.stop_asked()
             # Alone, a process acts on a signal or a due save at once; ranks only at the steps they all vote.
             due = (step + 1) % AGREE_EVERY == 0 or not ctx.distributed and (stop or save)
