@@ -221,12 +221,53 @@ def _check_writable(line: CommandLine) -> None:
     )
 
 
-def main() -> None:
+class _ClosedReaderIgnored:
+    """A standard stream whose reader may go away (`runner ... | head -3`): once a write finds the pipe
+    closed, the stream's descriptor points at /dev/null and the run goes on to its own end and exit code
+    (its files hold what it writes), where Python would print a BrokenPipeError for each log record."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())  # what the stream still buffers is flushed there
+        os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _closed_readers_ignored():
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = (_ClosedReaderIgnored(stream) for stream in saved)
     try:
-        _main()
-    except KeyboardInterrupt:  # outside a job (a job reports its own, with the command to resume it)
-        print("runner: interrupted before any job started; nothing was written", file=sys.stderr)
-        sys.exit(130)
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
+def main() -> None:
+    with _closed_readers_ignored():
+        try:
+            _main()
+        except KeyboardInterrupt:  # outside a job (a job reports its own, with the command to resume it)
+            print("runner: interrupted before any job started; nothing was written", file=sys.stderr)
+            sys.exit(130)
 
 
 def _main() -> None:
