@@ -97,12 +97,40 @@ def parse_overrides(overrides: list[str]) -> list:
                 raise ConfigError(
                     f"{override}: a value with characters outside ASCII must be quoted: '{key}=\"{value}\"'"
                 ) from None
+            unclosed = _unclosed_brackets(value)
+            if unclosed:  # quoting would hide the list or dict the value means to be
+                closers = "".join(_CLOSING[b] for b in reversed(unclosed))
+                raise ConfigError(
+                    f"{override}: Hydra cannot read this override: its {' '.join(unclosed)} "
+                    f"{'is' if len(unclosed) == 1 else 'are'} never closed; close "
+                    f"{'it' if len(unclosed) == 1 else 'them'}: {override}{closers}"
+                ) from None
             reason = " ".join(str(e).split()).split(" See https://")[0]
             raise ConfigError(
                 f"{override}: Hydra cannot read this override ({reason}); quote a value that holds spaces "
                 f"or any of ()[]{{}},='\": '{key}=\"{value}\"'"
             ) from None
     return parsed
+
+
+_CLOSING = {"[": "]", "{": "}", "(": ")"}
+
+
+def _unclosed_brackets(value: str) -> list[str]:
+    """The brackets `value` opens and never closes, outermost first, outside quoted strings; [] where
+    every bracket closes (or a closing one comes unopened: another mistake)."""
+    opened, quote = [], None
+    for char in value:
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in _CLOSING:
+            opened.append(char)
+        elif char in _CLOSING.values():
+            if not opened or _CLOSING[opened.pop()] != char:
+                return []
+    return opened
 
 
 def given(parsed, key: str) -> list[str] | None:
