@@ -131,9 +131,15 @@ def _cifar(cfg, rng, name: str) -> Data:
     try:
         parts = [cls(str(root), train=train, download=cfg.download) for train in (True, False)]
     except (RuntimeError, OSError) as e:
+        folder = root / cls.base_folder
+        if cfg.download:  # the download itself failed: no network, a proxy, a full disk
+            raise ConfigError(
+                f"dataset.download=true: the download of {name} from {cls.url} failed ({e}); fetch that "
+                f"file where there is a network and extract it in {root.resolve()} (it holds {folder.name}/)"
+            ) from None
         raise ConfigError(
             f"{name} not found under {root.resolve()} ({e}); put the extracted python version there "
-            f"(e.g. {root}/{cls.base_folder}) or run with dataset.download=true"
+            f"(e.g. {folder}) or run with dataset.download=true"
         ) from None
     mean, std = (torch.tensor(s).view(1, 3, 1, 1) for s in CIFAR_STATS[name])
 
