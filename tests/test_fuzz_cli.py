@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from runner import sync
 from runner.cli import run_in_process
@@ -115,6 +116,10 @@ BAD = [
     (["train.phases=[{epochs:2}]", "train.epochs=2"], "train.schedule='cosine'", "train.schedule=none"),
     (["train.phases=[{epochs:1,lr:[0.1]}]", "train.epochs=1", "train.schedule=none"], "train.phases.0.lr",
      "[start, end]"),
+    # issue 50, single runs
+    (["train.phases=[{epochs:1,image_size:16"], "train.phases=[{epochs:1,image_size:16",
+     "its [ { are never closed; close them: train.phases=[{epochs:1,image_size:16}]"),
+    (["train.log_every_s=0"], "train.log_every_s=0", "(0.0, inf]"),
 ]  # fmt: skip
 
 
@@ -373,3 +378,124 @@ def test_read_only_places_are_one_line_naming_the_path(finished_run, tmp_path):
         lines = _own_lines(stderr)
         assert code == 2 and "Traceback" not in stderr and len(lines) == 1 and says in lines[0], stderr
     assert {p: p.read_bytes() for p in saved} == saved  # the refused resume left its run as it was
+
+
+# ------------------------------------------------------------------------ issue 50: single runs' edges
+
+
+def _run_logged(args: list[str]) -> tuple[int, str]:
+    """`runner ARGS` in this process: its exit code and all it wrote (log records and lines alike)."""
+    out = io.StringIO()
+    with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
+        try:
+            run_in_process(args)
+            code = 0
+        except SystemExit as stop:
+            code = stop.code
+    return code, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def two_epoch_run(tmp_path_factory) -> tuple[Path, str]:
+    """A finished 2-epoch run without a terminal, with the flags that do nothing on the CPU, and a progress
+    line at every step (train.log_every_s at a microsecond); its dir and all it wrote."""
+    run = tmp_path_factory.mktemp("two") / "run"
+    code, out = _run_logged(["logger=none", "train.epochs=2", "model.hidden=[16]", "hardware.cuda_graph=true",
+                             "train.accumulate=auto", "train.log_every_s=0.000001",
+                             f"hydra.run.dir={run}"])  # fmt: skip
+    assert code == 0, out
+    return run, out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the flags do something on a CUDA device")
+def test_the_flags_that_do_nothing_on_the_cpu_say_so_once(two_epoch_run):
+    _, out = two_epoch_run
+    assert out.count("hardware.cuda_graph=true does nothing on cpu: CUDA graphs need a CUDA device") == 1
+    assert out.count("train.accumulate=auto does nothing on cpu: it sizes micro-batches to a GPU's") == 1
+
+
+def test_without_a_terminal_an_epoch_logs_its_progress(two_epoch_run):
+    _, out = two_epoch_run  # stdout a StringIO: no terminal, no bar
+    lines = re.findall(r"epoch (\d)/2: step (\d+)/(\d+)  loss=[\d.]+  \d+ images/s  ends in ", out)
+    assert {epoch for epoch, *_ in lines} == {"1", "2"} and any(step == steps for _, step, steps in lines)
+
+
+def test_a_finished_run_started_with_fewer_epochs_says_what_it_holds_and_changes_nothing(two_epoch_run):
+    run, _ = two_epoch_run
+    saved = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != "run.lock"}
+    code, stderr = _in_process(["logger=none", "train.epochs=1", "model.hidden=[16]", f"hydra.run.dir={run}"])
+    assert code == 2 and _own_lines(stderr) == [
+        f"runner: error: train.epochs=1: {run} holds a finished run of 2 epochs; to train fewer, use another "
+        f"run dir (hydra.run.dir=...); to evaluate it, runner-eval {run}"
+    ]
+    assert {p: p.read_bytes() for p in saved} == saved and len(saved) == len(
+        [p for p in run.rglob("*") if p.is_file() and p.name != "run.lock"]
+    )
+
+
+def test_runner_eval_prints_its_metrics_before_a_write_that_fails(two_epoch_run, tmp_path, capsys):
+    """Where the json cannot be written (here under a regular file, which even root cannot write in), the
+    metrics are on stdout and the one error line names the path and --out."""
+    run, _ = two_epoch_run
+    (tmp_path / "file").write_text("a file, not a folder\n")
+    with pytest.raises(SystemExit) as stop:
+        runner_eval([str(run), "--out", str(tmp_path / "file" / "eval.json")])
+    out, err = capsys.readouterr()
+    assert stop.value.code == 1 and re.match(rf"runner-eval {run} \(.*\): .*test/acc=0\.\d{{4}}", out), out
+    assert err == f"runner-eval: error: cannot write {tmp_path / 'file' / 'eval.json'} (Not a directory); " \
+        "give --out PATH\n"  # fmt: skip
+    runner_eval([str(run), "--out", str(tmp_path / "eval.json")])
+    assert json.loads((tmp_path / "eval.json").read_text())["test/acc"] > 0.5
+
+
+def test_runner_eval_of_a_corrupt_checkpoint_gives_an_evaluation_hint(finished_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "checkpoints" / "last.pt").write_bytes(b"\xab" * 3000)
+    with pytest.raises(SystemExit):
+        runner_eval([str(run)])
+    line = capsys.readouterr().err.strip()
+    assert line.endswith("the file is kept: restore it from a copy of the run to evaluate it"), line
+    assert "start the run over" not in line
+
+
+def test_selecting_on_a_val_split_there_is_not_names_the_key_that_makes_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, stderr = _in_process(["logger=none", "train.epochs=1", "model.hidden=[16]",
+                                "dataset.val_fraction=0", "train.select=best:val/acc"])  # fmt: skip
+    (line,) = _own_lines(stderr)
+    assert code == 2 and line.startswith("runner: error: train.select=best:val/acc: this run has no val")
+    assert line.index("dataset.val_fraction=0.1") < line.index("best:test/acc"), line
+
+
+def test_a_download_that_fails_says_so_with_its_url_and_where_the_files_go(tmp_path, monkeypatch):
+    from urllib.error import URLError
+
+    from torchvision.datasets import cifar
+
+    def offline(url, *args, **kwargs):
+        raise URLError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(cifar, "download_and_extract_archive", offline)
+    monkeypatch.chdir(tmp_path)
+    code, stderr = _in_process(["logger=none", "dataset=cifar10", "dataset.download=true",
+                                f"dataset.root={tmp_path / 'data'}", "+debug=smoke"])  # fmt: skip
+    (line,) = _own_lines(stderr)
+    assert code == 2 and line.startswith(
+        f"runner: error: dataset.download=true: the download of cifar10 from {cifar.CIFAR10.url} failed ("
+    ), line
+    assert line.endswith(f"extract it in {tmp_path / 'data'} (it holds cifar-10-batches-py/)")
+    assert "run with dataset.download=true" not in line
+
+
+@pytest.mark.skipif(not RUNNER.exists(), reason="no runner console script beside this Python")
+def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path):
+    """`runner print_config=true ... | head -3`: the run goes on and ends with its own exit code."""
+    args = ["print_config=true", "logger=none", "train.epochs=1", "model.hidden=[16]", "hydra.run.dir=run"]
+    proc = subprocess.Popen([str(RUNNER), *args], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "WANDB_SILENT": "true"})  # fmt: skip
+    head = [proc.stdout.readline() for _ in range(3)]
+    proc.stdout.close()  # as head does after its lines
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 0 and err == "", err
+    assert "config (validated):" in "".join(head) and (tmp_path / "run" / "summary.json").exists()
