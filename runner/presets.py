@@ -1,5 +1,5 @@
-"""Presets: the `+experiment=` preset a `+method=` line gets (`method_preset`: one its task declares for
-the method, `runner.configs.TaskEntry.presets`), the settings of a preset dropped where the command line
+"""Presets: the `+experiment=` preset a `+method=` line gets (`method_preset`: one the method declares,
+`runner.configs.register_method(presets=)`), the settings of a preset dropped where the command line
 chose another option of its group, and the generated data's shape where `dataset=fake` replaces a
 preset's dataset."""
 
@@ -33,8 +33,8 @@ def _preset_file(name: str) -> tuple[dict, dict]:
 
 @functools.cache
 def preset_families() -> dict[str, tuple[str, str | None]]:
-    """Each preset a task declares (`TaskEntry.presets`): its task and its dataset (None: it keeps the
-    default)."""
+    """Each preset a method declares (`TaskEntry.presets`, its task's view): its task and its dataset
+    (None: it keeps the default)."""
     declared = {preset: task for task, entry in TASKS.items() for preset in entry.presets}
     return {preset: (declared[preset], _preset_file(preset)[0].get("dataset")) for preset in sorted(declared)}
 
@@ -48,7 +48,7 @@ def _default_dataset() -> str:
 @functools.cache
 def method_preset(method: str, dataset: str | None) -> tuple[str, str] | None:
     """The preset `+method=METHOD` applies on `dataset` (None: none named, the default) and why that one:
-    of the presets its task declares for it (`TaskEntry.presets`), the one choosing that dataset, or the
+    of the presets it declares (`register_method(presets=)`), the one choosing that dataset, or the
     task's main one there (`TaskEntry.main_presets`); None where none is declared for it there."""
     if method not in METHODS:  # a method of the user's own config dir
         return None

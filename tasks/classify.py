@@ -1,36 +1,22 @@
 """Supervised classification: plain ERM, or ERM with a method's training hooks (e.g. a batch mixup).
 
-Without `+method=`, this task trains the dataset's baseline. A method of this task registers its
-schema in `METHODS` and a hooks factory in `HOOKS` (a `runner.method_hooks.MethodHooks`).
+Without `+method=`, this task trains the dataset's baseline. A method of this task declares its schema,
+its hooks factory `(method_cfg, data, ctx) -> MethodHooks | None` and its presets in one place,
+`runner.configs.register_method` in runner/configs/classify.py (docs/adding-a-method.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
 from runner.canvas_metrics import canvas_metrics
 from runner.checks import ConfigError
+from runner.configs import hooks_factory
 from runner.configs.classify import METHODS, MIXUP, CoMixupConfig, PuzzleMixConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
 from runner.data.imagenet_boxes import add_val_boxes
 from runner.hooks import check_batch
-from runner.hooks.mixup import MixupHooks, TargetLoss
 from runner.models import build_model
 from runner.task import Task
 from runner.train import fit
-
-# method name -> factory(method_cfg, data, ctx) returning the hooks object given to `fit` (or None)
-HOOKS: dict[str, Callable] = {
-    "erm": lambda cfg, data, ctx: TargetLoss(cfg.loss) if cfg.loss != "ce" else None,
-    **{
-        c.name: lambda cfg, data, ctx: MixupHooks(
-            cfg, data.num_classes, ctx, seed=torch.initial_seed(), normalize=data.meta.get("normalize")
-        )
-        for c in MIXUP
-    },
-}
 
 
 def run(cfg, ctx) -> dict:
@@ -48,7 +34,8 @@ def run(cfg, ctx) -> dict:
         why = f"method={method.name} (it mixes inputs of a batch)"
         train = cfg.train
         check_batch("train.batch_size", train.batch_size, ctx, len(data.train), 2, why, train.accumulate)
-    hooks = HOOKS[method.name](method, data, ctx) if method is not None and method.name in HOOKS else None
+    factory = hooks_factory(method.name) if method is not None else None
+    hooks = factory(method, data, ctx) if factory is not None else None
     summary = fit(model, data, cfg.train, ctx, hooks, augment=cfg.dataset.augment)
     if "boxes" in data.meta:  # digits_canvas, ImageNet val: error, ECE, CAM localisation, corruptions
         summary.update(canvas_metrics(model, data, ctx))

@@ -52,10 +52,11 @@ import torch
 
 from runner.checkpoint import load_checkpoint
 from runner.checks import ConfigError
+from runner.configs import hooks_factory
 from runner.configs.longtail import METHODS, LongTailConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
 from runner.distributed_passes import broadcast_from_main, predict_all
-from runner.hooks.dbot import LossHook, evaluate_rules, resampled_test_sets
+from runner.hooks.dbot import evaluate_rules, resampled_test_sets
 from runner.methods.dbot import CosineClassifier
 from runner.models import build_model
 from runner.task import Task
@@ -106,7 +107,8 @@ def run(cfg, ctx) -> dict:
         if len(data.input_shape) != 3:
             raise ConfigError(f"method.augment={m.augment} needs images; {cfg.dataset.name} gives vectors")
         stats = CIFAR_STATS.get(cfg.dataset.name, IMAGENET_STATS)
-    hooks = LossHook(m, train_counts, ctx.device, cfg.train.epochs, stats)
+    # the hooks its registration declares (runner.hooks.dbot.LossHook)
+    hooks = hooks_factory(m.name)(m, train_counts, ctx.device, cfg.train.epochs, stats)
     # tag "fit": its rows and epoch lines (accuracy on the whole test split) are named apart from the
     # test/* of the inference rules on the resampled test sets below
     fitted = fit(model, data, cfg.train, ctx, hooks, augment=cfg.dataset.augment, tag="fit")

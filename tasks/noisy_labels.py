@@ -66,13 +66,13 @@ its shard of each global batch of the two loaders.
 from __future__ import annotations
 
 from runner.checks import ConfigError
+from runner.configs import hooks_factory
 from runner.configs.noisy_labels import METHODS  # noqa: F401  (runner.schema and tests read it here)
 from runner.data import load_data
 from runner.data.builtin import CIFAR_STATS
 from runner.data.files import IMAGENET_STATS, FileSplit
 from runner.data.views import Views
 from runner.hooks import check_batch
-from runner.hooks.csot import NoisyLabelHooks
 from runner.models import build_model
 from runner.models.noisy_labels import NoisyLabelNet
 from runner.task import Task
@@ -122,7 +122,7 @@ def run(cfg, ctx) -> dict:
     pad = data.meta.get("crop_pad", 4)
     views = Views(data.input_shape, mean, std, pad, method.strong_aug, method.weak_view)
     asymmetric = cfg.dataset.label_noise.kind == "asymmetric"
-    hooks = NoisyLabelHooks(
+    hooks = hooks_factory(method.name)(  # runner.hooks.csot.NoisyLabelHooks
         method, model, data, ctx, views, asymmetric, cfg.seed, cfg.train.batch_size, cfg.dataset.epoch_samples
     )
     summary = fit(model, data, cfg.train, ctx, hooks, augment="none")  # the hooks make the views

@@ -1,97 +1,68 @@
-"""docs/adding-a-method.md, run: its `# file: PATH` blocks are written into a temporary copy of their
-places (each package's search path extended there, the YAML given by `--config-dir`), the config module
-registers the method, and the CLI runs its preset and `+method=` with `+debug=smoke`."""
+"""docs/adding-a-method.md, run: its blocks are applied to a temporary copy of the repository (a `# file:`
+block written, an `# append to:` block appended, an `# add to EXPORTS in:` line added to the façade's
+list), and the page's own tests run there with the façade's check, in a Python whose `runner` and `tasks`
+are the copy's."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import json
-import math
+import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-import runner.configs
-import runner.hooks
-import runner.methods
-import tasks
-from runner.cli import run_in_process
-from runner.configs import METHODS, TASK_METHODS, TASKS
-
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "adding-a-method.md"
-BLOCK = re.compile(r"^```\w*\n# file: (\S+)\n(.*?)^```", re.M | re.S)
-PACKAGES = {"runner/methods": runner.methods, "runner/configs": runner.configs, "runner/hooks": runner.hooks,
-            "tasks": tasks}  # fmt: skip
+BLOCK = re.compile(r"^```\w*\n# (file|append to|add to EXPORTS in): (\S+)\n(.*?)^```", re.M | re.S)
+COPIED = ("runner", "tasks", "conf", "tests", "pyproject.toml")
 
 
-def page_files() -> dict[str, str]:
-    """The page's files: path -> content (the `# file:` line left out of Python, kept as YAML's comment)."""
-    return {path: text for path, text in BLOCK.findall(PAGE.read_text())}
+def page_blocks() -> list[tuple[str, str, str]]:
+    """The page's blocks: (how, path, text), the marker line left out."""
+    return BLOCK.findall(PAGE.read_text())
 
 
-@pytest.fixture
-def toy_method(tmp_path, monkeypatch):
-    """The page's method written under tmp_path and registered; the registry and modules restored after."""
-    for path, text in page_files().items():
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text(text)
-    for where, package in PACKAGES.items():
-        monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path / where)])
-    registry = [(d, dict(d)) for d in (TASKS, TASK_METHODS, METHODS)]
-    before = set(sys.modules)
-    yield tmp_path
-    for d, saved in registry:
-        d.clear()
-        d.update(saved)
-    for name in set(sys.modules) - before:
-        if "smoothing" in name:
-            del sys.modules[name]
+def apply(blocks, root: Path) -> None:
+    for how, path, text in blocks:
+        target = root / path
+        if how == "file":
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+        elif how == "append to":
+            target.write_text(target.read_text() + text)
+        else:  # a line of the façade's EXPORTS
+            source = target.read_text()
+            assert source.count("EXPORTS = {\n") == 1
+            target.write_text(source.replace("EXPORTS = {\n", "EXPORTS = {\n" + text, 1))
 
 
-def test_the_page_lists_eight_files_and_writes_its_code():
+def test_the_page_lists_six_files_and_its_blocks_touch_only_them():
     rows = re.findall(r"^\| (\d) \| `([^`]+)` \|", PAGE.read_text(), re.M)
-    assert [int(n) for n, _ in rows] == list(range(1, 9))
-    written = page_files()
-    assert len(written) == 7  # the docs page is prose
-    patterns = [re.escape(p).replace("<name>", r"\w+").replace("<task>", r"\w+").replace("<preset>", r"\w+")
-                for _, p in rows]  # fmt: skip
-    assert all(any(re.fullmatch(p, path) for p in patterns) for path in written), sorted(written)
+    assert [int(n) for n, _ in rows] == list(range(1, 7))
+    patterns = [re.escape(p).replace("<name>", r"\w+").replace("<task>", r"\w+") for _, p in rows]
+    touched = {path for _, path, _ in page_blocks()}
+    assert len(touched) == 6, sorted(touched)  # every file of the table, each once
+    assert all(any(re.fullmatch(p, path) for p in patterns) for path in touched), sorted(touched)
 
 
-def test_a_new_method_runs_through_the_registry(toy_method, monkeypatch):
-    importlib.import_module("runner.configs.smoothing")  # its registration, as `runner.configs` imports it
-    assert METHODS["label_smoothing"]().eps == 0.1 and TASKS["smoothing"].evaluable
-    hooks_module = importlib.import_module("runner.hooks.label_smoothing")
-    calls = []
-    loss = hooks_module.LabelSmoothingHooks.loss
-    monkeypatch.setattr(hooks_module.LabelSmoothingHooks, "loss", lambda *a: calls.append(1) or loss(*a))
-    conf = str(toy_method / "conf")
-    preset, method = ["+experiment=label_smoothing_digits"], ["+method=label_smoothing", "method.eps=0.05"]
-    for i, args in enumerate((preset, method)):
-        run_dir = toy_method / f"run{i}"
-        flags = ["--config-dir", conf]  # before the overrides: Hydra's parser takes one run of them
-        run_in_process([*flags, *args, "+debug=smoke", "logger=none", f"hydra.run.dir={run_dir}"])
-        summary = json.loads((run_dir / "summary.json").read_text())
-        assert math.isfinite(summary["test/acc"])
-        assert (run_dir / "config.yaml").read_text().count("task: smoothing") == 1
-    assert calls  # the method's loss trained it
-    from runner.report import task_metric
+def test_the_page_s_method_trains_in_a_copy_of_the_repository(tmp_path):
+    for name in COPIED:
+        source = ROOT / name
+        if source.is_dir():
+            shutil.copytree(source, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(source, tmp_path / name)
+    apply(page_blocks(), tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "WANDB_SILENT": "true", "CUDA_VISIBLE_DEVICES": ""}
+    facade = "tests/test_import_graph.py::test_the_facade_lists_every_solver_once"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "tests/test_label_smoothing.py", facade],
+        cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "3 passed" in proc.stdout, proc.stdout[-2000:]
+    # the copy's code ran, not this tree's: its method is not registered here
+    from runner.configs import METHODS
 
-    assert task_metric({"method": {"task": "smoothing"}}) == ("test/acc", "max")
-    with pytest.raises(SystemExit):  # its schema checks a bad value before anything runs
-        run_in_process(["--config-dir", conf, "--cfg", "job", "+method=label_smoothing", "method.eps=1.5"])
-
-
-def test_the_page_s_own_tests_pass(toy_method):
-    path = toy_method / "tests" / "test_label_smoothing.py"
-    spec = importlib.util.spec_from_file_location("test_label_smoothing", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    tests_run = [name for name in dir(module) if name.startswith("test_")]
-    for name in tests_run:
-        getattr(module, name)()
-    assert tests_run
+    assert "label_smoothing" not in METHODS

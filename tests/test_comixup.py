@@ -1034,11 +1034,13 @@ def test_a_command_line_value_wins_over_the_tiny_presets_baseline_setting():
 
 
 def test_erm_with_bce_trains_on_the_authors_loss():
+    from runner.configs import hooks_factory
     from runner.hooks.mixup import mixed_loss
-    from tasks.classify import HOOKS, METHODS
+    from tasks.classify import METHODS
 
-    assert HOOKS["erm"](METHODS["erm"](), None, None) is None  # plain soft CE: fit's own loss
-    hooks = HOOKS["erm"](METHODS["erm"](loss="bce"), None, None)
+    erm_hooks = hooks_factory("erm")  # the factory ERM's registration declares
+    assert erm_hooks(METHODS["erm"](), None, None) is None  # plain soft CE: fit's own loss
+    hooks = erm_hooks(METHODS["erm"](loss="bce"), None, None)
     model = torch.nn.Linear(3, 4)
     x, y = torch.randn(5, 3), torch.eye(4)[[0, 1, 2, 3, 0]]
     p = model(x).softmax(1)

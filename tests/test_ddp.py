@@ -242,7 +242,8 @@ def test_covering_on_network_features_under_ddp_matches_one_process(tmp_path, se
 
 def _csot_rank(rank, world_size, tmp_path, method, loss):
     """CSOT's hooks and `fit` on a toy set: every rank's parameters and selection, written per rank."""
-    from tasks.noisy_labels import METHODS, NoisyLabelHooks, NoisyLabelNet, Views
+    from runner.hooks.csot import NoisyLabelHooks
+    from tasks.noisy_labels import METHODS, NoisyLabelNet, Views
 
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 3, (150,), generator=g)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -285,18 +286,31 @@ def _as_the_cli_composes(args: list[str]):
     return compose([*args, *([preset] if preset else [])])
 
 
+def documented_default_datasets() -> dict[str, str]:
+    """Task -> the dataset `+method=NAME` runs on, as docs/adding-a-method.md's table says."""
+    page = (CONF_DIR.parent / "docs" / "adding-a-method.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| (\w+) \| [^|]+ \|$", page, re.M)
+    return {task: dataset for task, dataset in rows if task in TASKS}
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_a_method_composes_the_same_with_its_default_dataset_written_out(method):
-    """`+method=X` composes on the dataset its default (or its CPU study) chooses; naming that dataset
-    changes nothing, in every family (presets are declared per method, `TaskEntry.presets`)."""
+    """`+method=X` composes on the dataset of the preset its task applies there (its CPU study), else the
+    config's default, as docs/adding-a-method.md's table says per task; naming that dataset changes
+    nothing, in every family (presets are declared per method, `register_method(presets=)`)."""
     alone = _as_the_cli_composes([f"+method={method}"])
+    assert alone.dataset.name == documented_default_datasets()[METHODS[method]().task]
     written = _as_the_cli_composes([f"+method={method}", f"dataset={alone.dataset.name}"])
     assert OmegaConf.to_yaml(written) == OmegaConf.to_yaml(alone)
 
 
+def test_the_docs_name_the_default_dataset_of_every_task():
+    assert documented_default_datasets().keys() == TASKS.keys()
+
+
 def test_every_preset_of_a_method_is_declared_by_its_task_and_serves_that_method():
-    """A preset that chooses a method is declared by that method's task (`TaskEntry.presets`) and serves
-    that method; a preset that chooses none is declared by no task."""
+    """A preset that chooses a method is declared by that method (`register_method(presets=)`), hence by
+    its task (`TaskEntry.presets`); a preset that chooses none is declared by no task."""
     declared = {preset: task for task, entry in TASKS.items() for preset in entry.presets}
     for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
         chosen = yaml.safe_load(path.read_text()).get("defaults", [])

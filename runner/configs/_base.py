@@ -3,25 +3,52 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from collections.abc import Callable
 
 from runner.checks import check_literals
 
-# The registry, filled by `register_task` (each task's config module, runner/configs/<task>.py, at import):
-# task name -> its entry; and two views of its methods, task -> {method -> schema}, method -> schema.
+# The registry. A method is declared once, by `register_method` on its schema (its name, task, hooks and
+# the presets it serves); a task by `register_task`. Every table is a view of these two:
+# task name -> its entry; method name -> its declaration; task -> {method -> schema}; method -> schema.
 TASKS: dict[str, TaskEntry] = {}
+METHOD_ENTRIES: dict[str, MethodEntry] = {}
 TASK_METHODS: dict[str, dict[str, type]] = {}
 METHODS: dict[str, type] = {}
 
 
 @dataclasses.dataclass(frozen=True)
+class MethodEntry:
+    """A method as `register_method` declared it.
+
+    - `schema`: its dataclass; its `name` and `task` defaults name it and its task.
+    - `hooks`: "module:attribute" of the factory of its `runner.method_hooks.MethodHooks`, called by its
+      task with the task's own arguments (`hooks_factory`); imported only when a run builds it (the
+      hooks sit floors above the schemas). None: its task builds what it needs.
+    - `presets`: the presets (conf/experiment/NAME.yaml) `+method=NAME` may get, on the dataset each
+      chooses (`runner.presets.method_preset`), declared here, never inferred.
+    """
+
+    schema: type
+    hooks: str | None
+    presets: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.schema.name
+
+    @property
+    def task(self) -> str:
+        return self.schema.task
+
+
+@dataclasses.dataclass(frozen=True)
 class TaskEntry:
-    """What the runner knows of a task and its methods, registered once (`register_task`) and read by
-    the CLI's presets, `runner-eval`, `make bench-gpu` and the parametrized tests.
+    """What the runner knows of a task, registered once (`register_task`) and read by the CLI's presets,
+    `runner-eval`, `make bench-gpu` and the parametrized tests; its methods and presets are those its
+    methods declare (`register_method`).
 
     - `module`: the dotted path of the module defining its `TASK` (a `runner.task.Task`).
-    - `methods`: its methods' schemas by name; each is the base of `conf/method/<name>.yaml`.
-    - `presets`: each preset of the task (conf/experiment/NAME.yaml) -> the methods it serves, named: the
-      presets `+method=NAME` may get (on the dataset a preset chooses), declared here, never inferred.
     - `main_presets`: dataset -> the preset `+method=NAME` applies where several presets serving it choose
       that dataset (None: the default dataset, none named on the command line).
     - `evaluable`: `runner-eval` re-evaluates its runs' checkpoints on other evaluation splits.
@@ -32,33 +59,68 @@ class TaskEntry:
 
     name: str
     module: str
-    methods: dict[str, type]
-    presets: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     main_presets: dict[str | None, str] = dataclasses.field(default_factory=dict)
     evaluable: bool = False
     bench_presets: tuple[str, ...] = ()
     bench_baseline: tuple[str, ...] = ()
     bench_target: tuple[str, float] | None = None
 
+    @property
+    def methods(self) -> dict[str, type]:
+        """Its methods' schemas by name; each is the base of `conf/method/<name>.yaml`."""
+        return TASK_METHODS.get(self.name, {})
+
+    @property
+    def presets(self) -> dict[str, tuple[str, ...]]:
+        """Each preset its methods declare -> the methods it serves, in their registration order."""
+        served: dict[str, tuple[str, ...]] = {}
+        for name in self.methods:
+            for preset in METHOD_ENTRIES[name].presets:
+                served[preset] = (*served.get(preset, ()), name)
+        return served
+
 
 def register_task(entry: TaskEntry) -> TaskEntry:
-    """Add `entry` to the registry and store each method's defaults as `schema/method/<name>` in Hydra's
-    ConfigStore (plain values: `validate` types them), the base its YAML extends."""
-    from hydra.core.config_store import ConfigStore
-
-    strangers = sorted({m for served in entry.presets.values() for m in served} - entry.methods.keys())
-    if strangers:
-        raise ValueError(f"task {entry.name!r}: its presets serve {', '.join(strangers)}, not its methods")
-    clash = sorted(entry.methods.keys() & METHODS.keys() - TASK_METHODS.get(entry.name, {}).keys())
-    if clash:
-        raise ValueError(f"task {entry.name!r}: method names {', '.join(clash)} are registered already")
+    """Add `entry` to the registry; its methods register after it (`register_method`)."""
+    if entry.name in TASKS and TASKS[entry.name] != entry:
+        raise ValueError(f"task {entry.name!r} is registered already")
     TASKS[entry.name] = entry
-    TASK_METHODS[entry.name] = entry.methods
-    METHODS.update(entry.methods)
-    store = ConfigStore.instance()
-    for name, schema in entry.methods.items():
-        store.store(group="schema/method", name=name, node=dataclasses.asdict(schema()), provider="runner")
     return entry
+
+
+def register_method(*, hooks: str | None = None, presets: tuple[str, ...] = ()) -> Callable[[type], type]:
+    """Declare the method whose schema the decorated dataclass is, the one place a method is written
+    (as timm's `register_model`): its name and task (the schema's `name` and `task` defaults), its hooks
+    factory (`hooks`, "module:attribute") and the presets it serves. Adds it to `METHODS` and its task's
+    methods, and stores its defaults as `schema/method/<name>` in Hydra's ConfigStore (plain values:
+    `validate` types them), the base its YAML extends."""
+
+    def register(schema: type) -> type:
+        from hydra.core.config_store import ConfigStore
+
+        defaults = schema()
+        name, task = defaults.name, defaults.task
+        if task not in TASKS:
+            raise ValueError(f"method {name!r}: task {task!r} is not registered; choices: {', '.join(TASKS)}")
+        if name in METHODS and METHODS[name]().task != task:
+            raise ValueError(f"method {name!r} of task {task!r} is registered already")
+        METHOD_ENTRIES[name] = MethodEntry(schema, hooks, tuple(presets))
+        TASK_METHODS.setdefault(task, {})[name] = schema
+        METHODS[name] = schema
+        node = dataclasses.asdict(defaults)
+        ConfigStore.instance().store(group="schema/method", name=name, node=node, provider="runner")
+        return schema
+
+    return register
+
+
+def hooks_factory(method: str) -> Callable | None:
+    """The hooks factory `method` declares (`register_method(hooks=)`), imported now; None: none."""
+    where = METHOD_ENTRIES[method].hooks
+    if where is None:
+        return None
+    module, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 class MethodConfig:

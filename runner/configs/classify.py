@@ -6,12 +6,42 @@ from dataclasses import dataclass
 from typing import Literal
 
 from runner.checks import ConfigError, check_range
-from runner.configs._base import MethodConfig, TaskEntry, register_task
+from runner.configs._base import MethodConfig, TaskEntry, register_method, register_task
 from runner.methods.comixup import SOLVERS, THRES_TYPES
 
 LOSSES = ("ce", "bce")
 
+TASK = register_task(
+    TaskEntry(
+        "classify",
+        "tasks.classify",
+        main_presets={"cifar100": "comixup_cifar100_preactresnet18", None: "comixup_digits_canvas"},
+        evaluable=True,
+        bench_presets=(
+            "comixup_cifar100_preactresnet18",
+            "comixup_cifar100_wrn16_8",
+            "comixup_cifar100_resnext29",
+            "comixup_tiny_imagenet",
+            "comixup_imagenet",
+        ),
+        bench_baseline=("+method=erm",),
+        bench_target=("step", 2.2),
+    )
+)
+# the Co-Mixup study's presets, each serving ERM and every mixup (its rows)
+STUDY = (
+    "comixup_cifar100_preactresnet18",
+    "comixup_cifar100_resnext29",
+    "comixup_cifar100_wrn16_8",
+    "comixup_digits_canvas",
+    "comixup_imagenet",
+    "comixup_tiny_imagenet",
+)
+# a classify method's hooks factory takes (method_cfg, data, ctx) (tasks/classify.py)
+MIXUP_HOOKS = "runner.hooks.mixup:mixup_hooks"
 
+
+@register_method(hooks="runner.hooks.mixup:target_loss_hooks", presets=STUDY)
 @dataclass
 class ERMConfig(MethodConfig):
     name: str = "erm"
@@ -24,6 +54,7 @@ class ERMConfig(MethodConfig):
 # --- the mixup family (runner/methods/mixup.py, comixup.py; hooks in runner/hooks/mixup.py) ---------------
 
 
+@register_method(hooks=MIXUP_HOOKS, presets=STUDY)
 @dataclass
 class InputMixupConfig(ERMConfig):
     name: str = "input_mixup"
@@ -38,17 +69,20 @@ class InputMixupConfig(ERMConfig):
         check_range("method.clean_lam", self.clean_lam, 0.0)
 
 
+@register_method(hooks=MIXUP_HOOKS, presets=STUDY)
 @dataclass
 class ManifoldMixupConfig(InputMixupConfig):
     name: str = "manifold_mixup"
     alpha: float = 2.0
 
 
+@register_method(hooks=MIXUP_HOOKS, presets=STUDY)
 @dataclass
 class CutMixConfig(InputMixupConfig):
     name: str = "cutmix"
 
 
+@register_method(hooks=MIXUP_HOOKS, presets=STUDY)
 @dataclass
 class PuzzleMixConfig(InputMixupConfig):
     """Defaults: the PuzzleMix README's CIFAR-100 command (its Tiny-ImageNet one: clean_lam=1, t_size=-1,
@@ -85,6 +119,7 @@ class PuzzleMixConfig(InputMixupConfig):
             )
 
 
+@register_method(hooks=MIXUP_HOOKS, presets=STUDY)
 @dataclass
 class CoMixupConfig(InputMixupConfig):
     name: str = "comixup"
@@ -132,37 +167,4 @@ class CoMixupConfig(InputMixupConfig):
 
 
 MIXUP = (InputMixupConfig, ManifoldMixupConfig, CutMixConfig, PuzzleMixConfig, CoMixupConfig)
-
-METHODS: dict[str, type] = {"erm": ERMConfig, **{c.name: c for c in MIXUP}}
-# the Co-Mixup study's rows: ERM and each mixup
-STUDY = ("erm", "input_mixup", "manifold_mixup", "cutmix", "puzzle_mix", "comixup")
-
-TASK = register_task(
-    TaskEntry(
-        "classify",
-        "tasks.classify",
-        METHODS,
-        presets={
-            preset: STUDY
-            for preset in (
-                "comixup_cifar100_preactresnet18",
-                "comixup_cifar100_resnext29",
-                "comixup_cifar100_wrn16_8",
-                "comixup_digits_canvas",
-                "comixup_imagenet",
-                "comixup_tiny_imagenet",
-            )
-        },
-        main_presets={"cifar100": "comixup_cifar100_preactresnet18", None: "comixup_digits_canvas"},
-        evaluable=True,
-        bench_presets=(
-            "comixup_cifar100_preactresnet18",
-            "comixup_cifar100_wrn16_8",
-            "comixup_cifar100_resnext29",
-            "comixup_tiny_imagenet",
-            "comixup_imagenet",
-        ),
-        bench_baseline=("+method=erm",),
-        bench_target=("step", 2.2),
-    )
-)
+METHODS = TASK.methods  # its methods by name, a view of the registry

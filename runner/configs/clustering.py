@@ -6,8 +6,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from runner.checks import check_range
-from runner.configs._base import MethodConfig, TaskEntry, register_task
+from runner.configs._base import MethodConfig, TaskEntry, register_method, register_task
 from runner.methods.dbot import SOLVERS
+
+TASK = register_task(TaskEntry("clustering", "tasks.clustering"))
+# DB-OT clustering's settings (its mass bounds): k-means and balanced clustering have none of them
+DBOT_PRESETS = ("dbot_cluster_blobs", "dbot_cluster_digits")
 
 
 @dataclass
@@ -27,6 +31,7 @@ class ClusterConfig(MethodConfig):
         check_range("method.per_class", self.per_class, 0)
 
 
+@register_method()
 @dataclass
 class KMeansConfig(ClusterConfig):
     name: str = "kmeans"
@@ -37,6 +42,7 @@ class KMeansConfig(ClusterConfig):
         check_range("method.n_init", self.n_init, 1)
 
 
+@register_method(presets=DBOT_PRESETS)
 @dataclass
 class DBOTClusterConfig(ClusterConfig):
     name: str = "dbot_cluster"
@@ -61,6 +67,7 @@ class DBOTClusterConfig(ClusterConfig):
         check_range("method.tol", self.tol, 0.0, lo_open=True)
 
 
+@register_method()
 @dataclass
 class BalancedClusterConfig(DBOTClusterConfig):
     """Plain balanced-OT clustering: DB-OT with tau = 0 (every cluster mass exactly 1/K)."""
@@ -73,13 +80,4 @@ class BalancedClusterConfig(DBOTClusterConfig):
         check_range("method.tau", self.tau, 0.0, 0.0)
 
 
-METHODS = {
-    "kmeans": KMeansConfig,
-    "dbot_cluster": DBOTClusterConfig,
-    "balanced_cluster": BalancedClusterConfig,
-}
-
-# DB-OT clustering's settings (its mass bounds): k-means and balanced clustering have none of them
-PRESETS = {"dbot_cluster_blobs": ("dbot_cluster",), "dbot_cluster_digits": ("dbot_cluster",)}
-
-TASK = register_task(TaskEntry("clustering", "tasks.clustering", METHODS, presets=PRESETS))
+METHODS = TASK.methods  # its methods by name, a view of the registry

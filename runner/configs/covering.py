@@ -6,10 +6,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from runner.checks import ConfigError, check_range
-from runner.configs._base import MethodConfig, TaskEntry, register_task
+from runner.configs._base import MethodConfig, TaskEntry, register_method, register_task
 from runner.methods.pwc import BASELINES, BATCHED, PW_METHODS
 
+# PWC trains the same network for every selector: its bench-gpu baseline picks at random.
+TASK = register_task(TaskEntry("covering", "tasks.covering", bench_presets=("pwc_cifar10",),
+                               bench_baseline=("method.selector=random",)))  # fmt: skip
 
+
+@register_method(presets=("pwc_cifar10", "pwc_digits", "pwc_mixture2d", "pwc_optimality"))
 @dataclass
 class CoverConfig(MethodConfig):
     name: str = "pwc"
@@ -67,11 +72,4 @@ class CoverConfig(MethodConfig):
         check_range("method.mip_gap", self.mip_gap, 0.0)
 
 
-METHODS = {"pwc": CoverConfig}
-
-# PWC trains the same network for every selector: its bench-gpu baseline picks at random.
-PRESETS = {preset: ("pwc",) for preset in ("pwc_cifar10", "pwc_digits", "pwc_mixture2d", "pwc_optimality")}
-
-TASK = register_task(TaskEntry("covering", "tasks.covering", METHODS, presets=PRESETS,
-                               bench_presets=("pwc_cifar10",),
-                               bench_baseline=("method.selector=random",)))  # fmt: skip
+METHODS = TASK.methods  # its methods by name, a view of the registry

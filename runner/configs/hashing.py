@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from runner.checks import ConfigError, check_range
-from runner.configs._base import MethodConfig, TaskEntry, register_task
+from runner.configs._base import MethodConfig, TaskEntry, register_method, register_task
 from runner.methods.hier_hash import LOSSES, SOLVERS
 
 TABLES = ("test", "train")
@@ -15,7 +15,31 @@ INPUT_NORMS = ("dataset", "pixel_mean")
 # list keys with one value, or one per entry of `ks`
 PER_KS = ("beta", "margin", "npairs_l2", "level1_beta", "level1_margin", "level1_npairs_l2")
 
+TASK = register_task(
+    TaskEntry(
+        "hashing",
+        "tasks.hashing",
+        main_presets={  # the setting of hier_hash.yaml's defaults
+            "cifar100": "hier_hash_cifar100_npairs",
+            "imagenet32": "hier_hash_imagenet32_npairs",
+            None: "hier_hash_synthetic",
+        },
+        bench_presets=("hier_hash_cifar100_npairs", "hier_hash_cifar100_triplet", "hier_hash_imagenet"),
+        bench_target=("step", 1.2),  # over the preset's base embedding's step
+    )
+)
+PRESETS = (
+    "hier_hash_cifar100_npairs",
+    "hier_hash_cifar100_triplet",
+    "hier_hash_imagenet",
+    "hier_hash_imagenet32_npairs",
+    "hier_hash_imagenet32_triplet",
+    "hier_hash_imagenetsplit",
+    "hier_hash_synthetic",
+)
 
+
+@register_method(presets=PRESETS)
 @dataclass
 class HierHashConfig(MethodConfig):
     """Defaults: the paper's Cifar-100 N-pairs setting (70k iterations of 64 x 2, x0.3 after 20k)."""
@@ -127,31 +151,4 @@ class HierHashConfig(MethodConfig):
         check_range("method.checkpoint_every", self.checkpoint_every, 1)
 
 
-METHODS = {"hier_hash": HierHashConfig}
-
-TASK = register_task(
-    TaskEntry(
-        "hashing",
-        "tasks.hashing",
-        METHODS,
-        presets={
-            preset: ("hier_hash",)
-            for preset in (
-                "hier_hash_cifar100_npairs",
-                "hier_hash_cifar100_triplet",
-                "hier_hash_imagenet",
-                "hier_hash_imagenet32_npairs",
-                "hier_hash_imagenet32_triplet",
-                "hier_hash_imagenetsplit",
-                "hier_hash_synthetic",
-            )
-        },
-        main_presets={  # the setting of hier_hash.yaml's defaults
-            "cifar100": "hier_hash_cifar100_npairs",
-            "imagenet32": "hier_hash_imagenet32_npairs",
-            None: "hier_hash_synthetic",
-        },
-        bench_presets=("hier_hash_cifar100_npairs", "hier_hash_cifar100_triplet", "hier_hash_imagenet"),
-        bench_target=("step", 1.2),  # over the preset's base embedding's step
-    )
-)
+METHODS = TASK.methods  # its methods by name, a view of the registry

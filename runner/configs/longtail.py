@@ -6,15 +6,41 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from runner.checks import ConfigError, check_range
-from runner.configs._base import MethodConfig, TaskEntry, register_task, variant
+from runner.configs._base import MethodConfig, TaskEntry, register_method, register_task, variant
 from runner.methods.dbot import LOSS_MODES, SOLVERS
 
-LOSSES = ("ce", "balanced_softmax", "logit_adjust", "focal", "cb_ce", "cb_focal", "ldam", "dbot")
+# baseline name -> its training loss (`method.loss`; each loss's function: runner.hooks.dbot.LOSS_FUNCTIONS)
+BASELINE_LOSSES = {
+    "lt_ce": "ce",  # softmax cross-entropy
+    "balanced_softmax": "balanced_softmax",  # CE(l + log pi_train) (Ren et al. 2020)
+    "logit_adjust": "logit_adjust",  # CE(l + la_tau log pi_train) (Menon et al. 2021)
+    "focal": "focal",  # Lin et al. 2017
+    "cb_ce": "cb_ce",  # class-balanced CE, weights (1 - beta) / (1 - beta^n_j) (Cui et al. 2019)
+    "cb_focal": "cb_focal",  # class-balanced softmax focal loss (Cui et al. 2019)
+    "ldam": "ldam",  # LDAM-DRW (Cao et al. 2019): margins ~ n_j^(-1/4), re-weighting from drw_start
+}
+LOSSES = (*BASELINE_LOSSES.values(), "dbot")
 RULES = ("argmax", "cls_norm", "class_bias", "posthoc_la", "sinkhorn", "dbot")
 TEST_SETS = ("lt", "uniform", "reversed")
 PRIORS = ("oracle_test", "train", "uniform")
 
+TASK = register_task(
+    TaskEntry(
+        "longtail",
+        "tasks.longtail",
+        evaluable=True,
+        bench_presets=("dbot_cifar100_lt", "dbot_imagenet_lt"),
+        bench_baseline=("+method=lt_ce",),
+        bench_target=("step", 1.2),
+    )
+)
+# the paper's tables: DB-OT and each baseline on each
+PRESETS = ("dbot_cifar100_lt", "dbot_cifar10_lt", "dbot_digits_lt", "dbot_imagenet_lt")
+# a long-tail method's hooks factory: (method_cfg, train_counts, device, epochs, stats) (tasks/longtail.py)
+HOOKS = "runner.hooks.dbot:LossHook"
 
+
+@register_method(hooks=HOOKS, presets=PRESETS)
 @dataclass
 class LongTailConfig(MethodConfig):
     name: str = "dbot"
@@ -94,42 +120,14 @@ class LongTailBaselineConfig(LongTailConfig):
     predict: Literal[RULES] = "argmax"
 
 
-# baseline name -> its training loss
-BASELINE_LOSSES = {
-    "lt_ce": "ce",  # softmax cross-entropy
-    "balanced_softmax": "balanced_softmax",  # CE(l + log pi_train) (Ren et al. 2020)
-    "logit_adjust": "logit_adjust",  # CE(l + la_tau log pi_train) (Menon et al. 2021)
-    "focal": "focal",  # Lin et al. 2017
-    "cb_ce": "cb_ce",  # class-balanced CE, weights (1 - beta) / (1 - beta^n_j) (Cui et al. 2019)
-    "cb_focal": "cb_focal",  # class-balanced softmax focal loss (Cui et al. 2019)
-    "ldam": "ldam",  # LDAM-DRW (Cao et al. 2019): margins ~ n_j^(-1/4), re-weighting from drw_start
-}
-
-
 def _baseline(name: str, loss: str) -> type:
-    """The schema of the baseline `name`: LongTailBaselineConfig with its name and loss as defaults."""
+    """The schema of the baseline `name`, registered: LongTailBaselineConfig with its name and loss as
+    defaults."""
     doc = f"The long-tail baseline {name}: trains with loss={loss}, predicts by argmax."
-    return variant(f"{name.title().replace('_', '')}Config", LongTailBaselineConfig, doc, __name__,
-                   name=name, loss=loss)  # fmt: skip
+    schema = variant(f"{name.title().replace('_', '')}Config", LongTailBaselineConfig, doc, __name__,
+                     name=name, loss=loss)  # fmt: skip
+    return register_method(hooks=HOOKS, presets=PRESETS)(schema)
 
 
-METHODS: dict[str, type] = {
-    "dbot": LongTailConfig,
-    **{name: _baseline(name, loss) for name, loss in BASELINE_LOSSES.items()},
-}
-
-TASK = register_task(
-    TaskEntry(
-        "longtail",
-        "tasks.longtail",
-        METHODS,
-        presets={  # DB-OT and each baseline of the paper's tables
-            preset: ("dbot", *BASELINE_LOSSES)
-            for preset in ("dbot_cifar100_lt", "dbot_cifar10_lt", "dbot_digits_lt", "dbot_imagenet_lt")
-        },
-        evaluable=True,
-        bench_presets=("dbot_cifar100_lt", "dbot_imagenet_lt"),
-        bench_baseline=("+method=lt_ce",),
-        bench_target=("step", 1.2),
-    )
-)
+BASELINES = {name: _baseline(name, loss) for name, loss in BASELINE_LOSSES.items()}
+METHODS = TASK.methods  # its methods by name, a view of the registry

@@ -7,10 +7,25 @@ from typing import Literal
 
 from runner.augment import POLICIES, WEAK_VIEWS
 from runner.checks import check_range
-from runner.configs._base import MethodConfig, TaskEntry, register_task, variant
+from runner.configs._base import MethodConfig, TaskEntry, register_method, register_task, variant
 from runner.methods.csot import BUDGET_RULES
 
 SELECTIONS = ("csot", "cot", "ot", "small_loss", "none")
+
+TASK = register_task(
+    TaskEntry(
+        "noisy_labels",
+        "tasks.noisy_labels",
+        evaluable=True,
+        bench_presets=("csot_cifar100", "csot_webvision", "csot_clothing1m"),
+        bench_baseline=("+method=ce",),
+        bench_target=("allocation", 0.1),  # the solver's seconds as a share of the epoch's training
+    )
+)
+# CSOT and its Table 4 ablations, each on each
+PRESETS = ("csot_cifar10", "csot_cifar100", "csot_clothing1m", "csot_digits", "csot_webvision")
+# a noisy-label method's hooks factory: runner.hooks.csot.NoisyLabelHooks's arguments (tasks/noisy_labels.py)
+HOOKS = "runner.hooks.csot:NoisyLabelHooks"
 
 
 @dataclass
@@ -74,8 +89,8 @@ class NoisyLabelConfig(MethodConfig):
 
 
 def _ablation(cls_name: str, doc: str, base: type = NoisyLabelConfig, **defaults) -> type:
-    """A row of the paper's Table 4: `base` with other defaults."""
-    return variant(cls_name, base, doc, __name__, **defaults)
+    """A row of the paper's Table 4, registered: `base` with other defaults."""
+    return register_method(hooks=HOOKS, presets=PRESETS)(variant(cls_name, base, doc, __name__, **defaults))
 
 
 # fmt: off
@@ -93,21 +108,4 @@ CEConfig = _ablation("CEConfig", "Cross-entropy on the noisy labels, no selectio
 # fmt: on
 
 
-METHODS = {c.name: c for c in (CSOTConfig, COTConfig, OTConfig, SOTConfig, SmallLossConfig, CEConfig)}
-
-TASK = register_task(
-    TaskEntry(
-        "noisy_labels",
-        "tasks.noisy_labels",
-        METHODS,
-        presets={  # CSOT and its Table 4 ablations
-            preset: ("csot", "cot", "ot", "sot", "small_loss", "ce")
-            for preset in ("csot_cifar10", "csot_cifar100", "csot_clothing1m", "csot_digits",
-                           "csot_webvision")  # fmt: skip
-        },
-        evaluable=True,
-        bench_presets=("csot_cifar100", "csot_webvision", "csot_clothing1m"),
-        bench_baseline=("+method=ce",),
-        bench_target=("allocation", 0.1),  # the solver's seconds as a share of the epoch's training
-    )
-)
+METHODS = TASK.methods  # its methods by name, a view of the registry

@@ -10,6 +10,7 @@ import torch
 
 from runner.augment import PolicyAugment, cutout
 from runner.checks import ConfigError
+from runner.configs.longtail import LOSSES
 from runner.data import longtail_counts
 from runner.distributed_passes import global_batch
 from runner.hardware import to_device
@@ -33,27 +34,52 @@ __all__ = ["LossHook", "evaluate_rules", "group_accuracies", "infer", "longtail_
 # ----------------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------------
+def _adjusted_ce(tau_key: str | None):
+    """CE(l + tau log pi_train), tau the config's `tau_key` (None: 1, Balanced Softmax)."""
+
+    def loss(logits, y_soft, m, prior, class_weights, margins, dbot):
+        tau = 1.0 if tau_key is None else getattr(m, tau_key)
+        return soft_cross_entropy(logits + tau * torch.log(prior), y_soft)
+
+    return loss
+
+
+def _class_balanced(focal: bool):
+    """Class-balanced CE (focal=False) or softmax focal loss, on the hard labels."""
+
+    def loss(logits, y_soft, m, prior, class_weights, margins, dbot):
+        return weighted_focal_loss(logits, y_soft.argmax(1), m.focal_gamma if focal else 0.0, class_weights)
+
+    return loss
+
+
+# `method.loss` -> its function (logits, y_soft, m, prior, class_weights, margins, dbot): each choice of
+# runner.configs.longtail.LOSSES, checked below
+LOSS_FUNCTIONS = {
+    "ce": lambda logits, y_soft, *_: soft_cross_entropy(logits, y_soft),
+    "balanced_softmax": _adjusted_ce(None),
+    "logit_adjust": _adjusted_ce("la_tau"),
+    "focal": lambda logits, y_soft, m, *_: weighted_focal_loss(logits, y_soft, m.focal_gamma),
+    "cb_ce": _class_balanced(focal=False),
+    "cb_focal": _class_balanced(focal=True),
+    "ldam": lambda logits, y_soft, m, prior, class_weights, margins, dbot: ldam_loss(
+        logits, y_soft.argmax(1), margins, class_weights
+    ),
+    "dbot": lambda logits, y_soft, m, prior, class_weights, margins, dbot: (
+        dbot or DBOTLoss(prior, m.train_delta, m.k_train, m.loss_mode)
+    )(logits, y_soft),
+}
+if set(LOSS_FUNCTIONS) != set(LOSSES):
+    raise ImportError(f"long-tail losses without a function: {sorted(set(LOSSES) ^ set(LOSS_FUNCTIONS))}")
+
+
 def longtail_loss(
     logits, y_soft, m, prior: torch.Tensor, class_weights=None, margins=None, dbot: DBOTLoss | None = None
 ) -> torch.Tensor:
     """The loss `m.loss` of (B, K) logits against soft labels, given the training prior (K,); the
     class-balanced weights (cb_ce, cb_focal, ldam under DRW), LDAM margins in logit units, and the DB-OT
     loss built once (None: built here from `prior`, which checks it again)."""
-    if m.loss == "ce":
-        return soft_cross_entropy(logits, y_soft)
-    if m.loss in ("balanced_softmax", "logit_adjust"):
-        tau = 1.0 if m.loss == "balanced_softmax" else m.la_tau
-        return soft_cross_entropy(logits + tau * torch.log(prior), y_soft)
-    if m.loss == "focal":
-        return weighted_focal_loss(logits, y_soft, m.focal_gamma)
-    labels = y_soft.argmax(1)
-    if m.loss in ("cb_ce", "cb_focal"):
-        return weighted_focal_loss(
-            logits, labels, m.focal_gamma if m.loss == "cb_focal" else 0.0, class_weights
-        )
-    if m.loss == "ldam":
-        return ldam_loss(logits, labels, margins, class_weights)
-    return (dbot or DBOTLoss(prior, m.train_delta, m.k_train, m.loss_mode))(logits, y_soft)
+    return LOSS_FUNCTIONS[m.loss](logits, y_soft, m, prior, class_weights, margins, dbot)
 
 
 class LossHook(MethodHooks):

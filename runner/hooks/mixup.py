@@ -407,3 +407,17 @@ def save_mixup_preview(
     path.parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, path, f"{title} mixed batch (class:label weight)")
     return path
+
+
+# --- the factories `runner.configs.classify` declares for its methods: (method_cfg, data, ctx) -> hooks ---
+
+
+def target_loss_hooks(cfg, data, ctx) -> TargetLoss | None:
+    """ERM's hooks: its `loss` where it is not the loop's own soft cross-entropy (ce: None)."""
+    return TargetLoss(cfg.loss) if cfg.loss != "ce" else None
+
+
+def mixup_hooks(cfg, data, ctx) -> MixupHooks:
+    """A mixup's hooks, drawing from the run's seed; saliency de-normalised by the dataset's statistics."""
+    normalize = data.meta.get("normalize")
+    return MixupHooks(cfg, data.num_classes, ctx, seed=torch.initial_seed(), normalize=normalize)
