@@ -21,7 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from runner import rundir
+from runner import rundir, sweeper
 from runner.checks import ConfigError
 from runner.compose import CONF_DIR, CommandLine, build_job
 from runner.configs import TASKS
@@ -50,6 +50,8 @@ def _job(cfg: DictConfig, preset_note: str | None) -> float | None:
     multirun = rundir.multirun_job(hydra_cfg)
     # Whatever ends the job, `cleanup` finishes its W&B run, leaves the process group, frees the run dir.
     with contextlib.ExitStack() as cleanup:
+        if multirun:
+            cleanup.callback(_count_ended)
         try:
             return _run(cfg, cleanup, preset_note)
         except (KeyboardInterrupt, Interrupted) as e:
@@ -69,8 +71,15 @@ def _resume_hint(hydra_cfg) -> str:
     """The command that resumes the job (checkpoints/last.pt of its run dir), and in a sweep the sweep."""
     hint = rundir.resume_command(hydra_cfg.runtime.output_dir, hydra_cfg.overrides.task)
     if rundir.multirun_job(hydra_cfg):
-        hint += f" (the whole sweep: its command line with hydra.sweep.dir={hydra_cfg.sweep.dir})"
+        hint += (
+            f" (the whole sweep, {sweeper.progress} ended: its command line with "
+            f"hydra.sweep.dir={hydra_cfg.sweep.dir})"
+        )
     return hint
+
+
+def _count_ended() -> None:
+    sweeper.progress.ended += 1
 
 
 def _run(cfg: DictConfig, cleanup: contextlib.ExitStack, preset_note: str | None) -> float | None:
@@ -255,9 +264,13 @@ def _main() -> None:
     try:
         job()
     except KeyboardInterrupt:  # outside a job (a job reports its own, with the command to resume it)
-        sweep = HydraConfig.get().sweep.dir if HydraConfig.initialized() else None
-        resume = f" with hydra.sweep.dir={sweep}" if sweep else ""
-        print(f"runner: interrupted between jobs; its command line{resume} runs the rest", file=sys.stderr)
+        if single:
+            print("runner: interrupted before the run started; its command line starts it", file=sys.stderr)
+        else:
+            sweep = HydraConfig.get().sweep.dir if HydraConfig.initialized() else None
+            resume = f" with hydra.sweep.dir={sweep}" if sweep else ""
+            print(f"runner: interrupted after {sweeper.progress}; its command line{resume} runs the rest",
+                  file=sys.stderr)  # fmt: skip
         cancel_sweep_summary()
         sys.exit(130)
 

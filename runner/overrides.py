@@ -149,6 +149,30 @@ def variants(overrides: list[str]) -> list[list[str]]:
     return jobs
 
 
+def check_no_repeated_values(overrides: list[str]) -> None:
+    """A one-line ConfigError where a swept key lists a value twice: a grid would run that job twice
+    (`seed=0,0`: two runs of seed 0, reported as two seeds)."""
+    for o in parse_overrides(overrides):
+        if is_hydra_override(o.key_or_group) or not o.is_discrete_sweep():
+            continue
+        values = list(o.sweep_iterator())
+        repeated = next((v for i, v in enumerate(values) if _same_value(v, values[:i])), _NONE)
+        if repeated is not _NONE:
+            key = o.get_key_element()
+            raise ConfigError(
+                f"{o.input_line} lists {key}={repeated} twice: the sweep would run the same job twice; "
+                "list each value once"
+            )
+
+
+_NONE = object()
+
+
+def _same_value(value, others: list) -> bool:
+    """Whether `value` is among `others` as the same type and value (1 and 1.0 and true are not)."""
+    return any(type(value) is type(other) and value == other for other in others)
+
+
 def hydra_compose(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
     """Hydra's compose of conf/config.yaml with `overrides`; its errors as one-line ConfigErrors: an
     option no search path holds with the group's choices, every unknown key with the valid ones."""
