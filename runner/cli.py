@@ -267,7 +267,7 @@ def _main() -> None:
         if single:
             print("runner: interrupted before the run started; its command line starts it", file=sys.stderr)
         else:
-            sweep = HydraConfig.get().sweep.dir if HydraConfig.initialized() else None
+            sweep = sweeper.progress.sweep_dir
             resume = f" with hydra.sweep.dir={sweep}" if sweep else ""
             print(f"runner: interrupted after {sweeper.progress}; its command line{resume} runs the rest",
                   file=sys.stderr)  # fmt: skip

@@ -31,7 +31,6 @@ from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
-from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, Transformer, ValueType
 from hydra.core.plugins import Plugins
@@ -52,9 +51,10 @@ _running: dict[int, tuple] = {}
 
 @dataclasses.dataclass
 class Progress:
-    """The jobs of the sweep this process runs: how many it holds (None before a sweeper knows) and how
-    many have ended (`runner.cli` counts them), for the line a Ctrl-C prints."""
+    """The sweep this process runs, for the line a Ctrl-C prints: its dir and how many jobs it holds (None
+    before a sweeper knows), how many have ended (`runner.cli` counts them)."""
 
+    sweep_dir: str | None = None
     jobs: int | None = None
     ended: int = 0
 
@@ -65,25 +65,36 @@ class Progress:
 progress = Progress()
 
 
-class GridSweeper(BasicSweeper):
+class GridSweeper(Sweeper):
     """Hydra's basic sweeper (every combination of the swept values, `max_batch_size` jobs launched at a
     time; null: all in one batch) without its check of every job before each batch: that composed each
     job again (0.13 s a job: a 2,000-job sweep started its first job after 4 minutes), where the runner's
     preflight (`runner.compose.preflight`) has already checked them all. As Hydra's, a failed job does
     not stop the sweep: the first failure is raised once every batch has run."""
 
-    def sweep(self, arguments: list[str]) -> list:
-        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        self.overrides = self.split_arguments(
-            parser.parse_overrides(self._parse_config() + list(arguments)), self.max_batch_size
+    def __init__(self, max_batch_size: int | None, params: DictConfig | None) -> None:
+        self.max_batch_size = max_batch_size
+        self.params = OmegaConf.to_container(params) if params else {}
+
+    def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
+        self.config, self.hydra_context = config, hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(
+            config=config, hydra_context=hydra_context, task_function=task_function
         )
-        progress.jobs = sum(map(len, self.overrides))
+
+    def sweep(self, arguments: list[str]) -> list:
+        # Hydra's plugin scan loads its modules again: the class of this moment, not one of an import's.
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        params = [f"{k}={v}" for k, v in self.params.items()] + list(arguments)
+        batches = BasicSweeper.split_arguments(parser.parse_overrides(params), self.max_batch_size)
+        progress.sweep_dir, progress.jobs = self.config.hydra.sweep.dir, sum(map(len, batches))
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         returns, first_job = [], 0
-        while not self.is_done():
-            batch = self.get_job_batch()
+        for batch in batches:
             returns.append(self.launcher.launch(batch, initial_job_idx=first_job))
             first_job += len(batch)
         for ret in (ret for batch in returns for ret in batch):
@@ -217,7 +228,7 @@ class OptunaSweeper(Sweeper):
             log.info("pruner %s: %s runs the trials in other processes, where none is pruned",
                      self.pruner, type(self.launcher).__name__)  # fmt: skip
         key = _objective(self.config) if prunes else None
-        progress.jobs = self.n_trials
+        progress.sweep_dir, progress.jobs = self.config.hydra.sweep.dir, self.n_trials
         epochs = OmegaConf.select(self.config, "train.epochs")  # a trial's last epoch, unless it sets its own
         counts: Counter = Counter()
         left = self.n_trials
