@@ -115,6 +115,10 @@ BAD = [
     (["train.phases=[{epochs:2}]", "train.epochs=2"], "train.schedule='cosine'", "train.schedule=none"),
     (["train.phases=[{epochs:1,lr:[0.1]}]", "train.epochs=1", "train.schedule=none"], "train.phases.0.lr",
      "[start, end]"),
+    # issue 50: sweeps
+    (["-m", "seed=0,0"], "seed=0,0 lists seed=0 twice", "the same job twice"),
+    (["-m", "seed=0,1", "train.lr=0.1,0.05,1e-1"], "train.lr=0.1", "list each value once"),
+    (["+sweep=erm"], "+sweep=erm", "add -m"),
 ]  # fmt: skip
 
 
