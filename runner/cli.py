@@ -170,9 +170,13 @@ def _finish(cfg: DictConfig, task, ctx, summary: dict, what: str) -> float | Non
     ctx.tracker.finish(summary)
     if bad:
         raise Diverged(f"{', '.join(sorted(bad))} in {ctx.dir / 'summary.json'}")
+    if ctx.rank == 0 and metric not in summary:  # tasks name their keys as they run: a bad metric= shows now
+        keys = [k for k, v in summary.items() if isinstance(v, float) and not k.startswith("time/")]
+        log.warning("metric=%s is no key of this run's summary (runner-report tables by it); its keys: %s",
+                    metric, ", ".join(keys))  # fmt: skip
     if ctx.rank == 0:
         shown = [metric] if multirun else [k for k in summary if k == metric or k.startswith("test/")][:6]
-        values = "  ".join(f"{k}={summary[k]:.4f}" for k in shown if isinstance(summary[k], float))
+        values = "  ".join(f"{k}={summary[k]:.4f}" for k in shown if isinstance(summary.get(k), float))
         seconds = f"({summary['time/total_s']:.1f} s)"
         if multirun:
             print(f"#{hydra_cfg.job.num} done  {' '.join(hydra_cfg.overrides.task)}: {values}  {seconds}")

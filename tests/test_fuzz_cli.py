@@ -377,3 +377,20 @@ def test_read_only_places_are_one_line_naming_the_path(finished_run, tmp_path):
         lines = _own_lines(stderr)
         assert code == 2 and "Traceback" not in stderr and len(lines) == 1 and says in lines[0], stderr
     assert {p: p.read_bytes() for p in saved} == saved  # the refused resume left its run as it was
+
+
+# ----------------------------------------------------------------------------------------- issue 50: sweeps
+
+
+def test_a_metric_no_summary_holds_is_named_when_the_job_ends(tmp_path):
+    """The keys a task reports are known only as it runs (tasks/ declares none): `+metric=bogus/acc` passes
+    the preflight, and the job's end names it beside the keys there are, in a sweep too (where its result
+    line was a KeyError that failed the job)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        run_in_process(["-m", "seed=0", "+metric=bogus/acc", "logger=none", "train.epochs=1",
+                        "model.hidden=[16]", f"hydra.sweep.dir={tmp_path}"])  # fmt: skip
+    assert "#0 done  seed=0" in out.getvalue() and "Traceback" not in err.getvalue(), err.getvalue()
+    (log_file,) = (tmp_path / "0").glob("*.log")
+    says = r"metric=bogus/acc is no key of this run's summary .*; its keys: .*test/acc"
+    assert re.search(says, log_file.read_text())
