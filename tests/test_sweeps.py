@@ -336,3 +336,21 @@ def test_a_search_space_without_multirun_is_refused():
     says = "+sweep=erm is a search space: add -m (runner -m +sweep=erm"
     with pytest.raises(ConfigError, match=re.escape(says)):
         preflight(["+sweep=erm"])
+
+
+def test_ctrl_c_between_jobs_says_how_many_ended(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C outside any job (here as job #2's end is recorded): which jobs ended, of how many."""
+    import runner.cli
+    from runner.report.callback import SweepSummary
+
+    def record(self, config, job_return, **kwargs):
+        if config.hydra.job.num == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner.cli, "_run", lambda cfg, cleanup, preset_note: None)
+    monkeypatch.setattr(SweepSummary, "on_job_end", record)
+    monkeypatch.setattr(sweeper, "progress", sweeper.Progress())
+    with pytest.raises(SystemExit) as stop:
+        runner.cli.run_in_process(["-m", "seed=range(0,5)", "logger=none", f"hydra.sweep.dir={tmp_path}"])
+    says = f"runner: interrupted after 3 of 5 jobs; its command line with hydra.sweep.dir={tmp_path} runs"
+    assert stop.value.code == 130 and says in capsys.readouterr().err
