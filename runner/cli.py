@@ -21,7 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from runner import rundir
+from runner import rundir, sweeper
 from runner.checks import ConfigError
 from runner.compose import CONF_DIR, CommandLine, build_job
 from runner.configs import TASKS
@@ -50,6 +50,8 @@ def _job(cfg: DictConfig, preset_note: str | None) -> float | None:
     multirun = rundir.multirun_job(hydra_cfg)
     # Whatever ends the job, `cleanup` finishes its W&B run, leaves the process group, frees the run dir.
     with contextlib.ExitStack() as cleanup:
+        if multirun:
+            cleanup.callback(_count_ended)
         try:
             return _run(cfg, cleanup, preset_note)
         except (KeyboardInterrupt, Interrupted) as e:
@@ -69,8 +71,15 @@ def _resume_hint(hydra_cfg) -> str:
     """The command that resumes the job (checkpoints/last.pt of its run dir), and in a sweep the sweep."""
     hint = rundir.resume_command(hydra_cfg.runtime.output_dir, hydra_cfg.overrides.task)
     if rundir.multirun_job(hydra_cfg):
-        hint += f" (the whole sweep: its command line with hydra.sweep.dir={hydra_cfg.sweep.dir})"
+        hint += (
+            f" (the whole sweep, {sweeper.progress} ended: its command line with "
+            f"hydra.sweep.dir={hydra_cfg.sweep.dir})"
+        )
     return hint
+
+
+def _count_ended() -> None:
+    sweeper.progress.ended += 1
 
 
 def _run(cfg: DictConfig, cleanup: contextlib.ExitStack, preset_note: str | None) -> float | None:
@@ -164,9 +173,13 @@ def _finish(cfg: DictConfig, task, ctx, summary: dict, what: str) -> float | Non
     ctx.tracker.finish(summary)
     if bad:
         raise Diverged(f"{', '.join(sorted(bad))} in {ctx.dir / 'summary.json'}")
+    if ctx.rank == 0 and metric not in summary:  # tasks name their keys as they run: a bad metric= shows now
+        keys = [k for k, v in summary.items() if isinstance(v, float) and not k.startswith("time/")]
+        log.warning("metric=%s is no key of this run's summary (runner-report tables by it); its keys: %s",
+                    metric, ", ".join(keys))  # fmt: skip
     if ctx.rank == 0:
         shown = [metric] if multirun else [k for k in summary if k == metric or k.startswith("test/")][:6]
-        values = "  ".join(f"{k}={summary[k]:.4f}" for k in shown if isinstance(summary[k], float))
+        values = "  ".join(f"{k}={summary[k]:.4f}" for k in shown if isinstance(summary.get(k), float))
         seconds = f"({summary['time/total_s']:.1f} s)"
         if multirun:
             print(f"#{hydra_cfg.job.num} done  {' '.join(hydra_cfg.overrides.task)}: {values}  {seconds}")
@@ -299,9 +312,13 @@ def _main() -> None:
     try:
         job()
     except KeyboardInterrupt:  # outside a job (a job reports its own, with the command to resume it)
-        sweep = HydraConfig.get().sweep.dir if HydraConfig.initialized() else None
-        resume = f" with hydra.sweep.dir={sweep}" if sweep else ""
-        print(f"runner: interrupted between jobs; its command line{resume} runs the rest", file=sys.stderr)
+        if single:
+            print("runner: interrupted before the run started; its command line starts it", file=sys.stderr)
+        else:
+            sweep = sweeper.progress.sweep_dir
+            resume = f" with hydra.sweep.dir={sweep}" if sweep else ""
+            print(f"runner: interrupted after {sweeper.progress}; its command line{resume} runs the rest",
+                  file=sys.stderr)  # fmt: skip
         cancel_sweep_summary()
         sys.exit(130)
 

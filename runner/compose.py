@@ -35,6 +35,7 @@ from runner.checks import ConfigError
 from runner.overrides import (
     CONF_DIR,
     canonical,
+    check_no_repeated_values,
     config_dirs,
     hydra_compose,
     is_hydra_override,
@@ -98,8 +99,14 @@ def _check_jobs(line: CommandLine) -> dict:
     """`preflight` of a parsed command line: the first job composed once (in a single run, with Hydra's
     settings: `CommandLine.hydra_config`), each other job changed from it where one plain value differs."""
     overrides = line.overrides
-    if line.multirun:
+    if not line.multirun:
+        sweep = next((o for o in overrides if o.lstrip("+").startswith("sweep=")), None)
+        if sweep:  # Hydra would run the first job alone and drop the search space unsaid
+            raise ConfigError(f"{sweep} is a search space: add -m (runner -m {sweep} ...)")
+    else:
         overrides = _sweep_params(line) + overrides
+        if "optuna" not in line.hydra_config.hydra.sweeper._target_:  # a grid; Optuna samples its own
+            check_no_repeated_values(overrides)
     searchpath = [o for o in overrides if o.lstrip("+").startswith("hydra.searchpath=")]  # users' groups
     jobs = variants(overrides)
     if len(jobs) >= _ANNOUNCED_CHECKS:
@@ -219,6 +226,10 @@ def _launch_overrides(line: CommandLine) -> list[str]:
         extra += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     if line.multirun:
         cfg = line.hydra_config
+        if cfg.hydra.sweeper._target_ == _HYDRAS_BASIC_SWEEPER and not any(
+            o.startswith("hydra/sweeper=") for o in line.overrides
+        ):  # the same grid, its first job started at once (a preset's `override` would lose to a default's)
+            extra.append("hydra/sweeper=grid")
         if "optuna" in cfg.hydra.sweeper._target_:
             from runner.sweeper import check_settings, search_space
 
@@ -237,6 +248,9 @@ def _launch_overrides(line: CommandLine) -> list[str]:
                 if not any(o.startswith(f"hydra.sweeper.{key}=") for o in overrides)
             ]
     return extra
+
+
+_HYDRAS_BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
 class Job(NamedTuple):

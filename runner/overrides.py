@@ -3,6 +3,7 @@ and conf/ composed with them (Hydra's errors as one line). `runner.compose` buil
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -81,9 +82,7 @@ _MAX_KEY = 200
 def parse_overrides(overrides: list[str]) -> list:
     """Hydra's parse of `overrides`; a one-line ConfigError naming the override it cannot read, and how
     to write it."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parser, parsed = OverridesParser.create(), []
+    parser, parsed = _parser(), []
     for override in overrides:
         key, _, value = override.partition("=")
         if len(key) > _MAX_KEY:
@@ -133,6 +132,15 @@ def _unclosed_brackets(value: str) -> list[str]:
     return opened
 
 
+@functools.cache
+def _parser():
+    """Hydra's override parser, made once: making it (its grammar's functions) took 3 ms, once per job
+    of a 2,000-job sweep's preflight."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create()
+
+
 def given(parsed, key: str) -> list[str] | None:
     """The values `key` takes in the parsed overrides (several where swept); None where it is not given."""
     for o in reversed(parsed):
@@ -175,6 +183,30 @@ def variants(overrides: list[str]) -> list[list[str]]:
     for i, (_, vals) in enumerate(choices):  # each distinct value once (seed=0,0,1 checks seeds 0 and 1)
         jobs += [first[:i] + [v] + first[i + 1 :] for v in dict.fromkeys(vals[1:]) if v != vals[0]]
     return jobs
+
+
+def check_no_repeated_values(overrides: list[str]) -> None:
+    """A one-line ConfigError where a swept key lists a value twice: a grid would run that job twice
+    (`seed=0,0`: two runs of seed 0, reported as two seeds)."""
+    for o in parse_overrides(overrides):
+        if is_hydra_override(o.key_or_group) or not o.is_discrete_sweep():
+            continue
+        values = list(o.sweep_iterator())
+        repeated = next((v for i, v in enumerate(values) if _same_value(v, values[:i])), _NONE)
+        if repeated is not _NONE:
+            key = o.get_key_element()
+            raise ConfigError(
+                f"{o.input_line} lists {key}={repeated} twice: the sweep would run the same job twice; "
+                "list each value once"
+            )
+
+
+_NONE = object()
+
+
+def _same_value(value, others: list) -> bool:
+    """Whether `value` is among `others` as the same type and value (1 and 1.0 and true are not)."""
+    return any(type(value) is type(other) and value == other for other in others)
 
 
 def hydra_compose(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:

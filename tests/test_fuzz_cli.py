@@ -120,6 +120,10 @@ BAD = [
     (["train.phases=[{epochs:1,image_size:16"], "train.phases=[{epochs:1,image_size:16",
      "its [ { are never closed; close them: train.phases=[{epochs:1,image_size:16}]"),
     (["train.log_every_s=0"], "train.log_every_s=0", "(0.0, inf]"),
+    # issue 50: sweeps
+    (["-m", "seed=0,0"], "seed=0,0 lists seed=0 twice", "the same job twice"),
+    (["-m", "seed=0,1", "train.lr=0.1,0.05,1e-1"], "train.lr=0.1", "list each value once"),
+    (["+sweep=erm"], "+sweep=erm", "add -m"),
 ]  # fmt: skip
 
 
@@ -499,3 +503,18 @@ def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path):
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 0 and err == "", err
     assert "config (validated):" in "".join(head) and (tmp_path / "run" / "summary.json").exists()
+# ----------------------------------------------------------------------------------------- issue 50: sweeps
+
+
+def test_a_metric_no_summary_holds_is_named_when_the_job_ends(tmp_path):
+    """The keys a task reports are known only as it runs (tasks/ declares none): `+metric=bogus/acc` passes
+    the preflight, and the job's end names it beside the keys there are, in a sweep too (where its result
+    line was a KeyError that failed the job)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        run_in_process(["-m", "seed=0", "+metric=bogus/acc", "logger=none", "train.epochs=1",
+                        "model.hidden=[16]", f"hydra.sweep.dir={tmp_path}"])  # fmt: skip
+    assert "#0 done  seed=0" in out.getvalue() and "Traceback" not in err.getvalue(), err.getvalue()
+    (log_file,) = (tmp_path / "0").glob("*.log")
+    says = r"metric=bogus/acc is no key of this run's summary .*; its keys: .*test/acc"
+    assert re.search(says, log_file.read_text())

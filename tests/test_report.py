@@ -243,6 +243,8 @@ def test_optuna_results_are_quoted(tmp_path):
             ["{root}/runs", "--columns", "test/acc,tset/loss"],
             "--columns tset/loss: in no summary.json; choices: test/acc, test/loss",
         ),  # fmt: skip
+        (["{root}/runs", "--by", "seed,bogus"],
+         "--by bogus: in no run's overrides or config; choices: model, seed, or a dotted key"),  # fmt: skip
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, expected):

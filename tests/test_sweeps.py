@@ -280,3 +280,77 @@ def test_wandb_runs_of_a_sweep_share_a_group(cli, tmp_path):
     for log_file in sorted(Path(sweep).glob("*/wandb/offline-run-*/run-*.wandb")):
         groups += [r.run.run_group for r in wandb_records(log_file) if r.WhichOneof("record_type") == "run"]
     assert len(groups) >= 2 and set(groups) == {f"{tmp_path.name}/wb"}
+
+
+def test_a_grid_gets_the_sweeper_that_starts_its_first_job_at_once():
+    assert "hydra/sweeper=grid" in launch_overrides(["-m", "seed=0,1"])
+    assert not any("sweeper=" in o for o in launch_overrides(["-m", "+sweep=erm"]))  # Optuna's own
+    asked = launch_overrides(["-m", "hydra/sweeper=basic", "seed=0,1"])  # Hydra's own, asked for
+    assert "hydra/sweeper=grid" not in asked
+    assert _hydra_compose(["hydra/sweeper=grid"]).hydra.sweeper.max_batch_size is None  # one batch: all jobs
+
+
+@pytest.mark.parametrize("batch", [None, 8])
+def test_a_50_job_sweep_composes_no_other_job_before_its_first(tmp_path, monkeypatch, capsys, batch):
+    """Hydra's basic sweeper composed every job of a batch before launching its first (2,000 seeds: 4
+    minutes of nothing); the grid sweeper composes each as it starts (the preflight checked them all).
+    Ctrl-C in job 3 then says how many jobs of the sweep ended."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    import runner.cli
+
+    composed, at_start = [], []
+    load_sweep_config = ConfigLoaderImpl.load_sweep_config
+
+    def counted(self, *args, **kwargs):
+        composed.append(1)
+        return load_sweep_config(self, *args, **kwargs)
+
+    def job(cfg, cleanup, preset_note):  # the job's own work left out: what is measured is Hydra's
+        at_start.append(len(composed))
+        if len(at_start) == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ConfigLoaderImpl, "load_sweep_config", counted)
+    monkeypatch.setattr(runner.cli, "_run", job)
+    monkeypatch.setattr(sweeper, "progress", sweeper.Progress())
+    batches = [f"hydra.sweeper.max_batch_size={batch}"] if batch else []
+    with pytest.raises(SystemExit) as stop:
+        runner.cli.run_in_process(["-m", "seed=range(0,50)", "logger=none", f"hydra.sweep.dir={tmp_path}",
+                                   *batches])  # fmt: skip
+    assert stop.value.code == 130 and at_start == [1, 2, 3, 4]  # each job composed as it starts, no other
+    assert "(the whole sweep, 3 of 50 jobs ended:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,says", [
+    (["seed=0,0"], "seed=0,0 lists seed=0 twice: the sweep would run the same job twice"),
+    (["seed=0,1", "train.lr=0.1,1e-1"], "train.lr=0.1,1e-1 lists train.lr=0.1 twice"),
+])  # fmt: skip
+def test_a_grid_that_repeats_a_job_is_refused(args, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        preflight(["-m", *args])
+    preflight(["-m", "seed=0,1", "train.lr=0.1,1"])  # other values: other jobs
+
+
+def test_a_search_space_without_multirun_is_refused():
+    says = "+sweep=erm is a search space: add -m (runner -m +sweep=erm"
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        preflight(["+sweep=erm"])
+
+
+def test_ctrl_c_between_jobs_says_how_many_ended(tmp_path, monkeypatch, capsys):
+    """A Ctrl-C outside any job (here as job #2's end is recorded): which jobs ended, of how many."""
+    import runner.cli
+    from runner.report.callback import SweepSummary
+
+    def record(self, config, job_return, **kwargs):
+        if config.hydra.job.num == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner.cli, "_run", lambda cfg, cleanup, preset_note: None)
+    monkeypatch.setattr(SweepSummary, "on_job_end", record)
+    monkeypatch.setattr(sweeper, "progress", sweeper.Progress())
+    with pytest.raises(SystemExit) as stop:
+        runner.cli.run_in_process(["-m", "seed=range(0,5)", "logger=none", f"hydra.sweep.dir={tmp_path}"])
+    says = f"runner: interrupted after 3 of 5 jobs; its command line with hydra.sweep.dir={tmp_path} runs"
+    assert stop.value.code == 130 and says in capsys.readouterr().err

@@ -149,6 +149,15 @@ def build_report(
     keys = list(dict.fromkeys(k for r in runs for k in r.overrides))
     swept = [k for k in keys if k != REPLICATE_KEY and len({hashable(r.value(k)) for r in runs}) > 1]
     if by:
+        absent = [k for k in by if all(r.value(k) is None for r in runs)]
+        if absent:
+            config = runs[0].config  # its values, its groups (model=mlp) by name: what `Run.value` reads
+            named = [k for k, v in config.items() if not isinstance(v, dict) or "name" in v]
+            choices = ", ".join(dict.fromkeys([*keys, *named]))
+            raise ValueError(
+                f"--by {','.join(absent)}: in no run's overrides or config; choices: {choices}, or a "
+                "dotted key of a run's config.yaml (e.g. logger.tags)"
+            )
         swept = list(by)
 
     if metric is None:
