@@ -37,6 +37,13 @@ PRESETS = {
                 "method.baselines=[th]", "method.input_norm=dataset"],
 }
 SYNCS_PER_STEP = 2  # the deferred non-finite check (every 16 steps) and a method's one inherent read
+# Every wait of DB-OT's run (training, the kept best weights, the checkpoint, the evaluation after it), per
+# step, but those of two sites this budget leaves to their own: the model moved to the device (one blocking
+# copy per tensor, once a run: runner/hardware.py) and the DB-OT solver's stopping checks (one read per
+# check: test_dbot_evaluation_reads_the_device_at_most_twice_per_split). The kept weights were 2 reads per
+# tensor (a copy to the host per improved epoch, back at the end): 35 per step at the 12 steps here.
+RUN_SYNCS_PER_STEP = 2
+LEFT_TO_THEIR_OWN = (" prepare", " converged")
 EPOCH_START_SYNCS = 100  # CSOT's allocation: the chunks solved as one batched problem
 
 
@@ -66,6 +73,15 @@ def test_training_step_waits_for_the_device_at_most_twice(tmp_path, name, side):
     assert counts.get("epoch_start", {}).get("sync", 0) <= EPOCH_START_SYNCS * epochs, sites
     # evaluation: per split, the labels copied to the device and the sums read once (not per batch)
     assert counts.get("eval", {}).get("sync", 0) <= 2 * 3 * epochs + 2, sites
+    if name == "dbot":  # tests its best epoch: the kept weights, restored, and the last epoch's evaluated
+        run = sum(kinds.get("sync", 0) for kinds in counts.values()) - _at_sites(report, LEFT_TO_THEIR_OWN)
+        assert run <= RUN_SYNCS_PER_STEP * report["steps"], sites
+
+
+def _at_sites(report: dict, functions: tuple[str, ...]) -> int:
+    """The syncs counted at sites in the `functions` (each " name", as a site line ends)."""
+    lines = [line for line in report["sites"] if " sync: " in line and line.endswith(functions)]
+    return sum(int(line.split(" x ", 1)[0]) for line in lines)
 
 
 def _in_phase(tracker, monkeypatch, module, names, phase):
