@@ -94,6 +94,7 @@ class _LogitsAndFeatures(torch.nn.Module):
     def __init__(self, net):
         super().__init__()
         self.net = net
+        self.train(net.training)  # the mode a prediction restores `net` to afterwards
 
     def forward(self, x):
         return torch.cat([self.net(x).float(), self.net.forward_features(x).float()], 1)
