@@ -101,8 +101,8 @@ def _in_phase(tracker, monkeypatch, module, names, phase):
 @pytest.mark.parametrize("preset", ["dbot", "dbot_cluster"])
 def test_dbot_evaluation_reads_the_device_at_most_twice_per_split(tmp_path, monkeypatch, preset):
     """DB-OT's evaluation after training. Long-tailed classification: the test logits and features are
-    predicted in one pass and copied to the host together (and the classifier's weights), then on each of the 3 resampled test sets the two DB-OT
-    rules solve on the device, each solve's input checks, convergence test and labels in one read (these
+    predicted in one pass and copied to the host together, then on each of the 3 resampled test sets the two
+    DB-OT rules solve on the device, each solve's input checks, convergence test and labels in one read (these
     solves converge at their first check; each further check is one more read). Clustering: the one
     split's inputs decoded and copied to the host, the solver on the host."""
     import tasks.clustering
