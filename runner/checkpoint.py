@@ -1,7 +1,7 @@
 """Checkpoints and resume: the run dir's checkpoint files (their names written once here), an atomic save
 and a safe load, every random stream's state, `Resumable` (what one training loop's checkpoint holds),
 and what a fit keeps by its validation metric (`selection`, `Monitor`: the top-k checkpoints, the early
-stop; `snapshot`: the best epoch's weights)."""
+stop; `snapshot`: the best epoch's weights, kept on the model's device, `on_host` for a checkpoint)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 from runner.checks import ConfigError
 from runner.faults import CheckpointError, Diverged
-from runner.hardware import RunContext
+from runner.hardware import RunContext, to_device
 from runner.instruments import around
 from runner.method_hooks import MethodHooks
 from runner.metrics import parse_metric
@@ -242,12 +242,46 @@ def is_better(value: float, best: dict | None, mode: str) -> bool:
 
 
 def snapshot(model, evaluated: dict, calibration: dict, select, epoch: int) -> dict:
-    state = {key: value.detach().cpu().clone() for key, value in model.state_dict().items()}
+    """The best epoch so far: its `select` value, metrics, calibration bins and weights, copied where the
+    model is (a model's worth of device memory, no host wait; `on_host` copies them for a checkpoint)."""
+    state = {key: value.detach().clone() for key, value in model.state_dict().items()}
     return {"value": evaluated[select[0]], "state": state, "metrics": evaluated, "calibration": calibration,
             "epoch": epoch}  # fmt: skip
+
+
+def on_host(best: dict | None) -> dict | None:
+    """`best` (a `snapshot`) with its weights on the host, as a checkpoint holds them: the tensors packed
+    into one byte buffer on their device and read in one copy (one host wait per save, not one per
+    tensor), then cut back into tensors of the same shapes, dtypes and strides."""
+    if best is None:
+        return None
+    return {**best, "state": _unpacked(_packed(best["state"]).cpu(), best["state"], strided=True)}
+
+
+def state_on_device(state: dict, device: torch.device) -> dict:
+    """A state dict of host tensors (as `load_checkpoint(path, "cpu")` gives) on `device` in one copy:
+    packed into one byte buffer, copied without waiting (`hardware.to_device`), cut back into tensors."""
+    return _unpacked(to_device(_packed(state), device), state) if state else {}
+
+
+def _packed(state: dict) -> torch.Tensor:
+    """The bytes of every tensor of `state`, one after the other, as one uint8 tensor where they are."""
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()]) if state else torch.empty(0)
+
+
+def _unpacked(packed: torch.Tensor, like: dict, strided: bool = False) -> dict:
+    """`_packed`'s inverse: tensors of `like`'s shapes and dtypes (and strides, `strided`) cut from
+    `packed`, each in its own memory (a checkpoint saves each tensor's storage whole)."""
+    out, offset = {}, 0
+    for key, t in like.items():
+        size = t.numel() * t.element_size()
+        # cloned before the view: a wider dtype's view needs its bytes aligned, as a fresh buffer's are
+        flat = packed[offset : offset + size].clone().view(t.dtype).view(t.shape)
+        out[key] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(flat) if strided else flat
+        offset += size
+    return out
 
 
 def selection(rule: str) -> tuple[str, str] | None:
     """`train.select` as `(metric, "max" | "min")` (a loss or an ECE is minimised); None for `last`."""
     return None if rule == "last" else parse_metric(rule.removeprefix("best:"), given_as="train.select=best:")
-

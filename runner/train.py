@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from runner.batches import EpochBatches, batches
-from runner.checkpoint import Monitor, Resumable, checkpoint_file, is_better, selection, snapshot
+from runner.checkpoint import Monitor, Resumable, checkpoint_file, is_better, on_host, selection, snapshot
 from runner.checks import ConfigError
 from runner.data import Data
 from runner.data.files import UNREADABLE
@@ -131,8 +131,8 @@ def fit(
     carry `<tag>/<key>` (with `<tag>/epoch`, no tracker step), and a restart drops only its own rows
     past its checkpoint. With `train.select=best:<key>` (or, while it is `last`, `hooks.select = (key,
     "max" | "min")`) the model is evaluated before the first epoch too, the weights of the best value of
-    `key` are kept (in the checkpoint as well) and restored at the end, and the returned metrics are those
-    of the restored model (`tested_model` says which; `<key>_last` are the last epoch's)."""
+    `key` are kept (on the model's device, and in the checkpoint) and restored at the end, and the returned
+    metrics are those of the restored model (`tested_model` says which; `<key>_last` are the last epoch's)."""
     hooks = _method_hooks(hooks)
     check_batch_settings(model, data, cfg, ctx, hooks)
     # Evaluated at the side it ends its training at: a network trained at 16 px sees 8-px digits blurred
@@ -205,10 +205,8 @@ class Loop:
         if isinstance(self.history, list):  # a checkpoint from before val/acc had a history: test/acc's
             self.history = {"test/acc": self.history}
         self.monitor.load_state_dict(extra.get("monitor", {}))
-        # The best epoch by `select`: its value, weights (on the CPU), metrics and calibration bins.
+        # The best epoch by `select`: its value, weights (loaded onto the model's device), metrics and bins.
         self.best = extra.get("best")
-        if self.best is not None:
-            self.best["state"] = {key: value.cpu() for key, value in self.best["state"].items()}
         return start, first, extra
 
     def evaluate_before_training(self) -> None:
@@ -359,7 +357,8 @@ class Loop:
         """The monitor follows the epoch's evaluation; the epoch-end checkpoint and its top-k links."""
         watched = self.monitor.after(epoch, evaluated)
         if self.ctx.is_main and self.cfg.checkpoint:
-            extra = {"history": self.history, "best": self.best, "monitor": watched, "metrics": metrics}
+            best = on_host(self.best)  # the kept weights, read in one copy
+            extra = {"history": self.history, "best": best, "monitor": watched, "metrics": metrics}
             self.state.save(epoch, None, extra)
             self.monitor.keep_files()
         self.last_save = time.monotonic()
@@ -451,7 +450,7 @@ class Loop:
         if self.mid_epoch:
             partial = all_reduce_sum(loss_sum.clone().reshape(1)).item()
             if self.ctx.is_main:
-                extra = {"history": self.history, "best": self.best, "loss_sum": partial}
+                extra = {"history": self.history, "best": on_host(self.best), "loss_sum": partial}
                 self.state.save(epoch, steps_done, extra)
             self.last_save = time.monotonic()
         if stop:

@@ -50,7 +50,7 @@ import logging
 import numpy as np
 import torch
 
-from runner.checkpoint import load_checkpoint
+from runner.checkpoint import load_checkpoint, state_on_device
 from runner.checks import ConfigError
 from runner.configs import hooks_factory
 from runner.configs.longtail import METHODS, LongTailConfig  # noqa: F401  (tests import them here)
@@ -83,8 +83,29 @@ def last_epoch_model(model, fitted: dict, cfg, ctx):
         log.warning("no last-epoch rule metrics (*_last): train.checkpoint=false wrote no %s", path)
         return None
     last = copy.deepcopy(model)
-    last.load_state_dict(load_checkpoint(path, torch.device("cpu"))["model"])  # copied to the model's device
+    # read on the host (a checkpoint of another device loads), then onto the model's device in one copy
+    last.load_state_dict(state_on_device(load_checkpoint(path, torch.device("cpu"))["model"], ctx.device))
     return last
+
+
+class _LogitsAndFeatures(torch.nn.Module):
+    """`net`'s logits and features (`forward_features`) side by side, so that one pass over the test
+    split reads both to the host in one copy."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+        self.train(net.training)  # the mode a prediction restores `net` to afterwards
+
+    def forward(self, x):
+        return torch.cat([self.net(x).float(), self.net.forward_features(x).float()], 1)
+
+
+def outputs_on_test(net, data, ctx) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(logits, features, classifier weights) of `net` on the test split, float64 on the host."""
+    both = predict_all(_LogitsAndFeatures(net), data.test, ctx).double()
+    logits, feats = both[:, : data.num_classes].contiguous(), both[:, data.num_classes :].contiguous()
+    return logits.numpy(), feats.numpy(), net.classifier.weight.detach().double().cpu().numpy()
 
 
 def run(cfg, ctx) -> dict:
@@ -114,15 +135,7 @@ def run(cfg, ctx) -> dict:
     fitted = fit(model, data, cfg.train, ctx, hooks, augment=cfg.dataset.augment, tag="fit")
 
     tested = {"": model, "_last": last_epoch_model(model, fitted, cfg, ctx)}
-    outputs = {
-        suffix: (
-            predict_all(net, data.test, ctx).double().numpy(),
-            predict_all(net, data.test, ctx, features=True).double().numpy(),
-            net.classifier.weight.detach().double().cpu().numpy(),
-        )
-        for suffix, net in tested.items()
-        if net is not None
-    }
+    outputs = {suffix: outputs_on_test(net, data, ctx) for suffix, net in tested.items() if net is not None}
     if not ctx.is_main:  # the inference rules run on rank 0, which writes the summary
         return {}
     y_test = data.test.y_clean.numpy()
