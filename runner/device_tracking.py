@@ -20,8 +20,9 @@ Tensors the tracker did not see made (autograd's gradients, module parameters) a
 Apart, the eager work of a training step: every op of a step (`Instruments.step`) outside a captured
 region and outside the warm-up steps before a capture (`Instruments.warm_up`) that makes a tensor on the
 device or copies into one (`eager_ops`; a view counts too: what the tracker sees is the Python call, not
-the kernels; an attribute read such as `.grad` does not). On a GPU each is a launch from Python that the device may wait for; a step replayed from a
-CUDA graph leaves only the copies of its inputs into the static buffers and of its loss out.
+the kernels; an attribute read such as `.grad` does not). On a GPU each is a launch from Python that the
+device may wait for; a step replayed from a CUDA graph leaves only the copies of its inputs into the static
+buffers and of its loss out.
 
 `python -m runner.device_tracking OVERRIDES... [--json PATH]` runs the CLI under the tracker with the
 stand-in as the CUDA device (`RunContext.accelerator` true) and prints syncs and eager device ops per

@@ -289,5 +289,3 @@ class DeferredChecks:
         if any_bad and first_bad < 0:
             first_bad = math.inf
         return [v > 0 for v in agreed], first_bad, scale
-
-
