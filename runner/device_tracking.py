@@ -16,8 +16,17 @@ and `device=` arguments still name it). Counted, per phase (`train`, `captured`,
               would be replayed every step
 
 Tensors the tracker did not see made (autograd's gradients, module parameters) are on the device.
+
+Apart, the eager work of a training step: every op of a step (`Instruments.step`) outside a captured
+region and outside the warm-up steps before a capture (`Instruments.warm_up`) that makes a tensor on the
+device or copies into one (`eager_ops`; a view counts too: what the tracker sees is the Python call, not
+the kernels; an attribute read such as `.grad` does not). On a GPU each is a launch from Python that the
+device may wait for; a step replayed from a CUDA graph leaves only the copies of its inputs into the static
+buffers and of its loss out.
+
 `python -m runner.device_tracking OVERRIDES... [--json PATH]` runs the CLI under the tracker with the
-stand-in as the CUDA device (`RunContext.accelerator` true) and prints syncs per training step.
+stand-in as the CUDA device (`RunContext.accelerator` true) and prints syncs and eager device ops per
+training step (`eager_ops_per_step`, over the steps after the warm-up ones).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
-from runner.instruments import Instruments, watching
+from runner.instruments import NOTHING, Instruments, watching
 
 STAND_IN = torch.device("cpu", 0)
 CAPTURED = "captured"  # the phase of what a CUDA graph replays (`Instruments.captured`)
@@ -109,6 +118,10 @@ class DeviceTracker(TorchFunctionMode):
         self.phase = "other"
         self.steps = 0
         self.entered: Counter = Counter()  # entries of each phase's instrumentation point (`tracking`)
+        self.stepping = False  # inside a training step
+        self.warm_steps = 0  # the steps that warmed up a capture (not the steady cost: `eager_ops_per_step`)
+        self.eager_sites: Counter = Counter()  # the steady steps' eager device ops, by site
+        self.step_sites: Counter = Counter()  # the current step's
 
     @contextlib.contextmanager
     def in_phase(self, name: str):
@@ -134,7 +147,10 @@ class DeviceTracker(TorchFunctionMode):
         on_device = [t for t in tensors if _where(t)]
         name = getattr(func, "__name__", str(func))
         if func in _TO:
-            return self._to(func, args, kwargs, name)
+            out = self._to(func, args, kwargs, name)
+            if out is not args[0]:
+                self._eager(name, out, _where(out))
+            return out
         if func in _READS and on_device:
             self.count("sync", name)
         elif func in _NUMPY and on_device:
@@ -152,6 +168,7 @@ class DeviceTracker(TorchFunctionMode):
             if host:
                 self.count("mix", f"{name} {tuple(host[0].shape)}")
         out = func(*args, **kwargs)
+        self._eager(name, out, bool(on_device) or _is_stand_in(kwargs.get("device")))
         if func in _FACTORIES or name.endswith("_like") or name.startswith("new_"):
             device = kwargs.get("device")
             if device is not None:
@@ -165,6 +182,30 @@ class DeviceTracker(TorchFunctionMode):
         elif func in _FROM_DATA:
             self.made(out, False, name)
         return out
+
+    def _eager(self, name: str, out, on_device: bool) -> None:
+        """Count an op as an eager device op where it made or wrote a tensor on the device (`on_device`:
+        its inputs there, or a factory's `device=` the stand-in) inside a step, outside a captured region
+        and the warm-up steps."""
+        if not (self.stepping and on_device) or self.phase == CAPTURED or not _tensors(out):
+            return
+        if name == "__get__":  # an attribute read (a parameter's `.grad`): no device work
+            return
+        self.step_sites[f"{name} at {_site()}"] += 1
+
+    @contextlib.contextmanager
+    def training_step(self):
+        """One training step: its eager device ops kept unless it was a warm-up step (whose draws, made
+        before the step knows it warms up, go with it)."""
+        self.steps += 1
+        warm, self.stepping = self.warm_steps, True
+        try:
+            yield
+        finally:
+            self.stepping = False
+            if self.warm_steps == warm:
+                self.eager_sites.update(self.step_sites)
+            self.step_sites.clear()
 
     def made(self, out, on_device: bool, name: str):
         """`out`, a tensor a factory made, tagged; one made on the host inside a captured region counted
@@ -221,14 +262,18 @@ class DeviceTracker(TorchFunctionMode):
                 self.count("sync", f"{name}(host value)")
 
     def report(self) -> dict:
-        """Counts by phase, syncs per training step, and the sites (most frequent first)."""
+        """Counts by phase, syncs and eager device ops per training step, and the sites (most frequent
+        first)."""
         steps = max(self.steps, 1)
         return {
             "steps": self.steps,
+            "warm_up_steps": self.warm_steps,
             "entered": dict(self.entered),
             "counts": {phase: dict(c) for phase, c in self.counts.items()},
             "syncs_per_step": self.train_syncs() / steps,
+            "eager_ops_per_step": sum(self.eager_sites.values()) / max(self.steps - self.warm_steps, 1),
             "sites": [f"{n} x {phase} {kind}: {what}" for (phase, kind, what), n in self.sites.most_common()],
+            "eager_sites": [f"{n} x {what}" for what, n in self.eager_sites.most_common()],
         }
 
 
@@ -249,12 +294,17 @@ class _Phases(Instruments):
     def epoch(self, tag, epoch, steps):
         return self._phase("train")
 
+    @contextlib.contextmanager
     def step(self, s, x, idx, epoch):
-        self.tracker.steps += 1
-        return self._phase("train")
+        with self._phase("train"), self.tracker.training_step():
+            yield
 
     def captured(self):
         return self._phase(CAPTURED)
+
+    def warm_up(self):
+        self.tracker.warm_steps += 1
+        return NOTHING
 
     def evaluation(self):
         return self._phase("eval")
@@ -304,7 +354,9 @@ def main(argv: list[str] | None = None) -> None:
     if out is not None:
         out.write_text(json.dumps(report, indent=1))
     per_step, steps = report["syncs_per_step"], report["steps"]
-    print(f"device tracking: {per_step:.2f} syncs per training step over {steps} steps")
+    print(f"device tracking: {per_step:.2f} syncs per training step over {steps} steps; "
+          f"{report['eager_ops_per_step']:.1f} eager device ops per step after {report['warm_up_steps']} "
+          "warm-up steps")  # fmt: skip
     for phase, counts in sorted(report["counts"].items()):
         print(f"  {phase}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
     for line in report["sites"][:25]:

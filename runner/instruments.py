@@ -35,6 +35,11 @@ class Instruments:
         run eagerly after the warm-up steps."""
         return NOTHING
 
+    def warm_up(self):
+        """One of the eager steps a captured step runs before its capture (`GraphedStep.warm_up`), each
+        batch shape (or capture key) `GraphedStep.WARMUP` times: not the step's steady cost."""
+        return NOTHING
+
     def evaluation(self):
         """An evaluation of the model (`runner.evaluation.evaluate_all`)."""
         return NOTHING

@@ -133,7 +133,8 @@ class GraphedStep:
     schedules hold. Each batch shape (with the hooks' `capture_key`) is first run `WARMUP` times eagerly
     on a side stream (cuDNN's autotuning, the optimizer's lazy state, a method's constants made at its
     first call), then captured: a new shape (a training phase's) or key is captured anew. Off CUDA nothing
-    is captured: the warm-up steps and then the same region run eagerly, which is how the CPU tests
+    is captured: the warm-up steps and then the same region run eagerly on the same static buffers (the
+    same copies in and the loss's copy out), which is how the CPU tests and `runner.device_tracking`
     follow it."""
 
     WARMUP = 3
@@ -153,16 +154,18 @@ class GraphedStep:
         key = (*((t.shape, t.stride(), t.dtype) for t in inputs), self.capture_key(epoch))
         if self.warm.get(key, 0) < self.WARMUP:
             self.warm[key] = self.warm.get(key, 0) + 1
-            return self.warm_up(x, idx, epoch, drawn)
-        if not self.cuda:
-            with around("captured"):
-                return self.s.step_fn(self.s, x, idx, epoch, drawn)
+            with around("warm_up"):
+                return self.warm_up(x, idx, epoch, drawn)
         if key != self.key:
             self.capture(inputs, epoch, drawn, key)
         else:
             for static, value in zip(self.inputs, inputs):
                 static.copy_(value, non_blocking=True)
-        self.graph.replay()
+        if self.cuda:
+            self.graph.replay()
+        else:  # the captured region, run eagerly on the static buffers as a replay would
+            with around("captured"):
+                self.loss = self.s.step_fn(self.s, *self.static_step_inputs)
         return self.loss.clone()
 
     def warm_up(self, x, idx, epoch: int, drawn: list[tuple]) -> torch.Tensor:
@@ -177,16 +180,20 @@ class GraphedStep:
         return loss
 
     def capture(self, inputs: tuple, epoch: int, drawn: list[tuple], key: tuple) -> None:
+        """The static buffers of this key's inputs and, on CUDA, the step captured on them."""
         self.graph = None  # the last shape's graph: its memory back to the pool
         self.inputs, self.key = tuple(t.clone() for t in inputs), key
         x, idx, *flat = self.inputs
         parts = iter(flat)  # the static draws, grouped per micro-batch again
         static_drawn = [tuple(next(parts) for _ in part) for part in drawn]
+        self.static_step_inputs = (x, idx, epoch, static_drawn)
+        if not self.cuda:
+            return
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the DataLoader's pin-memory thread keeps calling CUDA while this thread captures
         capturing = torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local")
         with capturing, around("captured"):
-            self.loss = self.s.step_fn(self.s, x, idx, epoch, static_drawn)
+            self.loss = self.s.step_fn(self.s, *self.static_step_inputs)
         self.pool = self.graph.pool()
         log.info("training step captured as one CUDA graph (batch %s)", tuple(x.shape))
 
@@ -282,5 +289,3 @@ class DeferredChecks:
         if any_bad and first_bad < 0:
             first_bad = math.inf
         return [v > 0 for v in agreed], first_bad, scale
-
-

@@ -1,8 +1,8 @@
 """The GPU path, proven on the CPU: host-device synchronisations per training step, counted by
 `runner.device_tracking` on every method family's paper preset shrunk to CPU size (generated data of the
 preset's classes at half its image side, a few steps at a small batch; the preset's network, method and
-precision). What is counted is ops, not their sizes: the counts at the preset's own side (32 px, `make
-test-slow`) are the same."""
+precision), with the step captured where it can be (`hardware.cuda_graph`, as on a GPU). What is counted is
+ops, not their sizes: the counts at the preset's own side (32 px, `make test-slow`) are the same."""
 
 import json
 
@@ -14,7 +14,7 @@ from runner.device_tracking import STAND_IN, DeviceTracker
 
 SHRUNK = ["logger=none", "dataset=fake", "dataset.like=cifar100", "dataset.train_size=256",
           "dataset.test_size=32", "hardware.num_workers=0", "train.batch_size=32",
-          "train.epochs=1"]  # fmt: skip
+          "train.epochs=1", "hardware.cuda_graph=true"]  # fmt: skip
 # Small batches on a shared CPU: a second thread only waits for the first (2-5x the time under load).
 ONE_THREAD = "hardware.threads=1"
 SIDES = [16, pytest.param(32, marks=pytest.mark.slow)]  # the preset's own side: the same counts
@@ -44,6 +44,30 @@ SYNCS_PER_STEP = 2  # the deferred non-finite check (every 16 steps) and a metho
 # tensor (a copy to the host per improved epoch, back at the end): 35 per step at the 12 steps here.
 RUN_SYNCS_PER_STEP = 2
 LEFT_TO_THEIR_OWN = (" prepare", " converged")
+
+# The eager device ops of a steady training step (`eager_ops_per_step`), argued from what must run outside a
+# captured region: the batch and the loss pass it in one micro-batch. The step replayed from its graph
+# copies its inputs into the static buffers (the batch and its indices, and each drawn tensor) and the
+# loss out (1). A method with a `draw` hook also runs, per micro-batch, x.chunk and idx.chunk (2 views),
+# the targets (`_targets`: index, one_hot, float: 3) and one host -> device copy per drawn tensor.
+REPLAY = 2 + 1
+
+
+def _with_draws(drawn: int) -> int:
+    return REPLAY + 2 + 3 + 2 * drawn  # each drawn tensor: made on the device, then copied to its buffer
+
+
+EAGER_OPS_PER_STEP = {
+    "erm": REPLAY, "dbot": REPLAY,  # no host draws
+    "input_mixup": _with_draws(2),  # lambda, partners
+    "cutmix": _with_draws(4),  # lambda, partners, the box, x's share
+    "manifold_mixup": _with_draws(3),  # lambda, partners, the mixing site
+    "csot": _with_draws(0),  # a draw hook that draws nothing at this stage
+}
+# Co-Mixup, Puzzle Mix and hashing read the host inside the step: the read and the copies around it.
+SPLIT_STEP_OPS = 40
+NOT_SPLIT = pytest.mark.xfail(strict=True, reason="issue 47 item 1: the step around the host read is not "
+                              "captured yet, its two passes run eagerly")  # fmt: skip
 EPOCH_START_SYNCS = 100  # CSOT's allocation: the chunks solved as one batched problem
 
 
@@ -59,10 +83,21 @@ def _track(tmp_path, overrides) -> dict:
     return json.loads(out.read_text())
 
 
+_REPORTS: dict = {}
+
+
+def _report(tmp_path_factory, name, side) -> dict:
+    """The preset's report, tracked once for the tests of this module."""
+    if (name, side) not in _REPORTS:
+        tmp_path = tmp_path_factory.mktemp(f"{name}_{side}")
+        _REPORTS[name, side] = _track(tmp_path, [f"dataset.image_size={side}", *PRESETS[name]])
+    return _REPORTS[name, side]
+
+
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("name", PRESETS)
-def test_training_step_waits_for_the_device_at_most_twice(tmp_path, name, side):
-    report = _track(tmp_path, [f"dataset.image_size={side}", *PRESETS[name]])
+def test_training_step_waits_for_the_device_at_most_twice(tmp_path_factory, name, side):
+    report = _report(tmp_path_factory, name, side)
     sites = "\n".join(report["sites"][:15])
     assert report["steps"] >= 8, report
     assert report["syncs_per_step"] <= SYNCS_PER_STEP, sites
@@ -82,6 +117,16 @@ def _at_sites(report: dict, functions: tuple[str, ...]) -> int:
     """The syncs counted at sites in the `functions` (each " name", as a site line ends)."""
     lines = [line for line in report["sites"] if " sync: " in line and line.endswith(functions)]
     return sum(int(line.split(" x ", 1)[0]) for line in lines)
+
+
+@pytest.mark.parametrize("side", SIDES)
+@pytest.mark.parametrize("name", [*EAGER_OPS_PER_STEP, *(pytest.param(name, marks=NOT_SPLIT) for name in
+                                                        ("comixup", "puzzle_mix", "hashing"))])  # fmt: skip
+def test_training_step_leaves_little_eager_device_work(tmp_path_factory, name, side):
+    report = _report(tmp_path_factory, name, side)
+    assert report["steps"] > report["warm_up_steps"], report
+    budget = EAGER_OPS_PER_STEP.get(name, SPLIT_STEP_OPS)
+    assert report["eager_ops_per_step"] <= budget, "\n".join(report["eager_sites"][:20])
 
 
 def _in_phase(tracker, monkeypatch, module, names, phase):
