@@ -17,7 +17,7 @@ import pytest
 import runner.configs
 import runner.hooks
 import runner.methods
-import tasks
+import runner.tasks
 from runner.cli import run_in_process
 from runner.configs import METHODS, TASK_METHODS, TASKS
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "adding-a-method.md"
 BLOCK = re.compile(r"^```\w*\n# file: (\S+)\n(.*?)^```", re.M | re.S)
 PACKAGES = {"runner/methods": runner.methods, "runner/configs": runner.configs, "runner/hooks": runner.hooks,
-            "tasks": tasks}  # fmt: skip
+            "runner/tasks": runner.tasks}  # fmt: skip
 
 
 def page_files() -> dict[str, str]:

@@ -957,7 +957,7 @@ def test_method_configs_match_the_paper_defaults():
     paper = dict(beta=0.32, gamma=1.0, eta=0.05, tau=0.83, thres_type="hard", alpha=2.0, omega=0.001)
     paper |= dict(grid=4, part=20, n_iter=4, set_resolve=True, clean_lam=1.0, solver="exact")  # see above
     assert {k: cfg.method[k] for k in paper} == paper
-    from tasks.classify import METHODS
+    from runner.tasks.classify import METHODS
 
     assert METHODS["comixup"]().loss == "bce"  # the authors' loss where no preset names one
     puzzle = compose(["+method=puzzle_mix"]).method  # the PuzzleMix README, CIFAR-100
@@ -1035,7 +1035,7 @@ def test_a_command_line_value_wins_over_the_tiny_presets_baseline_setting():
 
 def test_erm_with_bce_trains_on_the_authors_loss():
     from runner.hooks.mixup import mixed_loss
-    from tasks.classify import HOOKS, METHODS
+    from runner.tasks.classify import HOOKS, METHODS
 
     assert HOOKS["erm"](METHODS["erm"](), None, None) is None  # plain soft CE: fit's own loss
     hooks = HOOKS["erm"](METHODS["erm"](loss="bce"), None, None)
@@ -1165,8 +1165,8 @@ def test_cli_one_epoch_of_comixup_on_digits_canvas(tmp_path):
 
 
 def test_search_selects_on_a_validation_metric_or_refuses_in_one_line():
-    import tasks.classify
-    import tasks.hashing
+    import runner.tasks.classify
+    import runner.tasks.hashing
     from runner.checks import ConfigError
     from runner.compose import compose, launch_overrides, objective
 
@@ -1175,12 +1175,12 @@ def test_search_selects_on_a_validation_metric_or_refuses_in_one_line():
         launch_overrides(search)
     assert "hydra.sweeper.direction=maximize" in launch_overrides([*search, "dataset.val_fraction=0.1"])
     cfg = compose(["+method=comixup", "+experiment=comixup_digits_canvas", "dataset.val_fraction=0.1"])
-    assert objective(tasks.classify.TASK, cfg) == "val/acc"
+    assert objective(runner.tasks.classify.TASK, cfg) == "val/acc"
     hashing = ["-m", "+experiment=hier_hash_synthetic", "+sweep=hier_hash"]
     with pytest.raises(ConfigError, match="selects on val/p@1.*dataset.val_per_class=10"):
         launch_overrides(hashing)
     cfg = compose(["+experiment=hier_hash_synthetic", "dataset.val_per_class=10"])
-    assert objective(tasks.hashing.TASK, cfg) == "val/p@1"
+    assert objective(runner.tasks.hashing.TASK, cfg) == "val/p@1"
 
 
 def test_docstring_examples_run():

@@ -371,14 +371,14 @@ def test_a_busy_run_dir_is_refused_at_once(straight, tmp_path):
 FAILING_TASK = """
 import dataclasses
 import sys
-import tasks.classify
+import runner.tasks.classify
 from runner.cli import main
 
 def boom(cfg, ctx):
     ctx.tracker.log({"epoch": 1}, step=0)
     raise RuntimeError("boom")
 
-tasks.classify.TASK = dataclasses.replace(tasks.classify.TASK, run=boom)
+runner.tasks.classify.TASK = dataclasses.replace(runner.tasks.classify.TASK, run=boom)
 sys.argv = ["runner", *sys.argv[1:]]
 main()
 """

@@ -1,4 +1,4 @@
-"""Method configs of tasks/classify.py: ERM and the mixup family (Co-Mixup and its baselines)."""
+"""Method configs of runner/tasks/classify.py: ERM and the mixup family (Co-Mixup and its baselines)."""
 
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ STUDY = ("erm", "input_mixup", "manifold_mixup", "cutmix", "puzzle_mix", "comixu
 TASK = register_task(
     TaskEntry(
         "classify",
-        "tasks.classify",
+        "runner.tasks.classify",
         METHODS,
         presets={
             preset: STUDY

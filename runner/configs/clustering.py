@@ -1,4 +1,4 @@
-"""Method configs of tasks/clustering.py: k-means, DB-OT and balanced-OT clustering."""
+"""Method configs of runner/tasks/clustering.py: k-means, DB-OT and balanced-OT clustering."""
 
 from __future__ import annotations
 
@@ -82,4 +82,4 @@ METHODS = {
 # DB-OT clustering's settings (its mass bounds): k-means and balanced clustering have none of them
 PRESETS = {"dbot_cluster_blobs": ("dbot_cluster",), "dbot_cluster_digits": ("dbot_cluster",)}
 
-TASK = register_task(TaskEntry("clustering", "tasks.clustering", METHODS, presets=PRESETS))
+TASK = register_task(TaskEntry("clustering", "runner.tasks.clustering", METHODS, presets=PRESETS))

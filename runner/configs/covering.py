@@ -1,4 +1,4 @@
-"""Method config of tasks/covering.py: partial Wasserstein covering (PWC) and its baselines."""
+"""Method config of runner/tasks/covering.py: partial Wasserstein covering (PWC) and its baselines."""
 
 from __future__ import annotations
 
@@ -72,6 +72,6 @@ METHODS = {"pwc": CoverConfig}
 # PWC trains the same network for every selector: its bench-gpu baseline picks at random.
 PRESETS = {preset: ("pwc",) for preset in ("pwc_cifar10", "pwc_digits", "pwc_mixture2d", "pwc_optimality")}
 
-TASK = register_task(TaskEntry("covering", "tasks.covering", METHODS, presets=PRESETS,
+TASK = register_task(TaskEntry("covering", "runner.tasks.covering", METHODS, presets=PRESETS,
                                bench_presets=("pwc_cifar10",),
                                bench_baseline=("method.selector=random",)))  # fmt: skip

@@ -1,4 +1,4 @@
-"""Method config of tasks/hashing.py: hierarchically quantized hash codes."""
+"""Method config of runner/tasks/hashing.py: hierarchically quantized hash codes."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ METHODS = {"hier_hash": HierHashConfig}
 TASK = register_task(
     TaskEntry(
         "hashing",
-        "tasks.hashing",
+        "runner.tasks.hashing",
         METHODS,
         presets={
             preset: ("hier_hash",)

@@ -1,4 +1,5 @@
-"""Method configs of tasks/longtail.py: the DB-OT loss and inference rules, and the long-tail baselines."""
+"""Method configs of runner/tasks/longtail.py: the DB-OT loss and inference rules, and the long-tail
+baselines."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ METHODS: dict[str, type] = {
 TASK = register_task(
     TaskEntry(
         "longtail",
-        "tasks.longtail",
+        "runner.tasks.longtail",
         METHODS,
         presets={  # DB-OT and each baseline of the paper's tables
             preset: ("dbot", *BASELINE_LOSSES)

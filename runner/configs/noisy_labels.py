@@ -1,4 +1,4 @@
-"""Method configs of tasks/noisy_labels.py: CSOT and its Table 4 ablations."""
+"""Method configs of runner/tasks/noisy_labels.py: CSOT and its Table 4 ablations."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ METHODS = {c.name: c for c in (CSOTConfig, COTConfig, OTConfig, SOTConfig, Small
 TASK = register_task(
     TaskEntry(
         "noisy_labels",
-        "tasks.noisy_labels",
+        "runner.tasks.noisy_labels",
         METHODS,
         presets={  # CSOT and its Table 4 ablations
             preset: ("csot", "cot", "ot", "sot", "small_loss", "ce")
