@@ -10,7 +10,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.checks import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# The configs: the repo's top-level conf/, reached through the link runner/conf (pyproject copies it into the
+# wheel there, so an installed runner finds them beside its code).
+CONF_DIR = (Path(__file__).parent / "conf").resolve()
 
 # Hydra flags that consume the next argument.
 _FLAGS_WITH_VALUE = {

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from runner.canvas_metrics import box_iou, cam_boxes, canvas_metrics
+from runner.compose import CONF_DIR
 from runner.data.canvas import box_masks
 from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.hardware import RunContext
@@ -29,7 +30,6 @@ from runner.methods.comixup import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
 
 
 def host_path():
@@ -967,7 +967,8 @@ def test_method_configs_match_the_paper_defaults():
     for name in ("erm", "comixup", "input_mixup", "manifold_mixup", "cutmix", "puzzle_mix"):
         method = compose([f"+method={name}"]).method
         METHODS[name](**method)  # every key known to the schema, in range
-        assert "train" not in OmegaConf.load(CONF / "method" / f"{name}.yaml")  # the presets own the schedule
+        # the presets own the schedule
+        assert "train" not in OmegaConf.load(CONF_DIR / "method" / f"{name}.yaml")
     with pytest.raises(ValueError, match="method.tau"):
         METHODS["comixup"](tau=-1.0)
     with pytest.raises(ValueError, match="method.mixed_labels"):  # caught before the run, not mid-epoch
