@@ -22,8 +22,8 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check runner tasks tests benchmarks
-	$(VENV)/bin/ruff format --check runner tasks tests benchmarks
+	$(VENV)/bin/ruff check runner tests benchmarks
+	$(VENV)/bin/ruff format --check runner tests benchmarks
 
 bench: $(STAMP)
 	$(PY) -m benchmarks $(B)

@@ -103,7 +103,7 @@ def cifar_cascades(rng) -> bool:
     Checks that each level's codes cost the same (they may differ on ties). Target: at the preset's first two
     ks, ssp at least 3x faster than OR-tools for each kind of unaries."""
     from runner.compose import compose
-    from tasks.hashing import per_ks
+    from runner.tasks.hashing import per_ks
 
     ok = True
     for preset in CIFAR_PRESETS:

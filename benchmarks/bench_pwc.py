@@ -47,7 +47,7 @@ def _target(description, measured, bound):
 
 
 def main() -> bool:
-    options = cover_options(compose(["+method=pwc"]).method)  # as tasks/covering.py calls `cover`
+    options = cover_options(compose(["+method=pwc"]).method)  # as runner/tasks/covering.py calls `cover`
     print(f"PWC, 2-D normal data, N_app = N_dev = N_cand = N, K = {K}; options {options}")
     seconds = {}
     print(f"\nN = {TARGET_N}: method, seconds (min of repeats), exact LPs, PW(S_K), phi / phi(MILP)")

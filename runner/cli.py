@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib.metadata
 import logging
 import math
 import os
@@ -284,6 +285,9 @@ def main() -> None:
 
 
 def _main() -> None:
+    if "--version" in sys.argv[1:]:  # the runner's own version (Hydra's flag prints Hydra's)
+        print(f"runner {importlib.metadata.version('runner')}")
+        return
     if any(a.startswith("+sweep=") or a.startswith("hydra/sweeper=optuna") for a in sys.argv[1:]):
         _quiet_optuna()
     try:

@@ -96,11 +96,11 @@ def _is_stand_in(device) -> bool:
 
 
 def _site() -> str:
-    """The innermost frame of the project's code (runner/, tasks/, benchmarks/) that made the call."""
+    """The innermost frame of the project's code (runner/, benchmarks/) that made the call."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if any(part in name for part in ("/runner/", "/tasks/", "/benchmarks/")) and not name.endswith(
+        if any(part in name for part in ("/runner/", "/benchmarks/")) and not name.endswith(
             "device_tracking.py"
         ):
             return f"{Path(name).parent.name}/{Path(name).name}:{frame.f_lineno} {frame.f_code.co_name}"

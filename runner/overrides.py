@@ -11,7 +11,24 @@ from omegaconf import DictConfig, OmegaConf
 
 from runner.checks import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# The configs: the repo's top-level conf/, reached through the link runner/conf (pyproject copies it into the
+# wheel there, so an installed runner finds them beside its code).
+CONF_DIR = (Path(__file__).parent / "conf").resolve()
+INTERNAL_GROUPS = ("hydra", "schema")  # config groups of Hydra and of the runner's typed schemas
+
+
+def _user_groups() -> str:
+    """`runner --help`'s options of each group (conf/hydra/help/runner.yaml): Hydra's listing without its own
+    groups and the runner's internal `schema*` ones, which a command line never names."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    def user(group: str) -> bool:
+        return group.split("/")[0] not in INTERNAL_GROUPS
+
+    return GlobalHydra.instance().hydra.format_config_groups(user)
+
+
+OmegaConf.register_new_resolver("runner.user_groups", _user_groups)
 
 # Hydra flags that consume the next argument.
 _FLAGS_WITH_VALUE = {

@@ -1,4 +1,4 @@
-"""The task protocol: what the runner calls of a task. Each task module (tasks/<name>.py, or the module
+"""The task protocol: what the runner calls of a task. Each task module (runner/tasks/<name>.py, or the module
 its `runner.configs.TaskEntry` names) defines one `TASK = Task(...)`; `task_of(cfg)` finds it for a job
 config."""
 

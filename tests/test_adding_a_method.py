@@ -1,7 +1,7 @@
 """docs/adding-a-method.md, run: its blocks are applied to a temporary copy of the repository (a `# file:`
 block written, an `# append to:` block appended, an `# add to EXPORTS in:` line added to the façade's
-list), and the page's own tests run there with the façade's check, in a Python whose `runner` and `tasks`
-are the copy's."""
+list), and the page's own tests run there with the façade's check, in a Python whose `runner` is the
+copy's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "adding-a-method.md"
 BLOCK = re.compile(r"^```\w*\n# (file|append to|add to EXPORTS in): (\S+)\n(.*?)^```", re.M | re.S)
-COPIED = ("runner", "tasks", "conf", "tests", "pyproject.toml")
+COPIED = ("runner", "conf", "tests", "pyproject.toml")
 
 
 def page_blocks() -> list[tuple[str, str, str]]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from runner.canvas_metrics import box_iou, cam_boxes, canvas_metrics
+from runner.compose import CONF_DIR
 from runner.data.canvas import box_masks
 from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.hardware import RunContext
@@ -29,7 +30,6 @@ from runner.methods.comixup import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
 
 
 def host_path():
@@ -957,7 +957,7 @@ def test_method_configs_match_the_paper_defaults():
     paper = dict(beta=0.32, gamma=1.0, eta=0.05, tau=0.83, thres_type="hard", alpha=2.0, omega=0.001)
     paper |= dict(grid=4, part=20, n_iter=4, set_resolve=True, clean_lam=1.0, solver="exact")  # see above
     assert {k: cfg.method[k] for k in paper} == paper
-    from tasks.classify import METHODS
+    from runner.tasks.classify import METHODS
 
     assert METHODS["comixup"]().loss == "bce"  # the authors' loss where no preset names one
     puzzle = compose(["+method=puzzle_mix"]).method  # the PuzzleMix README, CIFAR-100
@@ -967,7 +967,8 @@ def test_method_configs_match_the_paper_defaults():
     for name in ("erm", "comixup", "input_mixup", "manifold_mixup", "cutmix", "puzzle_mix"):
         method = compose([f"+method={name}"]).method
         METHODS[name](**method)  # every key known to the schema, in range
-        assert "train" not in OmegaConf.load(CONF / "method" / f"{name}.yaml")  # the presets own the schedule
+        # the presets own the schedule
+        assert "train" not in OmegaConf.load(CONF_DIR / "method" / f"{name}.yaml")
     with pytest.raises(ValueError, match="method.tau"):
         METHODS["comixup"](tau=-1.0)
     with pytest.raises(ValueError, match="method.mixed_labels"):  # caught before the run, not mid-epoch
@@ -1036,7 +1037,7 @@ def test_a_command_line_value_wins_over_the_tiny_presets_baseline_setting():
 def test_erm_with_bce_trains_on_the_authors_loss():
     from runner.configs import hooks_factory
     from runner.hooks.mixup import mixed_loss
-    from tasks.classify import METHODS
+    from runner.tasks.classify import METHODS
 
     erm_hooks = hooks_factory("erm")  # the factory ERM's registration declares
     assert erm_hooks(METHODS["erm"](), None, None) is None  # plain soft CE: fit's own loss
@@ -1167,8 +1168,8 @@ def test_cli_one_epoch_of_comixup_on_digits_canvas(tmp_path):
 
 
 def test_search_selects_on_a_validation_metric_or_refuses_in_one_line():
-    import tasks.classify
-    import tasks.hashing
+    import runner.tasks.classify
+    import runner.tasks.hashing
     from runner.checks import ConfigError
     from runner.compose import compose, launch_overrides, objective
 
@@ -1177,12 +1178,12 @@ def test_search_selects_on_a_validation_metric_or_refuses_in_one_line():
         launch_overrides(search)
     assert "hydra.sweeper.direction=maximize" in launch_overrides([*search, "dataset.val_fraction=0.1"])
     cfg = compose(["+method=comixup", "+experiment=comixup_digits_canvas", "dataset.val_fraction=0.1"])
-    assert objective(tasks.classify.TASK, cfg) == "val/acc"
+    assert objective(runner.tasks.classify.TASK, cfg) == "val/acc"
     hashing = ["-m", "+experiment=hier_hash_synthetic", "+sweep=hier_hash"]
     with pytest.raises(ConfigError, match="selects on val/p@1.*dataset.val_per_class=10"):
         launch_overrides(hashing)
     cfg = compose(["+experiment=hier_hash_synthetic", "dataset.val_per_class=10"])
-    assert objective(tasks.hashing.TASK, cfg) == "val/p@1"
+    assert objective(runner.tasks.hashing.TASK, cfg) == "val/p@1"
 
 
 def test_docstring_examples_run():

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf, open_dict
 
+import runner
 from runner.checks import ConfigError, check_range
 from runner.compose import CONF_DIR, compose, preflight
 from runner.validate import validate
@@ -98,7 +99,9 @@ def test_check_range_open_and_closed_bounds():
 
 
 def test_conf_dir_is_the_repo_conf():
+    """In a checkout, runner/conf is a link to the repo's top-level conf/ (the one folder to edit)."""
     assert CONF_DIR == Path(__file__).resolve().parents[1] / "conf"
+    assert (Path(runner.__file__).parent / "conf").is_symlink()
 
 
 def _with_paper(paper):

@@ -1,4 +1,4 @@
-"""The covering task (tasks/covering.py): its sets, its config checks, `run` end to end, the CLI."""
+"""The covering task (runner/tasks/covering.py): its sets, its config checks, `run` end to end, the CLI."""
 
 import json
 
@@ -11,9 +11,7 @@ from runner.checks import ConfigError
 from runner.compose import compose, preflight, typed
 from runner.hardware import RunContext, seed_everything
 from runner.hooks.pwc import predictive_entropy
-from runner.track import Tracker
-from runner.validate import validate
-from tasks.covering import (
+from runner.tasks.covering import (
     MISSING,
     OUTLIER,
     CoverConfig,
@@ -23,6 +21,8 @@ from tasks.covering import (
     mixture2d_sets,
     run,
 )
+from runner.track import Tracker
+from runner.validate import validate
 
 
 def run_here(tmp_path, *overrides):
@@ -212,6 +212,6 @@ def test_raw_features_of_a_file_backed_dataset_ask_for_network_features(tmp_path
 
 @pytest.mark.parametrize(("preset", "name"), [("pwc_mixture2d", "mixture2d"), ("pwc_digits", "digits")])
 def test_a_run_names_the_data_it_covers(preset, name):
-    from tasks import covering
+    from runner.tasks import covering
 
     assert covering.data_name(compose([f"+experiment={preset}"])) == name

@@ -120,7 +120,8 @@ def test_dbot_inference_and_loss_agree_with_the_cpu_path(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("loss", ["dbot", "ldam", "cb_focal"])
 def test_longtail_loss_hook_runs_on_the_device(device, loss):
-    """The per-step work of tasks/longtail.py: its hook's loss lives on ctx.device and equals the CPU one."""
+    """The per-step work of runner/tasks/longtail.py: its hook's loss lives on ctx.device and equals the CPU
+    one."""
     from types import SimpleNamespace
 
     from runner.hooks.dbot import LossHook

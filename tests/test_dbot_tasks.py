@@ -29,8 +29,8 @@ from runner.methods.dbot import (
     ldam_margins,
     weighted_focal_loss,
 )
-from tasks.clustering import BalancedClusterConfig, DBOTClusterConfig, cluster_scores
-from tasks.longtail import LongTailConfig
+from runner.tasks.clustering import BalancedClusterConfig, DBOTClusterConfig, cluster_scores
+from runner.tasks.longtail import LongTailConfig
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def test_torchrun_two_gloo_ranks_match_one_process(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3]
     assert out["ddp"].count("test/acc=") == 1
-    assert (tmp_path / "ddp" / "cli.log").read_text().count("tasks.classify: method=erm") == 1
+    assert (tmp_path / "ddp" / "cli.log").read_text().count("runner.tasks.classify: method=erm") == 1
 
 
 class RecordBatches(MethodHooks):
@@ -243,7 +243,7 @@ def test_covering_on_network_features_under_ddp_matches_one_process(tmp_path, se
 def _csot_rank(rank, world_size, tmp_path, method, loss):
     """CSOT's hooks and `fit` on a toy set: every rank's parameters and selection, written per rank."""
     from runner.hooks.csot import NoisyLabelHooks
-    from tasks.noisy_labels import METHODS, NoisyLabelNet, Views
+    from runner.tasks.noisy_labels import METHODS, NoisyLabelNet, Views
 
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 3, (150,), generator=g)

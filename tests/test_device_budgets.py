@@ -150,14 +150,14 @@ def test_dbot_evaluation_reads_the_device_at_most_twice_per_split(tmp_path, monk
     DB-OT rules solve on the device, each solve's input checks, convergence test and labels in one read (these
     solves converge at their first check; each further check is one more read). Clustering: the one
     split's inputs decoded and copied to the host, the solver on the host."""
-    import tasks.clustering
-    import tasks.longtail
+    import runner.tasks.clustering
+    import runner.tasks.longtail
 
     blobs = ["logger=none", "hardware.num_workers=0", "+experiment=dbot_cluster_blobs", "method.plot=false"]
     overrides = [*SHRUNK, *PRESETS["dbot"]] if preset == "dbot" else blobs
     with device_tracking.tracking() as tracker:
-        _in_phase(tracker, monkeypatch, tasks.longtail, ("predict_all", "evaluate_rules"), "dbot_eval")
-        _in_phase(tracker, monkeypatch, tasks.clustering, ("_samples", "dbot_cluster"), "dbot_eval")
+        _in_phase(tracker, monkeypatch, runner.tasks.longtail, ("predict_all", "evaluate_rules"), "dbot_eval")
+        _in_phase(tracker, monkeypatch, runner.tasks.clustering, ("_samples", "dbot_cluster"), "dbot_eval")
         cli.run_in_process([*overrides, f"hydra.run.dir={tmp_path / 'run'}"])
     report = tracker.report()
     evaluation, sites = report["counts"].get("dbot_eval", {}), "\n".join(report["sites"][:15])

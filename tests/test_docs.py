@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from runner.compose import CONF_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-CONF = ROOT / "conf"
 
 # The docs show these on purpose as bad input; they must stop with a ConfigError.
 EXPECTED_ERRORS = {"runner dataset=imagenett", "runner train.lr=-1"}
@@ -117,7 +118,7 @@ def _first_values(overrides: list[str]) -> list[str]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ValueType
 
-    groups = {p.name for p in CONF.iterdir() if p.is_dir()}
+    groups = {p.name for p in CONF_DIR.iterdir() if p.is_dir()}
     out = []
     for o in OverridesParser.create().parse_overrides(overrides):
         if not o.is_sweep_override() or o.value_type == ValueType.INTERVAL_SWEEP:
@@ -125,7 +126,7 @@ def _first_values(overrides: list[str]) -> list[str]:
             continue
         values = list(o.sweep_string_iterator())
         if o.key_or_group in groups:
-            missing = [v for v in values if not (CONF / o.key_or_group / f"{v}.yaml").exists()]
+            missing = [v for v in values if not (CONF_DIR / o.key_or_group / f"{v}.yaml").exists()]
             assert not missing, (
                 f"{o.key_or_group}={','.join(missing)}: no such file in conf/{o.key_or_group}/"
             )

@@ -23,6 +23,7 @@ from conftest import run_cli, run_cli_here
 from test_cli import wandb_records
 
 from runner.checkpoint import CHECKPOINT
+from runner.compose import CONF_DIR
 from runner.faults import Interrupted, StopSignals
 from runner.hardware import MEMORY_CAP_ENV, host_memory_available
 from runner.optim import follow_config, make_optimizer, make_scheduler
@@ -371,14 +372,14 @@ def test_a_busy_run_dir_is_refused_at_once(straight, tmp_path):
 FAILING_TASK = """
 import dataclasses
 import sys
-import tasks.classify
+import runner.tasks.classify
 from runner.cli import main
 
 def boom(cfg, ctx):
     ctx.tracker.log({"epoch": 1}, step=0)
     raise RuntimeError("boom")
 
-tasks.classify.TASK = dataclasses.replace(tasks.classify.TASK, run=boom)
+runner.tasks.classify.TASK = dataclasses.replace(runner.tasks.classify.TASK, run=boom)
 sys.argv = ["runner", *sys.argv[1:]]
 main()
 """
@@ -438,7 +439,7 @@ def test_stop_signals_checkpoint_first_then_hand_sigusr2_to_submitit():
 
 
 def test_slurm_preset_requeues():
-    text = (Path(__file__).parents[1] / "conf" / "hydra" / "launcher" / "slurm_gpu.yaml").read_text()
+    text = (CONF_DIR / "hydra" / "launcher" / "slurm_gpu.yaml").read_text()
     assert "max_num_timeout: 3" in text and "signal_delay_s:" in text
     assert "requeue" in text.lower()
 

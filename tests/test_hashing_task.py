@@ -17,10 +17,10 @@ from runner.device_tracking import STAND_IN, DeviceTracker
 from runner.hooks import hier_hash as hash_training
 from runner.methods import hier_hash as hh
 from runner.schema import TrainConfig
+from runner.tasks import hashing
 from runner.track import Tracker
 from runner.train import fit
 from runner.validate import validate
-from tasks import hashing
 
 
 def composed(*overrides):

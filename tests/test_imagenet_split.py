@@ -133,7 +133,7 @@ def test_preset_is_the_paper_protocol():
 def test_the_preset_fine_tunes_the_backbone_and_the_fc_only_ablation_freezes_it(monkeypatch, lr_backbone):
     """The paper fine-tunes the base model (backbone included) on ImageNetSplit; `method.lr_backbone=0`
     trains the new FC layer alone. One hash step's gradients and the optimizer groups show which."""
-    from tasks import hashing
+    from runner.tasks import hashing
 
     overrides = ["+experiment=hier_hash_imagenetsplit", "method.classes_per_batch=4", "method.ks=[1]",
                  "method.margin=[0.5]", "method.baselines=[]"]  # fmt: skip

@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("runner.data", "runner.methods", "runner.models", "runner.hooks", "runner.configs")
+PACKAGES = (
+    "runner.data", "runner.methods", "runner.models", "runner.hooks", "runner.configs", "runner.tasks",
+)  # fmt: skip
 FLOORS = [  # bottom first
     {"runner.checks", "runner.methods", "runner.faults", "runner.untrusted", "runner.plots",
      "runner.augment", "runner.instruments", "runner.interrupts", "runner.losses", "runner.optim"},
@@ -21,7 +23,7 @@ FLOORS = [  # bottom first
      "runner.memory", "runner.distributed_passes", "runner.rundir", "runner.canvas_metrics", "runner.task",
      "runner.method_hooks"},
     {"runner.hooks"},
-    {"tasks"},  # every task module
+    {"runner.tasks"},  # every task module
     {"runner.sweeper"},  # the Optuna sweeper, whose search-space checks the preflight runs
     {"runner.overrides"},
     {"runner.presets", "runner.smoke"},
@@ -35,15 +37,13 @@ FLOORS = [  # bottom first
 
 
 def unit(module: str) -> str:
-    """The node of the graph a module belongs to: its registering package, tasks, or itself."""
-    if module == "tasks" or module.startswith("tasks."):
-        return "tasks"
+    """The node of the graph a module belongs to: its registering package, runner.tasks, or itself."""
     return next((p for p in PACKAGES if module == p or module.startswith(p + ".")), module)
 
 
 def modules() -> dict[str, Path]:
     found = {}
-    for path in [*(ROOT / "runner").rglob("*.py"), *(ROOT / "tasks").rglob("*.py")]:
+    for path in (ROOT / "runner").rglob("*.py"):
         name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         found[name] = path
     return found
@@ -163,15 +163,15 @@ def test_the_facade_lists_every_solver_once():
 
 
 def test_files_are_named_by_one_rule():
-    """Task files carry the task's name (runner/configs/<task>.py registers tasks/<task>.py); method files
-    (runner/methods/, runner/hooks/) carry a method's or a family's."""
+    """Task files carry the task's name (runner/configs/<task>.py registers runner/tasks/<task>.py); method
+    files (runner/methods/, runner/hooks/) carry a method's or a family's."""
     from runner.configs import TASKS
 
     def stems(folder: str) -> set[str]:
         return {p.stem for p in (ROOT / folder).glob("*.py") if not p.stem.startswith("_")}
 
-    assert stems("runner/configs") == stems("tasks") == set(TASKS)
-    assert all(entry.module == f"tasks.{name}" for name, entry in TASKS.items())
+    assert stems("runner/configs") == stems("runner/tasks") == set(TASKS)
+    assert all(entry.module == f"runner.tasks.{name}" for name, entry in TASKS.items())
 
 
 def test_config_error_is_imported_from_runner_checks_only():

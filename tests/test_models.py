@@ -4,7 +4,6 @@ ImageNet backbones against torchvision / timm, and `model.pretrained` weights fi
 from __future__ import annotations
 
 import pickle
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,12 +11,13 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.checks import ConfigError
+from runner.compose import CONF_DIR
 from runner.methods.mixup import default_mixup_layers, manifold_mixup
 from runner.models import build_model
 from runner.models.cifar import SameAvgPool2d, SameMaxPool2d
 from runner.schema import model_config
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+CONF = CONF_DIR / "model"
 
 
 def model(name, shape=(3, 32, 32), classes=100, **cfg):

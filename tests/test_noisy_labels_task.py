@@ -30,8 +30,8 @@ from runner.methods.csot import allocate
 from runner.models import MLP
 from runner.models.noisy_labels import NoisyLabelNet
 from runner.schema import TrainConfig
+from runner.tasks.noisy_labels import METHODS
 from runner.train import fit
-from tasks.noisy_labels import METHODS
 
 
 class _Tracker:

@@ -186,15 +186,15 @@ def test_median_of_the_last_10_epochs_and_the_10_bin_ece_match_a_hand_computatio
 
 
 def test_a_preset_s_metric_is_what_the_report_ranks_and_a_search_selects_on():
-    import tasks.classify
+    import runner.tasks.classify
     from runner.compose import objective
     from runner.report import task_metric
 
     assert task_metric({"metric": "test/acc_median10"}) == ("test/acc_median10", "max")
     assert task_metric({"metric": "test/ece:min"}) == ("test/ece", "min")
-    assert task_metric({}) == tasks.classify.TASK.metric
+    assert task_metric({}) == runner.tasks.classify.TASK.metric
     cfg = compose(["+experiment=comixup_cifar100_wrn16_8", "dataset.val_fraction=0.1"])
-    assert objective(tasks.classify.TASK, cfg) == "val/acc_median10"
+    assert objective(runner.tasks.classify.TASK, cfg) == "val/acc_median10"
     with pytest.raises(ConfigError, match="metric=test/acc:best: the direction after ':' must be max or min"):
         validate(compose(["+metric=test/acc:best"]))
 

@@ -216,7 +216,7 @@ def test_run_dirs_in_natural_order_and_a_single_run_dir(tmp_path):
 def test_default_metric_is_the_task_metric(tmp_path):
     make_run(tmp_path / "0", ["train.lr=0.1"], {"test/acc": 0.9, "test/loss": 0.3})
     make_run(tmp_path / "1", ["train.lr=0.2"], {"test/acc": 0.7, "test/loss": 0.2})
-    report = build_report(tmp_path)  # no method: tasks/classify.py, metric (test/acc, max)
+    report = build_report(tmp_path)  # no method: runner/tasks/classify.py, metric (test/acc, max)
     assert (report.metric, report.direction) == ("test/acc", "max")
     assert table_rows(markdown(report))[0][2] == "**0.9000**"
 

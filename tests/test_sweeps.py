@@ -21,7 +21,7 @@ from omegaconf import open_dict
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from test_report import PNG, mean_std, table_rows
 
-import tasks.classify
+import runner.tasks.classify
 from runner import sweeper
 from runner.checks import ConfigError
 from runner.compose import CONF_DIR, compose, launch_overrides, preflight
@@ -98,8 +98,8 @@ def test_optuna_search_of_4_trials_reports_its_best_parameters(cli_here, tmp_pat
 
 def test_optuna_direction_follows_the_task_metric(monkeypatch):
     assert "hydra.sweeper.direction=maximize" in launch_overrides(["-m", "hydra/sweeper=optuna"])
-    loss_task = dataclasses.replace(tasks.classify.TASK, metric=("test/loss", "min"))
-    monkeypatch.setattr(tasks.classify, "TASK", loss_task)
+    loss_task = dataclasses.replace(runner.tasks.classify.TASK, metric=("test/loss", "min"))
+    monkeypatch.setattr(runner.tasks.classify, "TASK", loss_task)
     assert "hydra.sweeper.direction=minimize" in launch_overrides(["-m", "+sweep=erm"])
     given = launch_overrides(["-m", "hydra/sweeper=optuna", "hydra.sweeper.direction=maximize"])
     assert not any(o.startswith("hydra.sweeper.direction") for o in given)  # the user's word wins

@@ -267,7 +267,7 @@ def test_the_solvers_import_nothing_of_the_runner_but_their_common_helpers():
         tree = ast.parse(path.read_text())
         names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
         names += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-        mine = [name for name in names if name.split(".")[0] in ("runner", "tasks")]
+        mine = [name for name in names if name.split(".")[0] == "runner"]
         assert all(name.startswith("runner.methods.") for name in mine), (path.name, mine)
 
 

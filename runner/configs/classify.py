@@ -1,4 +1,4 @@
-"""Method configs of tasks/classify.py: ERM and the mixup family (Co-Mixup and its baselines)."""
+"""Method configs of runner/tasks/classify.py: ERM and the mixup family (Co-Mixup and its baselines)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ LOSSES = ("ce", "bce")
 TASK = register_task(
     TaskEntry(
         "classify",
-        "tasks.classify",
+        "runner.tasks.classify",
         main_presets={"cifar100": "comixup_cifar100_preactresnet18", None: "comixup_digits_canvas"},
         evaluable=True,
         bench_presets=(

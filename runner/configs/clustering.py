@@ -1,4 +1,4 @@
-"""Method configs of tasks/clustering.py: k-means, DB-OT and balanced-OT clustering."""
+"""Method configs of runner/tasks/clustering.py: k-means, DB-OT and balanced-OT clustering."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from runner.checks import check_range
 from runner.configs._base import MethodConfig, TaskEntry, register_method, register_task
 from runner.methods.dbot import SOLVERS
 
-TASK = register_task(TaskEntry("clustering", "tasks.clustering"))
+TASK = register_task(TaskEntry("clustering", "runner.tasks.clustering"))
 # DB-OT clustering's settings (its mass bounds): k-means and balanced clustering have none of them
 DBOT_PRESETS = ("dbot_cluster_blobs", "dbot_cluster_digits")
 

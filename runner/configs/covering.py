@@ -1,4 +1,4 @@
-"""Method config of tasks/covering.py: partial Wasserstein covering (PWC) and its baselines."""
+"""Method config of runner/tasks/covering.py: partial Wasserstein covering (PWC) and its baselines."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from runner.configs._base import MethodConfig, TaskEntry, register_method, regis
 from runner.methods.pwc import BASELINES, BATCHED, PW_METHODS
 
 # PWC trains the same network for every selector: its bench-gpu baseline picks at random.
-TASK = register_task(TaskEntry("covering", "tasks.covering", bench_presets=("pwc_cifar10",),
+TASK = register_task(TaskEntry("covering", "runner.tasks.covering", bench_presets=("pwc_cifar10",),
                                bench_baseline=("method.selector=random",)))  # fmt: skip
 
 

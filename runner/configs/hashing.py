@@ -1,4 +1,4 @@
-"""Method config of tasks/hashing.py: hierarchically quantized hash codes."""
+"""Method config of runner/tasks/hashing.py: hierarchically quantized hash codes."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ PER_KS = ("beta", "margin", "npairs_l2", "level1_beta", "level1_margin", "level1
 TASK = register_task(
     TaskEntry(
         "hashing",
-        "tasks.hashing",
+        "runner.tasks.hashing",
         main_presets={  # the setting of hier_hash.yaml's defaults
             "cifar100": "hier_hash_cifar100_npairs",
             "imagenet32": "hier_hash_imagenet32_npairs",

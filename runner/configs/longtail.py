@@ -1,4 +1,5 @@
-"""Method configs of tasks/longtail.py: the DB-OT loss and inference rules, and the long-tail baselines."""
+"""Method configs of runner/tasks/longtail.py: the DB-OT loss and inference rules, and the long-tail
+baselines."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ PRIORS = ("oracle_test", "train", "uniform")
 TASK = register_task(
     TaskEntry(
         "longtail",
-        "tasks.longtail",
+        "runner.tasks.longtail",
         evaluable=True,
         bench_presets=("dbot_cifar100_lt", "dbot_imagenet_lt"),
         bench_baseline=("+method=lt_ce",),

@@ -1,4 +1,4 @@
-"""Method configs of tasks/noisy_labels.py: CSOT and its Table 4 ablations."""
+"""Method configs of runner/tasks/noisy_labels.py: CSOT and its Table 4 ablations."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ SELECTIONS = ("csot", "cot", "ot", "small_loss", "none")
 TASK = register_task(
     TaskEntry(
         "noisy_labels",
-        "tasks.noisy_labels",
+        "runner.tasks.noisy_labels",
         evaluable=True,
         bench_presets=("csot_cifar100", "csot_webvision", "csot_clothing1m"),
         bench_baseline=("+method=ce",),

@@ -1,5 +1,5 @@
 """Augmentations on the batch's device: the crop + flip of training, and the weak and strong views of the
-CSOT losses (`tasks.noisy_labels`)."""
+CSOT losses (`runner.tasks.noisy_labels`)."""
 
 from __future__ import annotations
 

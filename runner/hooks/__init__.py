@@ -1,6 +1,6 @@
 """The methods' training glue: the `runner.train.fit` hooks (batch transforms, losses, per-epoch passes)
 and feature passes that wire the pure solvers of `runner.methods` into the loop. The import graph reads
-solvers (`runner.methods`) -> loop (`runner.train`) -> hooks (here) -> tasks (`tasks/`). Every hooks
+solvers (`runner.methods`) -> loop (`runner.train`) -> hooks (here) -> tasks (`runner/tasks/`). Every hooks
 class subclasses `MethodHooks`, imported from `runner.method_hooks` (below the loop, which imports it)."""
 
 from runner.checks import ConfigError

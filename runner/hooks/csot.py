@@ -1,4 +1,4 @@
-"""Training-time code of the noisy-label methods (`tasks.noisy_labels`) around the CSOT library
+"""Training-time code of the noisy-label methods (`runner.tasks.noisy_labels`) around the CSOT library
 `runner.methods.csot`: the `runner.train.fit` hooks (the selection at each epoch start, the two
 loaders, the paper's and the simple loss), the DivideMix GMM baseline and the selection statistics."""
 

@@ -1,6 +1,6 @@
 """DB-OT and the long-tail baselines in training and evaluation: the loss hook that `runner.train.fit`
 calls every step (on the model's device), the re-balanced test sets and the inference rules of
-`tasks/longtail.py` (its docstring lists the losses and rules; the config is `method.*` of that task).
+`runner/tasks/longtail.py` (its docstring lists the losses and rules; the config is `method.*` of that task).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Training-time and evaluation code of the hierarchical hash (`tasks.hashing`) around the library
+"""Training-time and evaluation code of the hierarchical hash (`runner.tasks.hashing`) around the library
 `runner.methods.hier_hash`: the per-iteration loss (Alg. 1), `runner.train.fit` hooks that train a
 net by iterations on class-balanced batches, and the retrieval evaluation of codes and its table."""
 

@@ -1,4 +1,4 @@
-"""PWC in training: the classifier of the covering task (`tasks/covering.py`), beside its library
+"""PWC in training: the classifier of the covering task (`runner/tasks/covering.py`), beside its library
 `runner.methods.pwc`.
 
 `features=net` covers in the embedding (`forward_features`) of a classifier, and the `entropy`

@@ -1,5 +1,5 @@
-"""The hierarchical hash's networks (`tasks.hashing`): an embedding head on a backbone's features, and the
-authors' input normalisation."""
+"""The hierarchical hash's networks (`runner.tasks.hashing`): an embedding head on a backbone's features, and
+the authors' input normalisation."""
 
 from __future__ import annotations
 

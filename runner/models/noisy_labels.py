@@ -1,4 +1,4 @@
-"""The network of the noisy-label methods (`tasks.noisy_labels`)."""
+"""The network of the noisy-label methods (`runner.tasks.noisy_labels`)."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ import yaml
 
 from runner.configs import TASKS
 from runner.metrics import parse_metric
+from runner.overrides import CONF_DIR
 from runner.report.values import hashable, is_number, natural_key, parse_scalar, sort_key, value_at
 from runner.schema import main_metric
 
@@ -21,7 +22,7 @@ REPLICATE_KEY = "seed"
 WALL_KEY = "time/total_s"  # written by the CLI into every summary.json: the job's wall time
 MAX_EXTRA_COLUMNS = 4
 _SKIP_DIRS = {".hydra", ".submitit", "wandb", "checkpoints"}
-CLAIMS_FILE = Path(__file__).resolve().parents[2] / "conf" / "claims.yaml"
+CLAIMS_FILE = CONF_DIR / "claims.yaml"
 
 
 @dataclass
