@@ -206,8 +206,9 @@ def preset_solves(preset: str, repeats: int = 5, batches: int = 10) -> dict:
         out[solver] = {
             "batch": min(timed(together)[1] for _ in range(repeats)),
             "partition": min(timed(one_at_a_time)[1] for _ in range(repeats)) / partitions,
-            "f": np.concatenate([_solve_partitions(*problem(b), sweeps, log=True)[1]["trace"][-1]
-                                 for b in range(batches)]),  # fmt: skip
+            "f": np.concatenate(
+                [_solve_partitions(*problem(b), sweeps, log=True)[1]["trace"][-1] for b in range(batches)]
+            ),  # fmt: skip
         }
     return out
 
@@ -349,8 +350,10 @@ def main() -> bool:
                        ("preactresnet18, 3x32x32", resnet_vanilla, resnet_comix)):  # fmt: skip
         print(f"  {name:28s} vanilla {v * 1e3:8.1f} ms   co-mixup {c * 1e3:8.1f} ms   overhead x{c / v:.2f}")
     before, after = pooled[False] / cnn_vanilla, pooled[True] / cnn_vanilla
-    print(f"  {'cnn, cuts in 1 worker':28s} co-mixup {pooled[False] * 1e3:8.1f} ms   with method.lag "
-          f"{pooled[True] * 1e3:.1f} ms (x{before:.2f} -> x{after:.2f}: the cuts run through the next step)")
+    print(
+        f"  {'cnn, cuts in 1 worker':28s} co-mixup {pooled[False] * 1e3:8.1f} ms   with method.lag "
+        f"{pooled[True] * 1e3:.1f} ms (x{before:.2f} -> x{after:.2f}: the cuts run through the next step)"
+    )
     print(f"Co-Mixup's host work per ImageNet-preset batch ({host['batch']} x {C} x {host['size']} x "
           f"{host['size']}, {host['grid']}x{host['grid']} grid, {host['partitions']} partitions of <= "
           f"{host['part']}; CPU s, min of 3):")  # fmt: skip
@@ -359,8 +362,10 @@ def main() -> bool:
     print(f"  {'graph cuts, either path (in worker processes on CUDA)':56s} {host['cuts']:8.3f} s")
     print("The clean pass's weight gradient after its input-gradient backward (min wall, alternating):")
     for name, (second, taps) in weight_grads.items():
-        print(f"  {name:36s} second backward {second * 1e3:7.1f} ms   from the activation gradients "
-              f"{taps * 1e3:7.1f} ms (x{second / taps:.2f})")
+        print(
+            f"  {name:36s} second backward {second * 1e3:7.1f} ms   from the activation gradients "
+            f"{taps * 1e3:7.1f} ms (x{second / taps:.2f})"
+        )
     print("Host solve per batch of the 32/64-px presets, solver gco_swap -> exact (blob saliency; CPU ms, "
           "min of 5; f: the objective each partition of 10 batches ends at, mean):")  # fmt: skip
     for preset, r in solves.items():

@@ -394,9 +394,19 @@ def full_epochs(presets: list[str], tmp: Path, smoke: bool) -> list[str]:
     return lines
 
 
-def write_record(out: Path, name: str, full: bool, steps: int, lines: list[str], rows: list[Row],
-                 checks: list[tuple[str, bool]], extra: list[str], variant_records: list[dict],
-                 summary: str, host: dict) -> None:
+def write_record(
+    out: Path,
+    name: str,
+    full: bool,
+    steps: int,
+    lines: list[str],
+    rows: list[Row],
+    checks: list[tuple[str, bool]],
+    extra: list[str],
+    variant_records: list[dict],
+    summary: str,
+    host: dict,
+) -> None:
     """`<out>/<name>.md` (the tables, targets, variants, DDP line) and `.json` (every row): rewritten after
     each preset, so that a run stopped part-way keeps the rows it measured."""
     notes = [f"syncs n/a for {row.key}: runner.device_tracking failed: {row.result['syncs_error']}"
@@ -418,14 +428,28 @@ def main(argv: list[str] | None = None) -> bool | None:
     parser.add_argument("--smoke", action="store_true", help="every row for 2 steps, at CPU size")
     parser.add_argument("--steps", type=int, default=STEPS, help="steps per epoch (default %(default)s)")
     parser.add_argument("--only", nargs="+", default=[], help="the presets whose name contains one of these")
-    parser.add_argument("--variants", nargs="*", default=list(VARIANT_PRESETS), metavar="PRESET",
-                        help="presets also run in bf16 and compiled (none: skip; default %(default)s)")
-    parser.add_argument("--kinds", nargs="+", default=list(FULL_KINDS), choices=list(VARIANTS),
-                        help="the variants' columns (default: %(default)s)")
-    parser.add_argument("--profile", action="store_true",
-                        help="each run's profiled steps as Chrome traces beside the record")
-    parser.add_argument("--epoch", action="store_true",
-                        help="one full epoch of each CIFAR-size preset (with --only: of those chosen)")
+    parser.add_argument(
+        "--variants",
+        nargs="*",
+        default=list(VARIANT_PRESETS),
+        metavar="PRESET",
+        help="presets also run in bf16 and compiled (none: skip; default %(default)s)",
+    )
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        default=list(FULL_KINDS),
+        choices=list(VARIANTS),
+        help="the variants' columns (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="each run's profiled steps as Chrome traces beside the record"
+    )
+    parser.add_argument(
+        "--epoch",
+        action="store_true",
+        help="one full epoch of each CIFAR-size preset (with --only: of those chosen)",
+    )
     parser.add_argument("--out", type=Path, help="where the record goes (default: results/, or a tmp dir)")
     opts = parser.parse_args([] if argv is None else argv)
     unknown = sorted(set(opts.variants) - set(PRESETS))

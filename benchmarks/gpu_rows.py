@@ -34,7 +34,6 @@ COLUMNS = ("preset", "method", "batch", "ms/step", "GPU busy ms", "host-bound", 
            "reserved GB", "method share", "syncs/step", "vs base", "ref ms/step", "vs ref")  # fmt: skip
 
 
-
 class RowError(Exception):
     """A run that failed, in one line."""
 
@@ -251,5 +250,3 @@ def speed_targets(rows: list[Row], records: list[dict]) -> list[tuple[str, bool]
             line(f"{key} {variant} vs fp32 eager (speed-up)", eager / r["step_ms"], ">= 1.00x",
                  eager >= r["step_ms"])  # fmt: skip
     return out
-
-

@@ -38,7 +38,6 @@ class EpochBatches:
         return iter(shards[self.start :])
 
 
-
 def _on_device(split: Split, device: torch.device) -> torch.Tensor:
     """`split.x` on `device`, copied once per split (and again only if `split.x` is replaced)."""
     cached = split.__dict__.get("_device_copy")
@@ -151,4 +150,3 @@ def in_order(n: int, batch_size: int) -> list[torch.Tensor]:
 # Decoded 224-px float batches are large (1024 of them: 617 MB, times the workers' prefetch): passes over
 # file-backed splits read them in batches of at most this many.
 STREAMED_EVAL_BATCH = 256
-

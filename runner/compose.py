@@ -66,7 +66,6 @@ __all__ = [
 ]
 
 
-
 def compose(overrides: list[str]) -> DictConfig:
     """The job config of `overrides` (`+method=` read as `method=`); a one-line ConfigError if it fails."""
     overrides = canonical(overrides)
@@ -110,9 +109,7 @@ def _check_jobs(line: CommandLine) -> dict:
     searchpath = [o for o in overrides if o.lstrip("+").startswith("hydra.searchpath=")]  # users' groups
     jobs = variants(overrides)
     if len(jobs) >= _ANNOUNCED_CHECKS:
-        print(
-            f"runner: checking the configs of {len(jobs)} jobs before the first starts", file=sys.stderr
-        )
+        print(f"runner: checking the configs of {len(jobs)} jobs before the first starts", file=sys.stderr)
     first = checked = texts = None
     for variant in jobs:
         try:

@@ -83,9 +83,7 @@ def evaluate(
     return out
 
 
-def evaluate_splits(
-    model, data: Data, ctx: RunContext, batch_size: int, bins: int = 15
-) -> tuple[dict, dict]:
+def evaluate_splits(model, data: Data, ctx: RunContext, batch_size: int, bins: int = 15) -> tuple[dict, dict]:
     """(`<split>/<metric>` for every evaluation split, the calibration bins by split); ECE over `bins`."""
     metrics, calibration = {}, {}
     for name, split in data.eval_splits().items():
@@ -95,11 +93,9 @@ def evaluate_splits(
     return metrics, calibration
 
 
-
 def evaluate_all(model, data: Data, ctx: RunContext, cfg, hooks: MethodHooks) -> tuple[dict, dict]:
     """The epoch's evaluation: the method's own (`hooks.evaluate`), or every evaluation split's metrics."""
     with around("evaluation"):
         if hooks.evaluate is not None:
             return hooks.evaluate(model), {}
         return evaluate_splits(model, data, ctx, cfg.eval_batch_size, cfg.ece_bins)
-

@@ -35,7 +35,11 @@ def make_optimizer(model, cfg, fused: bool = False):
         capturable = {"capturable": True} if fused else {}
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kernel, **capturable)
     return torch.optim.SGD(
-        params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, weight_decay=cfg.weight_decay,
+        params,
+        lr=cfg.lr,
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov,
+        weight_decay=cfg.weight_decay,
         **kernel,
     )
 
@@ -120,4 +124,3 @@ def follow_config(optimizer, scheduler, cfg) -> None:
     scheduler.load_state_dict(reference.state_dict())
     log.info("resumed with the config's optimizer settings and schedule: lr %g at epoch %d",
              reference.get_last_lr()[0], epoch + 1)  # fmt: skip
-

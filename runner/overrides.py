@@ -52,8 +52,6 @@ _UNKNOWN_KEY = r"Could not override '([^']+)'"  # Hydra's error for a key the co
 _INFO_VALUES = {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"}
 
 
-
-
 def override_args(argv: list[str]) -> list[str] | None:
     """The config overrides in `argv`, or None when Hydra only prints help or info."""
     out, skip = [], False

@@ -324,8 +324,17 @@ class Loop:
         self.sampler.set_epoch(epoch, start=first)
         steps = len(self.sampler)  # after set_epoch: a hook's sampler may vary it by epoch
         loss_sum, checks = train_one_epoch(
-            s, self.train_batches, epoch, first, steps, self.cfg, self, self.phases, self.warmup_lr,
-            self.carried_loss, self.tag,
+            s,
+            self.train_batches,
+            epoch,
+            first,
+            steps,
+            self.cfg,
+            self,
+            self.phases,
+            self.warmup_lr,
+            self.carried_loss,
+            self.tag,
         )
         _, first_bad, scale = checks.read()
         self.check(epoch, first_bad, scale)

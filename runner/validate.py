@@ -28,6 +28,7 @@ OPTIONAL = ("method", "debug", "paper", "per_method")
 # Top-level scalars: their type and, for numbers, their range (numpy takes seeds in [0, 2**32 - 1]).
 SCALARS = {"seed": (int, 0, 2**32 - 1), "name": (str,), "metric": (str,), "print_config": (bool,)}
 
+
 def to_node(obj) -> DictConfig:
     """A checked schema object as a typed DictConfig: `OmegaConf.structured(obj)`, through the object's
     `Literal`-free twin (`omegaconf_type`) where it has `Literal` fields (OmegaConf knows none)."""

@@ -140,9 +140,7 @@ def test_clothing1m_trains_on_noisy_keys_and_tests_on_clean_keys(tmp_path):
     w = write_clothing1m(tmp_path)
     data = load("clothing1m", tmp_path)
     assert data.num_classes == 14 and data.meta["clean_train_labels"] is False
-    assert data.train.paths == w["train"] and data.train.y.tolist() == [
-        w["noisy"][k] for k in w["train"]
-    ]
+    assert data.train.paths == w["train"] and data.train.y.tolist() == [w["noisy"][k] for k in w["train"]]
     assert data.train.y.tolist()[4:] != [w["clean"][k] for k in w["train"][4:]]  # the noisy label wins
     for part in ("val", "test"):
         split = getattr(data, part)

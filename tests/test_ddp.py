@@ -262,9 +262,7 @@ def _csot_rank(rank, world_size, tmp_path, method, loss):
     ctx = RunContext(torch.device("cpu"), tmp_path, Tracker(tmp_path, enabled=rank == 0), rank=rank,
                      world_size=world_size)  # fmt: skip
     hooks = NoisyLabelHooks(cfg, model, data, ctx, Views((4,)), False, 0, 20)
-    train_cfg = OmegaConf.structured(
-        TrainConfig(epochs=4, batch_size=20, checkpoint=False, progress=False)
-    )
+    train_cfg = OmegaConf.structured(TrainConfig(epochs=4, batch_size=20, checkpoint=False, progress=False))
     fit(model, data, train_cfg, ctx, hooks)
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     out = {"params": params.tolist(), "clean": hooks.clean.tolist(), "pseudo": hooks.pseudo.tolist(),

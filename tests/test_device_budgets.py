@@ -29,12 +29,24 @@ PRESETS = {
     # the warm-up epoch, then an epoch after CSOT's first selection (an allocation of several chunks)
     "csot": ["+experiment=csot_cifar100", "method.warmup=1", "train.epochs=2", "method.solve_batch=64"],
     # fake labels are the sample index mod 100: every test class needs 100 test samples
-    "dbot": ["+experiment=dbot_cifar100_lt", "train.warmup_epochs=0", "dataset.imbalance=2",
-             "dataset.train_size=600", "dataset.test_size=100"],
-    "hashing": ["+experiment=hier_hash_cifar100_triplet", "method.iters=8", "method.base_iters=8",
-                "method.classes_per_batch=16",  # batches of 32, as the others
-                "method.ks=[1]", "method.margin=[0.5]", "method.npairs_l2=[0.03]",
-                "method.baselines=[th]", "method.input_norm=dataset"],
+    "dbot": [
+        "+experiment=dbot_cifar100_lt",
+        "train.warmup_epochs=0",
+        "dataset.imbalance=2",
+        "dataset.train_size=600",
+        "dataset.test_size=100",
+    ],
+    "hashing": [
+        "+experiment=hier_hash_cifar100_triplet",
+        "method.iters=8",
+        "method.base_iters=8",
+        "method.classes_per_batch=16",  # batches of 32, as the others
+        "method.ks=[1]",
+        "method.margin=[0.5]",
+        "method.npairs_l2=[0.03]",
+        "method.baselines=[th]",
+        "method.input_norm=dataset",
+    ],
 }
 SYNCS_PER_STEP = 2  # the deferred non-finite check (every 16 steps) and a method's one inherent read
 # Every wait of DB-OT's run (training, the kept best weights, the checkpoint, the evaluation after it), per
@@ -58,7 +70,8 @@ def _with_draws(drawn: int) -> int:
 
 
 EAGER_OPS_PER_STEP = {
-    "erm": REPLAY, "dbot": REPLAY,  # no host draws
+    "erm": REPLAY,
+    "dbot": REPLAY,  # no host draws
     "input_mixup": _with_draws(2),  # lambda, partners
     "cutmix": _with_draws(4),  # lambda, partners, the box, x's share
     "manifold_mixup": _with_draws(3),  # lambda, partners, the mixing site

@@ -28,6 +28,7 @@ def gpu_of(monkeypatch):
         def fits(model, input_shape, batch, ctx):
             probed.append(batch)
             return batch <= most, 0.1 * batch
+
         monkeypatch.setattr(runner.memory, "fits_in_memory", fits)
         return probed
 

@@ -503,6 +503,8 @@ def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path):
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 0 and err == "", err
     assert "config (validated):" in "".join(head) and (tmp_path / "run" / "summary.json").exists()
+
+
 # ----------------------------------------------------------------------------------------- issue 50: sweeps
 
 

@@ -77,9 +77,7 @@ def write_fixture(root: Path) -> Path:
 
 
 def load(root, *overrides):
-    cfg = validate(
-        compose(["dataset=imagenet", f"dataset.root={root}", "dataset.image_size=16", *overrides])
-    )
+    cfg = validate(compose(["dataset=imagenet", f"dataset.root={root}", "dataset.image_size=16", *overrides]))
     data = load_data(OmegaConf.structured(cfg["dataset"]), seed=0)
     add_val_boxes(data, cfg["dataset"].imagenet_boxes)
     return data

@@ -426,6 +426,9 @@ def test_docstring_examples_run():
     import runner.hooks.pwc
     import runner.methods.pwc
 
-    for module in (runner.methods.pwc, runner.hooks.pwc,):
+    for module in (
+        runner.methods.pwc,
+        runner.hooks.pwc,
+    ):
         result = doctest.testmod(module)
         assert result.attempted and not result.failed, module.__name__

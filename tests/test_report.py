@@ -237,14 +237,19 @@ def test_optuna_results_are_quoted(tmp_path):
         (["{root}/empty"], "no runs found"),
         (["{root}/runs", "--metric", "test/f1"], "metric 'test/f1' is in no summary.json; keys: test/acc"),
         (["{root}/runs", "--metric", "test/acc:up"], "must be max or min"),
-        (["{root}/gone"], "task 'gone' is no registered task (classify, clustering, covering, hashing, "
-                          "longtail, noisy_labels); pass --metric KEY[:max|min]"),  # fmt: skip
+        (
+            ["{root}/gone"],
+            "task 'gone' is no registered task (classify, clustering, covering, hashing, "
+            "longtail, noisy_labels); pass --metric KEY[:max|min]",
+        ),  # fmt: skip
         (
             ["{root}/runs", "--columns", "test/acc,tset/loss"],
             "--columns tset/loss: in no summary.json; choices: test/acc, test/loss",
         ),  # fmt: skip
-        (["{root}/runs", "--by", "seed,bogus"],
-         "--by bogus: in no run's overrides or config; choices: model, seed, or a dotted key"),  # fmt: skip
+        (
+            ["{root}/runs", "--by", "seed,bogus"],
+            "--by bogus: in no run's overrides or config; choices: model, seed, or a dotted key",
+        ),  # fmt: skip
     ],
 )
 def test_bad_input_is_one_line(tmp_path, capsys, args, expected):

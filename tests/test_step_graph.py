@@ -29,7 +29,7 @@ from runner.validate import to_node
 
 SCHEDULES = ["train.schedule=cosine", "train.warmup_epochs=1", "train.momentum=0.9", "train.nesterov=true",
              "train.weight_decay=5e-4", "train.clip_grad_norm=1.0"]  # fmt: skip
-PHASES = 'train.phases=[{epochs:2,batch_size:20,lr:[0.2,0.05]},{epochs:2,batch_size:40,lr:[0.05,0.0]}]'
+PHASES = "train.phases=[{epochs:2,batch_size:20,lr:[0.2,0.05]},{epochs:2,batch_size:40,lr:[0.05,0.0]}]"
 
 
 def _fit(tmp_path, *overrides, graph=False, hooks=None, compile="false"):
@@ -42,9 +42,15 @@ def _fit(tmp_path, *overrides, graph=False, hooks=None, compile="false"):
     return model, rows
 
 
-@pytest.mark.parametrize("overrides", [SCHEDULES, [PHASES, "train.schedule=none"],
-                                       ["train.optimizer=adam", "train.lr=0.01", "train.schedule=cosine"]],
-                         ids=["schedules", "phases", "adam"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        SCHEDULES,
+        [PHASES, "train.schedule=none"],
+        ["train.optimizer=adam", "train.lr=0.01", "train.schedule=cosine"],
+    ],
+    ids=["schedules", "phases", "adam"],
+)
 def test_the_graph_ready_step_follows_the_eager_trajectory(tmp_path, overrides):
     eager, eager_rows = _fit(tmp_path / "eager", *overrides)
     graphed, graphed_rows = _fit(tmp_path / "graph", *overrides, graph=True)
@@ -227,8 +233,9 @@ def test_a_pair_mixup_s_whole_step_compiled_follows_the_eager_trajectory(tmp_pat
 @pytest.mark.parametrize("method", ["erm", "input_mixup"])
 def test_on_cuda_the_replayed_graph_trains_as_the_eager_step(tmp_path, method):
     def fit_on_cuda(name, graph):
-        model_cfg, train_cfg, ctx = setup(tmp_path / name, "train.epochs=3", "train.batch_size=20",
-                                          *SCHEDULES)
+        model_cfg, train_cfg, ctx = setup(
+            tmp_path / name, "train.epochs=3", "train.batch_size=20", *SCHEDULES
+        )
         ctx.device, ctx.cuda_graph = torch.device("cuda"), graph
         torch.manual_seed(0)
         model = build_model(model_cfg, (4,), 3)

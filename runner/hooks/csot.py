@@ -170,6 +170,7 @@ class NoisyLabelHooks(MethodHooks):
             self.stage2 = at_t_sup
         else:  # the code's latch
             self.stage2 = self.stage2 or corrected.sum() > unselected.sum() or at_t_sup
+
         # the sample's values at their rows of the training set; `fill` elsewhere (no batch draws those)
         def on_all(values, fill):
             if whole:

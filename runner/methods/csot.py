@@ -1038,9 +1038,9 @@ def batched_csot_plan(probs, features, labels, m, valid=None, check_every=20, **
     Returns (plan (P, B, C) float64, {``n_iter``, ``err``, ``converged``: (P,) tensors}) as the log of
     :func:`csot_plan` per chunk.
     """
-    reg, kappa_p, kappa_l, max_iter, inner_max_iter, omega_p_input, tol, inner_tol, anderson = (
-        _plan_settings(settings).values()
-    )
+    reg, kappa_p, kappa_l, max_iter, inner_max_iter, omega_p_input, tol, inner_tol, anderson = _plan_settings(
+        settings
+    ).values()
     probs, features, labels = _check_batch(probs, features if (kappa_p or kappa_l) else None, labels)
     m = _check_budget(m)
     _check_plan_settings(features, reg, kappa_p, kappa_l, max_iter, inner_max_iter, anderson)

@@ -101,8 +101,12 @@ def _vector(x, size: int, name: str, allow_inf: bool = False, like=None):
 
 
 def _check_reg(reg):
-    if not (isinstance(reg, (int, float, np.floating, np.integer)) and not isinstance(reg, bool)
-            and math.isfinite(reg) and reg > 0):
+    if not (
+        isinstance(reg, (int, float, np.floating, np.integer))
+        and not isinstance(reg, bool)
+        and math.isfinite(reg)
+        and reg > 0
+    ):
         raise ValueError(f"reg={reg}: the entropic weight (eps in the paper) must be a finite number > 0")
 
 
@@ -280,7 +284,9 @@ def _solve_sinkhorn(nx, cost, a, b_low, b_up, reg, max_iter, stopping, check_eve
             kw = nx.dot(kernel, q * v)
             # The row sums of the current plan come for free here, so checking costs O(m + n).
             if _checkpoint(n_iter, max_iter, check_every) and stopping.converged(
-                u * kw, kappa * q * v, lambda: u[:, None] * kernel * (q * v)[None, :]  # noqa: B023 (called at once)
+                u * kw,
+                kappa * q * v,
+                lambda: u[:, None] * kernel * (q * v)[None, :],  # noqa: B023 (called at once)
             ):
                 break
             u = a / kw
@@ -348,7 +354,9 @@ def _solve_bregman(nx, cost, a, b_low, b_up, reg, max_iter, stopping, check_ever
             plan *= column_scale[None, :]
             row_sums = plan.sum(axis=1)
             if _checkpoint(n_iter, max_iter, check_every) and stopping.converged(
-                row_sums, col_sums, lambda: plan  # noqa: B023 (called at once)
+                row_sums,
+                col_sums,
+                lambda: plan,  # noqa: B023 (called at once)
             ):
                 break
     return plan, n_iter, {}
