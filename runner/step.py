@@ -145,7 +145,8 @@ class GraphedStep:
         s.transform_time = Stopwatch(self.cuda, timing=False)
         for group in s.optimizer.param_groups:
             if not isinstance(group["lr"], torch.Tensor):
-                group["lr"] = torch.tensor(float(group["lr"]), device=s.ctx.device)
+                # filled on the device (no host copy to wait for); float32 as torch.tensor(float) made it
+                group["lr"] = torch.full((), float(group["lr"]), device=s.ctx.device)
         self.graph = self.pool = self.key = None
         self.warm: dict[tuple, int] = {}
 
