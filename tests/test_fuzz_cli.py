@@ -127,10 +127,11 @@ BAD = [
 ]  # fmt: skip
 
 
-def _in_process(args: list[str]) -> tuple[int, str]:
-    """`runner ARGS` in this process: its exit code and what it wrote to stderr."""
+def _in_process(args: list[str], with_stdout: bool = False) -> tuple[int, str]:
+    """`runner ARGS` in this process: its exit code and what it wrote to stderr (and to stdout with it, in
+    the order written, where `with_stdout`: log records and lines alike)."""
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err if with_stdout else io.StringIO()):
         try:
             run_in_process(args)
             code = 0
@@ -387,26 +388,14 @@ def test_read_only_places_are_one_line_naming_the_path(finished_run, tmp_path):
 # ------------------------------------------------------------------------ issue 50: single runs' edges
 
 
-def _run_logged(args: list[str]) -> tuple[int, str]:
-    """`runner ARGS` in this process: its exit code and all it wrote (log records and lines alike)."""
-    out = io.StringIO()
-    with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
-        try:
-            run_in_process(args)
-            code = 0
-        except SystemExit as stop:
-            code = stop.code
-    return code, out.getvalue()
-
-
 @pytest.fixture(scope="module")
 def two_epoch_run(tmp_path_factory) -> tuple[Path, str]:
     """A finished 2-epoch run without a terminal, with the flags that do nothing on the CPU, and a progress
     line at every step (train.log_every_s at a microsecond); its dir and all it wrote."""
     run = tmp_path_factory.mktemp("two") / "run"
-    code, out = _run_logged(["logger=none", "train.epochs=2", "model.hidden=[16]", "hardware.cuda_graph=true",
+    code, out = _in_process(["logger=none", "train.epochs=2", "model.hidden=[16]", "hardware.cuda_graph=true",
                              "train.accumulate=auto", "train.log_every_s=0.000001",
-                             f"hydra.run.dir={run}"])  # fmt: skip
+                             f"hydra.run.dir={run}"], with_stdout=True)  # fmt: skip
     assert code == 0, out
     return run, out
 
