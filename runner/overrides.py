@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -19,8 +20,13 @@ INTERNAL_GROUPS = ("hydra", "schema")  # config groups of Hydra and of the runne
 
 def _user_groups() -> str:
     """`runner --help`'s options of each group (conf/hydra/help/runner.yaml): Hydra's listing without its own
-    groups and the runner's internal `schema*` ones, which a command line never names."""
+    groups and the runner's internal `schema*` ones, which a command line never names. OmegaConf resolves the
+    template on every compose (merging the help node), and listing the groups reads all of conf/ (seconds):
+    so only a command line that asks for the help gets it."""
     from hydra.core.global_hydra import GlobalHydra
+
+    if not {"--help", "-h"} & set(sys.argv[1:]):
+        return ""
 
     def user(group: str) -> bool:
         return group.split("/")[0] not in INTERNAL_GROUPS

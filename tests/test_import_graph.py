@@ -16,7 +16,8 @@ PACKAGES = (
 )  # fmt: skip
 FLOORS = [  # bottom first
     {"runner.checks", "runner.methods", "runner.faults", "runner.untrusted", "runner.plots",
-     "runner.augment", "runner.instruments", "runner.interrupts", "runner.losses", "runner.optim"},
+     "runner.augment", "runner.instruments", "runner.interrupts", "runner.losses", "runner.optim",
+     "runner.progress"},
     {"runner.configs", "runner.schema", "runner.validate", "runner.metrics"},
     {"runner.data", "runner.models", "runner.hardware"},
     {"runner.train", "runner.batches", "runner.step", "runner.evaluation", "runner.checkpoint",

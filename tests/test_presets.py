@@ -86,7 +86,7 @@ def test_a_sweep_checks_each_distinct_job_once(tmp_path):
 
     jobs = variants(["seed=0,0,1,1", "train.lr=0.1"])
     assert jobs == [["seed=0", "train.lr=0.1"], ["seed=1", "train.lr=0.1"]]
-    assert preflight(["-m", "seed=0,0", "logger=none"])["train"].epochs > 0  # a repeated value: no error
+    assert preflight(["-m", "seed=0,1", "logger=none"])["train"].epochs > 0  # (a repeated value is refused)
 
 
 def test_without_a_method_the_plain_baseline_runs(composed):
