@@ -25,12 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 from runner import rundir, sweeper
 from runner.checks import ConfigError
 from runner.compose import CONF_DIR, CommandLine, build_job
-from runner.configs import TASKS
 from runner.data import missing_files
 from runner.data.files import UnreadableImage
 from runner.faults import CheckpointError, Diverged, Interrupted, JobFailed, OutOfMemory, out_of_memory_stops
 from runner.interrupts import handle_dropped_exceptions
 from runner.methods._native import NativeBuildError
+from runner.overrides import help_text
 from runner.report.callback import cancel_sweep_summary
 from runner.schema import main_metric, objective_key
 from runner.task import task_of
@@ -89,7 +89,7 @@ def _run(cfg: DictConfig, cleanup: contextlib.ExitStack, preset_note: str | None
     t0 = time.perf_counter()
     cfg, ctx = _start(cfg, cleanup, preset_note)
     task = task_of(cfg)
-    where = TASKS[task.name].module  # the log line names the task's module
+    where = task.name  # the task (runner/tasks/<name>.py)
     method = cfg.method.name if "method" in cfg else "erm"
     log.info("%s: method=%s dataset=%s model=%s device=%s seed=%d -> %s", where, method,
              task.data_name(cfg), cfg.model.name, ctx.device, cfg.seed, ctx.dir)  # fmt: skip
@@ -287,6 +287,9 @@ def main() -> None:
 def _main() -> None:
     if "--version" in sys.argv[1:]:  # the runner's own version (Hydra's flag prints Hydra's)
         print(f"runner {importlib.metadata.version('runner')}")
+        return
+    if {"--help", "-h"} & set(sys.argv[1:]):  # Hydra's would first load every config of every group (seconds)
+        print(help_text())
         return
     if any(a.startswith("+sweep=") or a.startswith("hydra/sweeper=optuna") for a in sys.argv[1:]):
         _quiet_optuna()

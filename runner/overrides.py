@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import re
-import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -19,22 +18,19 @@ INTERNAL_GROUPS = ("hydra", "schema")  # config groups of Hydra and of the runne
 
 
 def _user_groups() -> str:
-    """`runner --help`'s options of each group (conf/hydra/help/runner.yaml): Hydra's listing without its own
-    groups and the runner's internal `schema*` ones, which a command line never names. OmegaConf resolves the
-    template on every compose (merging the help node), and listing the groups reads all of conf/ (seconds):
-    so only a command line that asks for the help gets it."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    if not {"--help", "-h"} & set(sys.argv[1:]):
-        return ""
-
-    def user(group: str) -> bool:
-        return group.split("/")[0] not in INTERNAL_GROUPS
-
-    return GlobalHydra.instance().hydra.format_config_groups(user)
+    """`runner --help`'s options of each group (conf/hydra/help/runner.yaml): conf/'s groups without Hydra's
+    (the runner's typed `schema*` groups live in the ConfigStore, not here). Read from the folders: OmegaConf
+    resolves the template on every compose, and Hydra's own listing loads every config of every group."""
+    groups = sorted(p for p in CONF_DIR.iterdir() if p.is_dir() and p.name not in INTERNAL_GROUPS)
+    return "\n".join(f"{p.name}: {', '.join(sorted(f.stem for f in p.glob('*.yaml')))}" for p in groups)
 
 
 OmegaConf.register_new_resolver("runner.user_groups", _user_groups)
+
+
+def help_text() -> str:
+    """`runner --help`: conf/hydra/help/runner.yaml's template (Hydra's help for the runner too)."""
+    return OmegaConf.load(CONF_DIR / "hydra" / "help" / "runner.yaml").template
 
 # Hydra flags that consume the next argument.
 _FLAGS_WITH_VALUE = {

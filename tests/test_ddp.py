@@ -57,7 +57,7 @@ def test_torchrun_two_gloo_ranks_match_one_process(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [1, 2, 3]
     assert out["ddp"].count("test/acc=") == 1
-    assert (tmp_path / "ddp" / "cli.log").read_text().count("runner.tasks.classify: method=erm") == 1
+    assert (tmp_path / "ddp" / "cli.log").read_text().count("classify: method=erm") == 1
 
 
 class RecordBatches(MethodHooks):
