@@ -333,8 +333,10 @@ def _main() -> None:
 def run_in_process(args: list[str]) -> None:
     """`runner ARGS` as a call, for tools that start several runs in one process (`make bench-gpu`, the
     device-tracking harness): a finished run returns, a failed one raises its SystemExit, and sys.argv
-    is left as it was."""
-    saved, sys.argv = sys.argv, ["runner", *args]
+    and the root logger's handlers are left as they were (the run's, its log file's and the console streams
+    of the moment, are closed: they would outlive the run and those streams)."""
+    root = logging.getLogger()
+    saved, handlers, level, sys.argv = sys.argv, root.handlers[:], root.level, ["runner", *args]
     try:
         main()
     except SystemExit as stop:
@@ -342,6 +344,9 @@ def run_in_process(args: list[str]) -> None:
             raise
     finally:
         sys.argv = saved
+        for handler in set(root.handlers) - set(handlers):
+            handler.close()
+        root.handlers[:], root.level = handlers, level
 
 
 if __name__ == "__main__":

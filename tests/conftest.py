@@ -101,11 +101,7 @@ def run_cli_here(args, cwd, check=True):
         finally:
             for summary in at_exit:
                 summary()
-            for handler in root.handlers[:]:
-                if handler not in handlers:
-                    root.removeHandler(handler)
-                    handler.close()
-            root.handlers[:], root.level = handlers, level
+            root.handlers[:], root.level = handlers, level  # (the run's own, run_in_process closed)
             for name, lg in logging.Logger.manager.loggerDict.items():
                 if isinstance(lg, logging.Logger):
                     lg.setLevel(levels.get(name, (logging.NOTSET, False))[0])

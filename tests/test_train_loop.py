@@ -152,7 +152,7 @@ def test_runner_eval_scores_the_best_checkpoint_again_and_on_other_data(cli_here
     with pytest.raises(SystemExit) as stop:
         runner.evaluate_run.main([str(tmp_path / "run"), "model=cnn"])
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and err.startswith("runner-eval: error: ") and "does not fit cnn" in err
+    assert stop.value.code == 2 and err.startswith("runner-eval: error: ") and "does not fit cnn" in err, err
     runner.evaluate_run.main([str(tmp_path / "run"), "dataset.test_fraction=0.5"])
     assert (tmp_path / "run" / "eval-dataset.test_fraction=0.5.json").exists()
 
