@@ -3,15 +3,14 @@ family's preset for the dataset, a dataset brings its natural network, `hardware
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from conftest import run_cli_here
 from omegaconf import OmegaConf
 
 from runner import hardware
@@ -210,74 +209,43 @@ def test_forcing_the_gpu_without_cuda_is_one_line_naming_the_choices(no_cuda):
         hardware.setup(resolved(compose(["hardware=gpu"])).hardware)
 
 
-# ------------------------------------------------------------------------------ the CLI, in one process
+# ------------------------------------------------------------------------------ the CLI, in this process
 
-DRIVER = """
-import contextlib, io, json, sys
-from runner import cli
-out = []
-for argv in json.loads(sys.argv[1]):
-    sys.argv, stdout, stderr, code = ["runner", *argv], io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            cli.main()
-        except SystemExit as e:
-            code = e.code
-    out.append([code, stdout.getvalue(), stderr.getvalue()])
-print(json.dumps(out))
-"""
 TINY = ["+debug=smoke", "logger=none", "train.progress=false", "train.eval_batch_size=64"]
 OTHER_MODEL = ["+method=csot", "model=cnn"]  # csot_digits' model.hidden is its MLP's
-CFG_JOBS = [
-    ["--cfg", "job", "+method=csot", "dataset=cifar100"],
-    ["--cfg", "job", "+experiment=csot_cifar100"],
-]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """`runner --cfg job` of CFG_JOBS, then `runner +method=NAME` of every method on the default dataset,
-    for a tiny budget: [exit code, stdout, stderr] each, and the run dirs' root (one Python start)."""
-    root = tmp_path_factory.mktemp("methods")
-    jobs = CFG_JOBS + [[f"+method={m}", *TINY, f"hydra.run.dir={root / m}"] for m in sorted(METHODS)]
-    jobs += [[*OTHER_MODEL, *TINY, f"hydra.run.dir={root / 'other_model'}"]]
-    env = {**os.environ, "WANDB_SILENT": "true", "HYDRA_FULL_ERROR": "0", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(jobs)], cwd=root, env=env, text=True,
-                          capture_output=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1]), root
+def _first_log_line(run_dir: Path) -> str:
+    (log_file,) = run_dir.glob("*.log")
+    return log_file.read_text().splitlines()[0]
 
 
-def test_a_method_and_dataset_compose_as_their_preset_on_the_command_line(runs):
-    (code, method_cfg, _), (code_preset, preset_cfg, _) = runs[0][:2]
-    assert code == code_preset == 0
-    method_cfg, preset_cfg = yaml.safe_load(method_cfg), yaml.safe_load(preset_cfg)
+def test_a_method_and_dataset_compose_as_their_preset_on_the_command_line(tmp_path):
+    method_cfg = yaml.safe_load(
+        run_cli_here(["--cfg", "job", "+method=csot", "dataset=cifar100"], tmp_path).stdout
+    )
+    preset_cfg = yaml.safe_load(run_cli_here(["--cfg", "job", "+experiment=csot_cifar100"], tmp_path).stdout)
     for group in ("model", "train", "method"):
         assert method_cfg[group] == preset_cfg[group], group
     assert method_cfg["model"]["name"] == "preactresnet18" and method_cfg["train"]["epochs"] == 450
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_every_method_runs_on_the_default_and_its_log_starts_with_the_preset_and_device(runs, method):
-    results, root = runs
-    code, _, stderr = results[len(CFG_JOBS) + sorted(METHODS).index(method)]
-    assert code == 0, stderr[-2000:]
-    assert (root / method / "summary.json").exists()
-    (log_file,) = (root / method).glob("*.log")
-    first = log_file.read_text().splitlines()[0]
+def test_every_method_runs_on_the_default_and_its_log_starts_with_the_preset_and_device(tmp_path, method):
+    run_cli_here([f"+method={method}", *TINY, "hydra.run.dir=run"], tmp_path)
+    assert (tmp_path / "run" / "summary.json").exists()
+    first = _first_log_line(tmp_path / "run")
     preset, _ = method_preset_override([f"method={method}"])
     if preset:
         assert f"preset: {preset} for +method={method} on the default dataset" in first and OPT_OUT in first
     assert first.endswith("device: cpu (hardware=auto: no CUDA device visible; fp32, 0 loader workers)")
 
 
-def test_another_model_than_the_presets_runs_without_the_presets_settings_of_its_own(runs):
-    results, root = runs
-    code, _, stderr = results[-1]
-    assert code == 0, stderr[-2000:]
-    first = next((root / "other_model").glob("*.log")).read_text().splitlines()[0]
+def test_another_model_than_the_presets_runs_without_the_presets_settings_of_its_own(tmp_path):
+    run_cli_here([*OTHER_MODEL, *TINY, "hydra.run.dir=run"], tmp_path)
+    first = _first_log_line(tmp_path / "run")
     assert "; left out the preset's model.hidden (for its model mlp); device: cpu" in first
-    saved = yaml.safe_load((root / "other_model" / "config.yaml").read_text())["model"]
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
     assert saved["name"] == "cnn" and "hidden" not in saved
 
 
