@@ -5,7 +5,9 @@ import io
 
 import torch
 
-from runner.checkpoint import on_host, snapshot, state_on_device
+from runner.checkpoint import on_host, snapshot
+from runner.device_tracking import STAND_IN, DeviceTracker
+from runner.hardware import module_to_device, state_on_device
 
 
 def _model() -> torch.nn.Module:
@@ -51,8 +53,23 @@ def test_the_kept_weights_are_a_copy_and_come_back_into_the_model():
 
 def test_a_state_read_on_the_host_goes_to_the_device_whole():
     state = _model().state_dict()
-    moved = state_on_device(state, torch.device("cpu", 0))
+    moved = state_on_device(state, STAND_IN)
     assert list(moved) == list(state)
     assert all(
         moved[key].dtype == value.dtype and torch.equal(moved[key], value) for key, value in state.items()
     )
+
+
+def test_a_model_goes_to_the_device_in_one_copy_the_host_does_not_wait_for():
+    """`hardware.prepare`'s move: the same parameter objects (an optimizer built before keeps them), their
+    values, dtypes and strides, the buffers; model.to(device) waited once per tensor."""
+    model, before = _model(), _model()
+    params = list(model.parameters())
+    with DeviceTracker() as tracker, tracker.in_phase("other"):
+        module_to_device(model, STAND_IN)
+        assert all(value.device == STAND_IN for value in model.state_dict().values())
+    assert tracker.counts["other"].get("sync", 0) == 0, tracker.report()["sites"]
+    assert list(model.parameters()) == params and all(p.requires_grad for p in params)
+    for (key, value), (_, was) in zip(model.state_dict().items(), before.state_dict().items(), strict=True):
+        assert value.dtype == was.dtype and value.stride() == was.stride(), key
+        assert torch.equal(value, was), key
