@@ -91,18 +91,18 @@ class LossHook(MethodHooks):
 
     def __init__(self, method_cfg, train_counts: np.ndarray, device, epochs: int, stats=None):
         self.m = method_cfg
-        self.prior = torch.as_tensor(train_counts / train_counts.sum(), dtype=torch.float32, device=device)
-        weights = torch.as_tensor(
-            class_balanced_weights(train_counts, method_cfg.cb_beta), dtype=torch.float32
-        )
-        self.class_weights = weights.to(device)
-        # on the device once: the loss then runs on the model's device with no host copies per step
+        # on the device once, copied without the host waiting: the loss then runs on the model's device with
+        # no host copies per step
+        prior = torch.as_tensor(train_counts / train_counts.sum(), dtype=torch.float32)
+        self.prior = to_device(prior, device)
+        weights = class_balanced_weights(train_counts, method_cfg.cb_beta)
+        self.class_weights = to_device(weights, device, torch.float32)
         margins = method_cfg.ldam_scale * ldam_margins(train_counts, method_cfg.ldam_max_margin)
-        self.margins = torch.as_tensor(margins, dtype=torch.float32, device=device)
+        self.margins = to_device(margins, device, torch.float32)
         self.drw_epoch = round(method_cfg.drw_start * epochs)
         self.dbot = None
-        if method_cfg.loss == "dbot":  # its prior checked here, once, not read back every step
-            self.dbot = DBOTLoss(self.prior, method_cfg.train_delta, method_cfg.k_train, method_cfg.loss_mode)
+        if method_cfg.loss == "dbot":  # its prior checked here on the host, once, not read back every step
+            self.dbot = DBOTLoss(prior, method_cfg.train_delta, method_cfg.k_train, method_cfg.loss_mode)
         self.policy = PolicyAugment("autoaugment_cifar10", *stats) if method_cfg.augment != "none" else None
 
     def transform(self, x, y_soft, idx, model):

@@ -146,9 +146,9 @@ def check_problem(cost, a, b_low, b_up, reg: float):
     return cost, a, b_low, b_up.clip(max=mass)
 
 
-def _upload(values: np.ndarray, device) -> torch.Tensor:
-    """Host values on `device` without waiting for it (page-locked first on CUDA)."""
-    host = torch.from_numpy(values)
+def _upload(values, device) -> torch.Tensor:
+    """Host values (an array or a tensor) on `device` without waiting for it (page-locked first on CUDA)."""
+    host = torch.as_tensor(values)
     return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
 
 
@@ -630,7 +630,8 @@ class DBOTLoss:
     The prior is validated when the loss is built, on the host (one copy if it lives on a device);
     the calls then never read the device: classes absent from a batch are masked, not indexed out, so
     every shape is fixed. The prior's logarithms are made once per dtype and device of the logits,
-    where the logits live (a tensor prior already there is not copied).
+    where the logits live (a tensor prior already there is not copied, host values are copied there without
+    waiting).
     """
 
     def __init__(self, prior, delta: float = 0.0, n_sweeps: int = 1, mode: str = "paper"):
@@ -651,7 +652,10 @@ class DBOTLoss:
         key = (logits.dtype, logits.device)
         if key not in self._logs:  # in float32 at least: a half-precision sum of counts overflows
             work = torch.promote_types(logits.dtype, torch.float32)
-            prior = torch.as_tensor(self.prior, dtype=work, device=logits.device)
+            prior = torch.as_tensor(self.prior)
+            if prior.device.type == "cpu" and prior.device != logits.device:  # host values: copied unwaited
+                prior = _upload(prior, logits.device)
+            prior = prior.to(logits.device, work)
             prior = prior / prior.sum()
             low, up = (1.0 - self.delta) * prior, (1.0 + self.delta) * prior
             self._logs[key] = tuple(torch.log(v).to(logits.dtype) for v in (prior, low, up))
