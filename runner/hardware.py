@@ -89,16 +89,16 @@ def state_on_device(state: dict, device: torch.device) -> dict:
 
 
 def module_to_device(model: torch.nn.Module, device: torch.device) -> None:
-    """`model.to(device)` in one copy the host does not wait for (`state_on_device` of its parameters and
-    buffers, copied into their new storage on the device), not one blocking copy per tensor."""
-    named = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
-    if all(t.device == device for t in named.values()):
+    """`model.to(device)` in one copy the host does not wait for: its parameters and buffers elsewhere
+    packed into one buffer, copied (`to_device`), cut back (with their strides) into their new storage, the
+    same tensor objects (as `Module.to` keeps them); not one blocking copy per tensor."""
+    away = {name: t for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
+            if t.device != device}  # fmt: skip
+    if not away:
         return
-    moved = state_on_device({name: t.detach() for name, t in named.items()}, device)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-            t.copy_(moved[name])
+    moved = unpacked_bytes(to_device(packed_bytes(away), device), away, strided=True)
+    for name, t in away.items():
+        t.data = moved[name]
 
 
 def packed_bytes(state: dict) -> torch.Tensor:
@@ -108,13 +108,15 @@ def packed_bytes(state: dict) -> torch.Tensor:
 
 def unpacked_bytes(packed: torch.Tensor, like: dict, strided: bool = False) -> dict:
     """`packed_bytes`' inverse: tensors of `like`'s shapes and dtypes (and strides, `strided`) cut from
-    `packed`, each in its own memory (a checkpoint saves each tensor's storage whole)."""
+    `packed`, where it is, each in its own memory (a checkpoint saves each tensor's storage whole)."""
     out, offset = {}, 0
     for key, t in like.items():
         size = t.numel() * t.element_size()
         # cloned before the view: a wider dtype's view needs its bytes aligned, as a fresh buffer's are
         flat = packed[offset : offset + size].clone().view(t.dtype).view(t.shape)
-        out[key] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(flat) if strided else flat
+        if strided:
+            flat = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=packed.device).copy_(flat)
+        out[key] = flat
         offset += size
     return out
 
