@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runner.hardware import to_device
+from runner.methods._common import to_device
 
 POLICIES = ("autoaugment_cifar10", "autoaugment_imagenet", "randaugment")
 WEAK_VIEWS = ("crop_flip", "rrc_flip")  # runner.data.views: the CSOT weak view of images

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from runner.checks import ConfigError
-from runner.methods._common import usable_cores
+from runner.methods._common import to_device, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +72,6 @@ def is_accelerator(device: torch.device) -> bool:
     """Whether `device` computes apart from the host (CUDA), so that reading its results waits for it.
     The one question the code asks of a device (`runner.device_tracking` answers yes for its stand-in)."""
     return device.type == "cuda"
-
-
-def to_device(host, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Host data (a tensor, array, list or number) on `device` without the host waiting for the device: a
-    non-blocking copy, from page-locked memory on CUDA (the caching host allocator keeps the buffer until
-    the copy is done)."""
-    t = torch.as_tensor(host, dtype=dtype)
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 def state_on_device(state: dict, device: torch.device) -> dict:

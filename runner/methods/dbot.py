@@ -40,6 +40,7 @@ from runner.methods._common import (
     convergence_log,
     get_backend,
     logsumexp,
+    to_device,
     transport_constraints,
 )
 
@@ -148,12 +149,6 @@ def check_problem(cost, a, b_low, b_up, reg: float):
     return cost, a, b_low, b_up.clip(max=mass)
 
 
-def _upload(values, device) -> torch.Tensor:
-    """Host values (an array or a tensor) on `device` without waiting for it (page-locked first on CUDA)."""
-    host = torch.as_tensor(values)
-    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-
-
 def _tensor_problem(cost, a, b_low, b_up):
     """:func:`check_problem` for a tensor cost, without reading its device: shapes, and the values of
     a, b_low, b_up given on the host, are checked here; the values on the cost's device are checked there
@@ -176,7 +171,7 @@ def _tensor_problem(cost, a, b_low, b_up):
             checks.append(~(x.isnan() | (x < 0) | ((x == math.inf) & (not allow_inf))).any())
         else:
             host = x.detach().cpu() if isinstance(x, torch.Tensor) else x
-            x = _upload(_vector(host, size, name, allow_inf), cost.device)
+            x = to_device(_vector(host, size, name, allow_inf), cost.device)
         vectors.append(x)
     a, b_low, b_up = vectors
     mass = a.sum()
@@ -697,7 +692,7 @@ class DBOTLoss:
             work = torch.promote_types(logits.dtype, torch.float32)
             prior = torch.as_tensor(self.prior)
             if prior.device.type == "cpu" and prior.device != logits.device:  # host values: copied unwaited
-                prior = _upload(prior, logits.device)
+                prior = to_device(prior, logits.device)
             prior = prior.to(logits.device, work)
             prior = prior / prior.sum()
             low, up = (1.0 - self.delta) * prior, (1.0 + self.delta) * prior
@@ -904,7 +899,7 @@ def dbot_predict(
     prior = prior / prior.sum()
     b_low, b_up = max(1.0 - delta, 0.0) * prior, (1.0 + delta) * prior
     if on_device:
-        b_low, b_up = _upload(b_low, logits.device), _upload(b_up, logits.device)
+        b_low, b_up = to_device(b_low, logits.device), to_device(b_up, logits.device)
     nx, step = get_backend(logits), n if batch_size is None else batch_size
     # the checks kept on the device where reading each would wait for it (not the host's CPU), or read later
     recorded = on_device and (logits.device != torch.device("cpu") or not read)
