@@ -156,7 +156,7 @@ def weight_gradient_times(model_cfg: dict, shape: tuple, batch: int, repeats: in
 
 def host_work(repeats: int = 3) -> dict:
     """CPU seconds (min of `repeats`) of Co-Mixup's host work on one batch of the ImageNet preset besides
-    the graph cuts (the same in both paths; in worker processes on CUDA, timed apart): today's (checks,
+    the graph cuts (the same in both paths; on solver threads on CUDA, timed apart): today's (checks,
     the saliency in float64, pooled and its salient boxes found; partitions; masks and labels) and the
     device path's (the partitions from the read summary; the cells' sources to send back)."""
     cfg = compose(["+method=comixup", "+experiment=comixup_imagenet"])
@@ -382,7 +382,7 @@ def main() -> bool:
           f"{host['part']}; CPU s, min of 3):")  # fmt: skip
     print(f"  {'today: saliency, boxes, masks, labels on the host':56s} {host['old']:8.3f} s")
     print(f"  {'device path: partitions from one read, cell sources':56s} {host['new']:8.3f} s")
-    print(f"  {'graph cuts, either path (in worker processes on CUDA)':56s} {host['cuts']:8.3f} s")
+    print(f"  {'graph cuts, either path (on solver threads on CUDA)':56s} {host['cuts']:8.3f} s")
     print("The clean pass's weight gradient after its input-gradient backward (min wall, alternating):")
     for name, (second, taps) in weight_grads.items():
         print(
