@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from gco import cgco
 
-from runner.methods._common import usable_cores
+from runner.methods._common import to_device, usable_cores
 from runner.methods._native import load as load_native
 from runner.methods._native import pointer as _data
 
@@ -873,7 +873,7 @@ def _mix(problem: dict, W: np.ndarray, with_masks: bool):
     labels and masks, in the type of the input x."""
     x, y, g = problem["x"], problem["y"], problem["grid"]
     B, n = len(x), g * g
-    packed = _to_device(_cell_sources(W, problem["index"]), x.device)
+    packed = to_device(_cell_sources(W, problem["index"]), x.device)
     sources, weights = packed[..., :2].long(), packed[..., 2:]
     cells, cell_idx, w = _cells(x, g), torch.arange(n, device=x.device), weights.to(x.dtype)
     mixed = w[..., :1] * cells[sources[..., 0], cell_idx] + w[..., 1:] * cells[sources[..., 1], cell_idx]
@@ -896,16 +896,6 @@ def _uncells(cells: torch.Tensor, shape) -> torch.Tensor:
     B, C, H, W = shape
     g = math.isqrt(cells.shape[1])
     return cells.reshape(B, g, g, C, H // g, W // g).permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
-
-
-def _to_device(host, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Host data (an array, tensor, list or number) on `device` without the host waiting for the device:
-    a non-blocking copy, from page-locked memory where the backend has it (CUDA, as `RunContext.pin`;
-    the caching host allocator keeps the buffer until the copy is done)."""
-    t = torch.as_tensor(host, dtype=dtype)
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 def auto_workers(batch_size: int, part: int, loader_workers: int = 0) -> int:
