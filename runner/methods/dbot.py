@@ -47,9 +47,9 @@ from runner.methods._common import (
 __all__ = [
     "LOSS_MODES",
     "SOLVERS",
-    "PendingLabels",
     "CosineClassifier",
     "DBOTLoss",
+    "PendingLabels",
     "check_problem",
     "class_balanced_weights",
     "dbot",
