@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runner.methods._common import to_device
+
 POLICIES = ("autoaugment_cifar10", "autoaugment_imagenet", "randaugment")
 WEAK_VIEWS = ("crop_flip", "rrc_flip")  # runner.data.views: the CSOT weak view of images
 # torchvision's op names; an image's op is its index here (Identity: nothing drawn, or not applied)
@@ -89,15 +91,16 @@ class PolicyAugment:
             xs = torch.linspace((1.0 - w) * 0.5, (w - 1.0) * 0.5, w, dtype=x.dtype)  # torchvision's grid
             ys = torch.linspace((1.0 - h) * 0.5, (h - 1.0) * 0.5, h, dtype=x.dtype)
             grid = torch.stack(torch.broadcast_tensors(xs[None, :], ys[:, None], torch.ones(())), 2)
+            # copied without the host waiting (`to_device`), once per device, dtype and size
             self._constants[key] = {
-                "op": torch.tensor([[OPS.index(op) for op in row] for row in ops], device=device),
-                "p": torch.tensor(probs, dtype=torch.float64, device=device),
-                "magnitude": torch.tensor(mags, dtype=torch.float64, device=device),
-                "signed": torch.tensor(signed, device=device),
-                "mean": torch.tensor(self.mean, dtype=x.dtype, device=device).view(1, -1, 1, 1),
-                "std": torch.tensor(self.std, dtype=x.dtype, device=device).view(1, -1, 1, 1),
-                "grid": grid.view(1, h * w, 3).to(device),
-                "half_size": torch.tensor([0.5 * w, 0.5 * h], dtype=x.dtype, device=device),
+                "op": to_device([[OPS.index(op) for op in row] for row in ops], device),
+                "p": to_device(probs, device, torch.float64),
+                "magnitude": to_device(mags, device, torch.float64),
+                "signed": to_device(signed, device),
+                "mean": to_device(self.mean, device, x.dtype).view(1, -1, 1, 1),
+                "std": to_device(self.std, device, x.dtype).view(1, -1, 1, 1),
+                "grid": to_device(grid.view(1, h * w, 3), device),
+                "half_size": to_device([0.5 * w, 0.5 * h], device, x.dtype),
             }
         return self._constants[key]
 

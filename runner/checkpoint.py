@@ -17,7 +17,7 @@ import torch
 
 from runner.checks import ConfigError
 from runner.faults import CheckpointError, Diverged
-from runner.hardware import RunContext, to_device
+from runner.hardware import RunContext, packed_bytes, unpacked_bytes
 from runner.instruments import around
 from runner.method_hooks import MethodHooks
 from runner.metrics import parse_metric
@@ -255,31 +255,7 @@ def on_host(best: dict | None) -> dict | None:
     tensor), then cut back into tensors of the same shapes, dtypes and strides."""
     if best is None:
         return None
-    return {**best, "state": _unpacked(_packed(best["state"]).cpu(), best["state"], strided=True)}
-
-
-def state_on_device(state: dict, device: torch.device) -> dict:
-    """A state dict of host tensors (as `load_checkpoint(path, "cpu")` gives) on `device` in one copy:
-    packed into one byte buffer, copied without waiting (`hardware.to_device`), cut back into tensors."""
-    return _unpacked(to_device(_packed(state), device), state) if state else {}
-
-
-def _packed(state: dict) -> torch.Tensor:
-    """The bytes of every tensor of `state`, one after the other, as one uint8 tensor where they are."""
-    return torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()]) if state else torch.empty(0)
-
-
-def _unpacked(packed: torch.Tensor, like: dict, strided: bool = False) -> dict:
-    """`_packed`'s inverse: tensors of `like`'s shapes and dtypes (and strides, `strided`) cut from
-    `packed`, each in its own memory (a checkpoint saves each tensor's storage whole)."""
-    out, offset = {}, 0
-    for key, t in like.items():
-        size = t.numel() * t.element_size()
-        # cloned before the view: a wider dtype's view needs its bytes aligned, as a fresh buffer's are
-        flat = packed[offset : offset + size].clone().view(t.dtype).view(t.shape)
-        out[key] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).copy_(flat) if strided else flat
-        offset += size
-    return out
+    return {**best, "state": unpacked_bytes(packed_bytes(best["state"]).cpu(), best["state"], strided=True)}
 
 
 def selection(rule: str) -> tuple[str, str] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import random
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from runner.checks import ConfigError
-from runner.methods._common import usable_cores
+from runner.methods._common import to_device, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -73,12 +74,43 @@ def is_accelerator(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def to_device(host, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Host data (a tensor, array, list or number) on `device` without the host waiting for the device: a
-    non-blocking copy, from page-locked memory on CUDA (the caching host allocator keeps the buffer until
-    the copy is done)."""
-    t = torch.as_tensor(host, dtype=dtype)
-    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+def state_on_device(state: dict, device: torch.device) -> dict:
+    """A state dict of host tensors (as `load_checkpoint(path, "cpu")` gives) on `device` in one copy:
+    packed into one byte buffer, copied without waiting (`to_device`), cut back into tensors."""
+    return unpacked_bytes(to_device(packed_bytes(state), device), state) if state else {}
+
+
+def module_to_device(model: torch.nn.Module, device: torch.device) -> None:
+    """`model.to(device)` in one copy the host does not wait for: its parameters and buffers elsewhere
+    packed into one buffer, copied (`to_device`), cut back (with their strides) into their new storage, the
+    same tensor objects (as `Module.to` keeps them); not one blocking copy per tensor."""
+    away = {name: t for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
+            if t.device != device}  # fmt: skip
+    if not away:
+        return
+    moved = unpacked_bytes(to_device(packed_bytes(away), device), away, strided=True)
+    for name, t in away.items():
+        t.data = moved[name]
+
+
+def packed_bytes(state: dict) -> torch.Tensor:
+    """The bytes of every tensor of `state`, one after the other, as one uint8 tensor where they are."""
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in state.values()]) if state else torch.empty(0)
+
+
+def unpacked_bytes(packed: torch.Tensor, like: dict, strided: bool = False) -> dict:
+    """`packed_bytes`' inverse: tensors of `like`'s shapes and dtypes (and strides, `strided`) cut from
+    `packed`, where it is, each in its own memory (a checkpoint saves each tensor's storage whole)."""
+    out, offset = {}, 0
+    for key, t in like.items():
+        size = t.numel() * t.element_size()
+        # cloned before the view: a wider dtype's view needs its bytes aligned, as a fresh buffer's are
+        flat = packed[offset : offset + size].clone().view(t.dtype).view(t.shape)
+        if strided:
+            flat = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=packed.device).copy_(flat)
+        out[key] = flat
+        offset += size
+    return out
 
 
 class Stopwatch:
@@ -189,7 +221,7 @@ class RunContext:
         then compiled in `compile`'s mode if asked and `compile_network` (False: the caller compiles the
         whole training step instead) (PyTorch's order: the compiled graph breaks at DDP's gradient
         buckets, so their all-reduce overlaps the backward). Hooks keep using `model`."""
-        model.to(self.device)
+        module_to_device(model, self.device)
         if self.channels_last:
             model.to(memory_format=torch.channels_last)
         total = sum(p.numel() for p in model.parameters())

@@ -10,7 +10,7 @@ import torch
 
 from runner.checks import ConfigError
 from runner.data import Data
-from runner.hardware import RunContext
+from runner.hardware import RunContext, module_to_device
 from runner.method_hooks import MethodHooks
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ def micro_batches(model, input_shape: tuple, cfg, ctx: RunContext, hooks: Method
     sizes = [cfg.batch_size] + [phase.batch_size for phase in cfg.phases]
     if not ctx.accelerator:
         return 1
-    model.to(ctx.device)
+    module_to_device(model, ctx.device)  # one copy the host does not wait for
     batch = max(sizes) // ctx.world_size
     dividing = [k for k in range(1, batch + 1) if all(size % (ctx.world_size * k) == 0 for size in sizes)]
     splits = hooks.accumulate_ok

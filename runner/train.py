@@ -342,8 +342,12 @@ class Loop:
         self.train_s += timings["time/train_s"]
         if not s.per_step:
             s.scheduler.step()
-        train_loss = all_reduce_sum(loss_sum.reshape(1)).item() / (steps * ctx.world_size)
-        lr = float(s.optimizer.param_groups[0]["lr"])  # a tensor for a captured step
+        total, lr = all_reduce_sum(loss_sum.reshape(1)), s.optimizer.param_groups[0]["lr"]
+        if isinstance(lr, torch.Tensor):  # a captured step's, on the device: read with the loss, one wait
+            total, lr = torch.cat([total.double(), lr.double().reshape(1)]).tolist()
+        else:
+            total, lr = total.item(), float(lr)
+        train_loss = total / (steps * ctx.world_size)
         metrics = {"epoch": epoch + 1, "train/loss": train_loss, "lr": lr}
         metrics.update(self._step_stats(scale))
         return metrics, timings, checks

@@ -1,6 +1,7 @@
 """DB-OT solver, clustering, loss and inference against oracles (POT, scipy HiGHS, closed forms)."""
 
 import math
+import warnings
 
 import numpy as np
 import ot
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from runner.device_tracking import STAND_IN, DeviceTracker
+from runner.methods._common import ConvergenceWarning
 from runner.methods.dbot import (
     SOLVERS,
     DBOTLoss,
@@ -19,6 +21,7 @@ from runner.methods.dbot import (
     dbot_objective,
     dbot_predict,
     marginal_violation,
+    read_pending,
     round_plan,
     weighted_focal_loss,
 )
@@ -550,24 +553,35 @@ def test_predict_per_batch_solves_each_batch_alone():
         dbot_predict(logits, prior, batch_size=0)
 
 
-def test_predict_on_a_device_reads_it_once_per_convergence_check():
-    """The checks of the inputs and the labels come back with the solver's convergence checks, one read
-    each: a solve that converges at its k-th check reads the device k times."""
+def test_predict_on_a_device_reads_it_once_for_all_its_solves():
+    """Each solve's checks (the inputs', the convergence tests, each check's labels) stay on the device and
+    come back in one read after every solve: the host's labels where the solver converges after more than
+    one check, per batch, and where it stops at max_iter first (its warning raised at the read)."""
     rng = np.random.default_rng(4)
     logits, prior = 3 * rng.normal(size=(64, 5)), np.array([0.4, 0.3, 0.15, 0.1, 0.05])
-    checks = 0
+    logs = []  # the per-check test's, on the host's CPU (the same torch ops)
     for delta in (0.0, 0.5):
         b_low, b_up = (1 - delta) * prior, (1 + delta) * prior
-        _, log = dbot(-logits, np.full(64, 1 / 64), b_low, b_up, 1.0, log=True)
+        _, log = dbot(-torch.tensor(logits), torch.full((64,), 1 / 64, dtype=torch.float64), b_low, b_up, 1.0,
+                      log=True)  # fmt: skip
         assert log["converged"] and log["n_iter"] > 10  # more than one check
-        checks += math.ceil(log["n_iter"] / 10)
+        logs.append(log)
+    cases = [dict(delta=0.0), dict(delta=0.5), dict(delta=0.5, batch_size=24), dict(delta=0.5, max_iter=15)]
+    cases += [dict(delta=0.5, method=method) for method in ("dual", "bregman")]
     with DeviceTracker() as tracker:
         on_device = torch.tensor(logits, device=STAND_IN)
         with tracker.in_phase("eval"):
-            labels = [dbot_predict(on_device, prior, delta) for delta in (0.0, 0.5)]
-    assert tracker.counts["eval"] == {"sync": checks}, tracker.report()["sites"]
-    for delta, got in zip((0.0, 0.5), labels):
-        np.testing.assert_array_equal(got, dbot_predict(logits, prior, delta))
+            pending = [dbot_predict(on_device, prior, read=False, **case) for case in cases]
+            with pytest.warns(ConvergenceWarning, match="max_iter=15 "):
+                labels = [p.labels(values) for p, values in zip(pending, read_pending(pending))]
+            alone = dbot_predict(on_device, prior, 0.5)  # read=True: its own one read
+    assert tracker.counts["eval"] == {"sync": 2}, tracker.report()["sites"]
+    np.testing.assert_array_equal(alone, labels[1])
+    for log, recorded in zip(logs, pending):  # the check that stopped the per-check test was recorded
+        assert recorded.stops[0].err == log["err"]
+    for case, got in zip(cases, labels, strict=True):
+        with warnings.catch_warnings(action="ignore", category=ConvergenceWarning):
+            np.testing.assert_array_equal(got, dbot_predict(logits, prior, **case), err_msg=str(case))
 
 
 def test_bad_input_on_a_device_is_named_as_on_the_host():

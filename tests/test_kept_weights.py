@@ -5,7 +5,9 @@ import io
 
 import torch
 
-from runner.checkpoint import on_host, snapshot, state_on_device
+from runner.checkpoint import on_host, snapshot
+from runner.device_tracking import STAND_IN
+from runner.hardware import module_to_device, state_on_device
 
 
 def _model() -> torch.nn.Module:
@@ -51,8 +53,22 @@ def test_the_kept_weights_are_a_copy_and_come_back_into_the_model():
 
 def test_a_state_read_on_the_host_goes_to_the_device_whole():
     state = _model().state_dict()
-    moved = state_on_device(state, torch.device("cpu", 0))
+    moved = state_on_device(state, STAND_IN)
     assert list(moved) == list(state)
     assert all(
         moved[key].dtype == value.dtype and torch.equal(moved[key], value) for key, value in state.items()
     )
+
+
+def test_a_model_moved_whole_keeps_its_tensors_values_and_strides():
+    """`hardware.prepare`'s move (its one copy: tests/test_device_budgets.py counts the run's waits): the
+    same parameter and buffer objects (an optimizer built before keeps them), in new storage, with their
+    values, dtypes and strides."""
+    model, before = _model(), _model()
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    storage = {name: t.data_ptr() for name, t in tensors.items()}
+    module_to_device(model, STAND_IN)  # outside the tracker: a CPU device, elsewhere to the code
+    assert dict(model.named_parameters()) | dict(model.named_buffers()) == tensors
+    assert all(t.data_ptr() != storage[name] for name, t in tensors.items())
+    for (key, value), (_, was) in zip(model.state_dict().items(), before.state_dict().items(), strict=True):
+        assert value.dtype == was.dtype and value.stride() == was.stride() and torch.equal(value, was), key

@@ -24,6 +24,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from runner.hardware import to_device
+
 log = logging.getLogger(__name__)
 
 IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -142,9 +144,9 @@ UNREADABLE = UnreadableFiles()
 @functools.cache
 def _scale_and_shift(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(1 / (255 std), mean / std) per channel on `device`, made once per device: made per batch, each
-    would be a blocking host-to-device copy on CUDA."""
+    would be a blocking host-to-device copy on CUDA; made here, copied without the host waiting."""
     mean, std = torch.tensor(mean, dtype=torch.float64), torch.tensor(std, dtype=torch.float64)
-    return (1 / (255 * std)).float().to(device), (mean / std).float().to(device)
+    return to_device((1 / (255 * std)).float(), device), to_device((mean / std).float(), device)
 
 
 def normalized(x: torch.Tensor, mean, std) -> torch.Tensor:

@@ -5,6 +5,8 @@ calls every step (on the model's device), the re-balanced test sets and the infe
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -18,10 +20,12 @@ from runner.losses import soft_cross_entropy
 from runner.method_hooks import MethodHooks
 from runner.methods.dbot import (
     DBOTLoss,
+    PendingLabels,
     class_balanced_weights,
     dbot_predict,
     ldam_loss,
     ldam_margins,
+    read_pending,
     weighted_focal_loss,
 )
 
@@ -91,18 +95,18 @@ class LossHook(MethodHooks):
 
     def __init__(self, method_cfg, train_counts: np.ndarray, device, epochs: int, stats=None):
         self.m = method_cfg
-        self.prior = torch.as_tensor(train_counts / train_counts.sum(), dtype=torch.float32, device=device)
-        weights = torch.as_tensor(
-            class_balanced_weights(train_counts, method_cfg.cb_beta), dtype=torch.float32
-        )
-        self.class_weights = weights.to(device)
-        # on the device once: the loss then runs on the model's device with no host copies per step
+        # on the device once, copied without the host waiting: the loss then runs on the model's device with
+        # no host copies per step
+        prior = torch.as_tensor(train_counts / train_counts.sum(), dtype=torch.float32)
+        self.prior = to_device(prior, device)
+        weights = class_balanced_weights(train_counts, method_cfg.cb_beta)
+        self.class_weights = to_device(weights, device, torch.float32)
         margins = method_cfg.ldam_scale * ldam_margins(train_counts, method_cfg.ldam_max_margin)
-        self.margins = torch.as_tensor(margins, dtype=torch.float32, device=device)
+        self.margins = to_device(margins, device, torch.float32)
         self.drw_epoch = round(method_cfg.drw_start * epochs)
         self.dbot = None
-        if method_cfg.loss == "dbot":  # its prior checked here, once, not read back every step
-            self.dbot = DBOTLoss(self.prior, method_cfg.train_delta, method_cfg.k_train, method_cfg.loss_mode)
+        if method_cfg.loss == "dbot":  # its prior checked here on the host, once, not read back every step
+            self.dbot = DBOTLoss(prior, method_cfg.train_delta, method_cfg.k_train, method_cfg.loss_mode)
         self.policy = PolicyAugment("autoaugment_cifar10", *stats) if method_cfg.augment != "none" else None
 
     def transform(self, x, y_soft, idx, model):
@@ -141,10 +145,11 @@ def resampled_test_sets(y: np.ndarray, num_classes: int, imbalance: float, names
     }
 
 
-def infer(rule: str, m, logits, feats, weight, train_prior, test_prior) -> np.ndarray:
+def infer(rule: str, m, logits, feats, weight, train_prior, test_prior, read: bool = True):
     """Predicted classes (N,) of `rule` from logits (N, K) (and features/classifier weights for cls_norm);
     the DB-OT rules solve where the logits live (a tensor on an accelerator; numpy on the host, there the
-    faster path), the others take numpy."""
+    faster path), the others take numpy. `read=False`: a DB-OT rule's on tensor logits come as a
+    `PendingLabels` (`runner.methods.dbot.read_pending` reads them)."""
     if rule == "argmax":
         return logits.argmax(1)
     if rule == "cls_norm":
@@ -159,15 +164,25 @@ def infer(rule: str, m, logits, feats, weight, train_prior, test_prior) -> np.nd
         return (logits + shift).argmax(1)
     delta = 0.0 if rule == "sinkhorn" else m.delta
     batch = m.batch_size if m.scope == "batch" else None
+    with _underflow_named(m, logits):
+        pred = dbot_predict(logits, test_prior, delta, m.eps, batch, m.solver, m.max_iter, m.tol, read)
+    if isinstance(pred, PendingLabels):
+        return pred
+    return pred.numpy() if isinstance(pred, torch.Tensor) else pred  # a tensor's come back on the host
+
+
+@contextlib.contextmanager
+def _underflow_named(m, logits):
+    """A DB-OT solve's kernel underflow (`FloatingPointError`, raised where its outcome is read) as the
+    one line that names the fix."""
     try:
-        pred = dbot_predict(logits, test_prior, delta, m.eps, batch, m.solver, m.max_iter, m.tol)
+        yield
     except FloatingPointError:  # the Gibbs kernel exp(logit / eps) underflows at this run's logit range
         span = float(logits.max() - logits.min())
         raise ConfigError(
             f"method.eps={m.eps} is too small for method.solver={m.solver} at this run's logits (range "
             f"{span:.3g}: the Gibbs kernel underflows); set method.solver=dual or a larger method.eps"
         ) from None
-    return pred.numpy() if isinstance(pred, torch.Tensor) else pred  # a tensor's come back on the host
 
 
 def group_accuracies(correct: np.ndarray, y: np.ndarray, train_counts: np.ndarray, m) -> dict:
@@ -191,25 +206,34 @@ def evaluate_rules(m, logits, feats, weight, y_test, train_counts, test_sets, ct
     rules solve on the run's device where it is an accelerator, else on the host (see :func:`infer`)."""
     k = len(train_counts)
     train_prior = train_counts / train_counts.sum()
-    summary: dict = {}
     on_device = None
     if ctx is not None and ctx.accelerator and any(rule in DBOT_RULES for rule in m.inference):
         # copied once without waiting (float64, as predicted); each test set's rows are gathered on the device
         on_device = to_device(torch.from_numpy(logits), ctx.device)
+    preds = {}
     for name, idx in test_sets.items():
-        y = y_test[idx]
         test_prior = {
-            "oracle_test": np.bincount(y, minlength=k) / len(y),
+            "oracle_test": np.bincount(y_test[idx], minlength=k) / len(idx),
             "train": train_prior,
             "uniform": np.full(k, 1.0 / k),
         }[m.prior]
-        summary[f"{name}/n"] = len(idx)
         if on_device is not None:
             rows = to_device(torch.from_numpy(idx), ctx.device)
         for rule in m.inference:
-            given = on_device[rows] if rule in DBOT_RULES and on_device is not None else logits[idx]
-            pred = infer(rule, m, given, feats[idx], weight, train_prior, test_prior)
-            accs = group_accuracies(pred == y, y, train_counts, m)
+            there = rule in DBOT_RULES and on_device is not None  # solved on the device, read below
+            given = on_device[rows] if there else logits[idx]
+            preds[name, rule] = infer(rule, m, given, feats[idx], weight, train_prior, test_prior, not there)
+    # every DB-OT rule of every test set read from the device in one copy
+    pending = {key: pred for key, pred in preds.items() if isinstance(pred, PendingLabels)}
+    for (name, rule), values in zip(pending, read_pending(list(pending.values()))):
+        with _underflow_named(m, logits[test_sets[name]]):
+            preds[name, rule] = pending[name, rule].labels(values)
+    summary: dict = {}
+    for name, idx in test_sets.items():
+        y = y_test[idx]
+        summary[f"{name}/n"] = len(idx)
+        for rule in m.inference:
+            accs = group_accuracies(preds[name, rule] == y, y, train_counts, m)
             summary |= {f"{name}/{rule}/{group}": acc for group, acc in accs.items()}
     main_set = "uniform" if "uniform" in test_sets else m.test_sets[0]
     idx = test_sets[main_set]

@@ -168,7 +168,7 @@ class MixupHooks(MethodHooks):
 
     normalize: the data's per-channel (mean, std), so that raw pixels are x * std + mean (Puzzle Mix's
     seam cost and adversarial noise live in raw pixels); None when x is raw.
-    Co-Mixup's `workers`: 0 solves in-process, n > 0 in a pool of n processes, -1 (auto) one process
+    Co-Mixup's `workers`: 0 solves in-process, n > 0 on a pool of n threads, -1 (auto) one thread
     per partition of the first batch up to this rank's share of the CPU cores, less its loader workers,
     on an accelerator or with `lag` (`auto_workers`), in-process on the CPU otherwise (there the weight
     backward would take the cores the solvers need). With `lag`, `transform` returns the previous batch's

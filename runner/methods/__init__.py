@@ -25,8 +25,8 @@ EXPORTS = {
     ),
     "dbot": (
         "check_problem", "class_balanced_weights", "dbot_cluster", "dbot_dual", "dbot_loss", "dbot_lp",
-        "dbot_objective", "dbot_predict", "ldam_loss", "ldam_margins", "marginal_violation", "round_plan",
-        "weighted_focal_loss",
+        "dbot_objective", "dbot_predict", "ldam_loss", "ldam_margins", "marginal_violation", "read_pending",
+        "round_plan", "weighted_focal_loss",
     ),
     "hier_hash": (
         "assign_codes", "bucket_ids", "bundle_cap", "cascade_codes", "class_unaries", "code_energy",

@@ -58,6 +58,16 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def to_device(host, device, dtype=None):
+    """Host data (a tensor, array, list or number) on `device` without the host waiting for the device: a
+    non-blocking copy, from page-locked memory on CUDA (the caching host allocator keeps the buffer until
+    the copy is done)."""
+    import torch
+
+    t = torch.as_tensor(host, dtype=dtype)
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+
 def _caller_level() -> int:
     """``stacklevel`` of the first frame outside ``runner/methods`` (the user's call of the solver)."""
     frame, level = sys._getframe(1), 1

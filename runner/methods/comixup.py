@@ -46,10 +46,10 @@ from __future__ import annotations
 import ctypes as ct
 import inspect
 import math
-import multiprocessing
 import os
+import threading
 import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from gco import cgco
 
-from runner.methods._common import usable_cores
+from runner.methods._common import to_device, usable_cores
 from runner.methods._native import load as load_native
 from runner.methods._native import pointer as _data
 
@@ -123,6 +123,9 @@ def _gco_api():
 
 
 _GCO = _gco_api()
+# gco-wrapper keeps every graph in one unsynchronised std::map (cgco.cpp's `_gcoInstanceMap`), read by each
+# call and written by create and destroy: threads cutting at once race on it, so gco's cuts take turns
+_GCO_LOCK = threading.Lock()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,15 +289,16 @@ def _gco_cut(unary: np.ndarray, pairwise: np.ndarray, edge_weight, grid: int, sw
     unary_int = unary_int.astype(np.intc, order="C").reshape(P * n, L)  # sites by labels, row-major
     handle, energy = ct.c_int(), ct.c_longlong()
     labels = np.empty(P * n, np.intc)
-    _GCO.gcoCreateGeneralGraph(P * n, L, ct.byref(handle))
-    try:  # gco keeps pointers to these arrays until the graph is destroyed
-        _GCO.gcoSetDataCost(handle, _data(unary_int))
-        _GCO.gcoSetAllNeighbors(handle, _data(s1), _data(s2), _data(weights), s1.size)
-        _GCO.gcoSetSmoothCost(handle, _data(smooth_int))
-        (_GCO.gcoSwap if swap else _GCO.gcoExpansion)(handle, -1, ct.byref(energy))
-        _GCO.gcoGetLabels(handle, _data(labels))
-    finally:
-        _GCO.gcoDestroyGraph(handle)
+    with _GCO_LOCK:
+        _GCO.gcoCreateGeneralGraph(P * n, L, ct.byref(handle))
+        try:  # gco keeps pointers to these arrays until the graph is destroyed
+            _GCO.gcoSetDataCost(handle, _data(unary_int))
+            _GCO.gcoSetAllNeighbors(handle, _data(s1), _data(s2), _data(weights), s1.size)
+            _GCO.gcoSetSmoothCost(handle, _data(smooth_int))
+            (_GCO.gcoSwap if swap else _GCO.gcoExpansion)(handle, -1, ct.byref(energy))
+            _GCO.gcoGetLabels(handle, _data(labels))
+        finally:
+            _GCO.gcoDestroyGraph(handle)
     return labels.reshape(P, n)
 
 
@@ -869,7 +873,7 @@ def _mix(problem: dict, W: np.ndarray, with_masks: bool):
     labels and masks, in the type of the input x."""
     x, y, g = problem["x"], problem["y"], problem["grid"]
     B, n = len(x), g * g
-    packed = _to_device(_cell_sources(W, problem["index"]), x.device)
+    packed = to_device(_cell_sources(W, problem["index"]), x.device)
     sources, weights = packed[..., :2].long(), packed[..., 2:]
     cells, cell_idx, w = _cells(x, g), torch.arange(n, device=x.device), weights.to(x.dtype)
     mixed = w[..., :1] * cells[sources[..., 0], cell_idx] + w[..., 1:] * cells[sources[..., 1], cell_idx]
@@ -894,18 +898,8 @@ def _uncells(cells: torch.Tensor, shape) -> torch.Tensor:
     return cells.reshape(B, g, g, C, H // g, W // g).permute(0, 3, 1, 4, 2, 5).reshape(B, C, H, W)
 
 
-def _to_device(host, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Host data (an array, tensor, list or number) on `device` without the host waiting for the device:
-    a non-blocking copy, from page-locked memory where the backend has it (CUDA, as `RunContext.pin`;
-    the caching host allocator keeps the buffer until the copy is done)."""
-    t = torch.as_tensor(host, dtype=dtype)
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
 def auto_workers(batch_size: int, part: int, loader_workers: int = 0) -> int:
-    """Worker processes worth starting for batches of `batch_size`: one per partition
+    """Solver threads worth starting for batches of `batch_size`: one per partition
     (ceil(batch_size / part)), at most this rank's share of the CPU cores it may run on (the cores
     divided by the ranks on this node, torchrun's LOCAL_WORLD_SIZE) less the rank's `loader_workers`
     (DataLoader processes), which decode while the cuts run: 16 cores and 8 loader workers leave 8."""
@@ -914,20 +908,24 @@ def auto_workers(batch_size: int, part: int, loader_workers: int = 0) -> int:
 
 
 class ComixupPool:
-    """Co-Mixup with the partitions solved in worker processes, off the training thread.
+    """Co-Mixup with the partitions solved on `workers` threads, off the training thread.
 
     `submit(x, y_onehot, saliency_maps, **comixup_kwargs)` validates, reads the batch summary and
-    draws the randomness in the caller (so results do not depend on the number of workers), sends
-    each worker a share of the partitions (small grid arrays only) and returns; `.result()` on the
-    returned handle waits and mixes, giving what `comixup` gives. The caller can meanwhile run other
-    work, e.g. the weight backward of the clean loss. Use as a context manager or call `close()`.
+    draws the randomness in the caller, gives each thread a share of the partitions (views, nothing
+    pickled) and returns; `.result()` on the returned handle waits and mixes, giving what `comixup`
+    gives. The caller can meanwhile run other work, e.g. the weight backward of the clean loss. Use as a
+    context manager or call `close()`.
+    The C kernels run without the GIL (ctypes releases it); the numpy between them holds it, and gco's
+    cuts take turns (`_GCO_LOCK`). The exact solver's DP solves every grid alone, so its masks do not
+    depend on `workers`; gco's swap (the solver, or the DP's fallback past `_DP_MAX_WORK`) cuts a share's
+    union of grids, which may stop at another local minimum than the whole batch's.
     """
 
     def __init__(self, workers: int = 2):
         if not (isinstance(workers, int) and workers >= 1):
             raise ValueError(f"workers={workers}: must be an integer >= 1")
         self.workers = workers
-        self._executor = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="comixup")
 
     def submit(self, x, y_onehot, saliency_maps, rng=None, with_masks: bool = True, **kwargs) -> _PendingMix:
         options = _option_defaults()

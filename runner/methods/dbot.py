@@ -40,6 +40,7 @@ from runner.methods._common import (
     convergence_log,
     get_backend,
     logsumexp,
+    to_device,
     transport_constraints,
 )
 
@@ -48,6 +49,7 @@ __all__ = [
     "SOLVERS",
     "CosineClassifier",
     "DBOTLoss",
+    "PendingLabels",
     "check_problem",
     "class_balanced_weights",
     "dbot",
@@ -60,6 +62,7 @@ __all__ = [
     "ldam_loss",
     "ldam_margins",
     "marginal_violation",
+    "read_pending",
     "round_plan",
     "weighted_focal_loss",
 ]
@@ -146,12 +149,6 @@ def check_problem(cost, a, b_low, b_up, reg: float):
     return cost, a, b_low, b_up.clip(max=mass)
 
 
-def _upload(values: np.ndarray, device) -> torch.Tensor:
-    """Host values on `device` without waiting for it (page-locked first on CUDA)."""
-    host = torch.from_numpy(values)
-    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-
-
 def _tensor_problem(cost, a, b_low, b_up):
     """:func:`check_problem` for a tensor cost, without reading its device: shapes, and the values of
     a, b_low, b_up given on the host, are checked here; the values on the cost's device are checked there
@@ -174,7 +171,7 @@ def _tensor_problem(cost, a, b_low, b_up):
             checks.append(~(x.isnan() | (x < 0) | ((x == math.inf) & (not allow_inf))).any())
         else:
             host = x.detach().cpu() if isinstance(x, torch.Tensor) else x
-            x = _upload(_vector(host, size, name, allow_inf), cost.device)
+            x = to_device(_vector(host, size, name, allow_inf), cost.device)
         vectors.append(x)
     a, b_low, b_up = vectors
     mass = a.sum()
@@ -201,34 +198,68 @@ class _Stopping:
     """The solvers' stopping test: the L1 marginal violation (:func:`marginal_violation`) below
     tol * sum(a). A tensor problem is read from its device once per check, in one copy: the violation,
     sum(a) and the validity flag of :func:`_tensor_problem` (``invalid()`` runs when it is false, the
-    host's check that raises the error naming the value) and, with ``labels``, each row's argmax of the
-    current plan: what :func:`dbot_predict` returns, the final plan's when that check stops the solver.
-    """
+    host's check that raises the error naming the value)."""
 
-    def __init__(self, a, b_low, b_up, tol: float, mass, valid=None, invalid=None, labels: bool = False):
+    def __init__(self, a, b_low, b_up, tol: float, mass, valid=None, invalid=None):
         self.a, self.b_low, self.b_up, self.tol = a, b_low, b_up, tol
-        self.mass, self.valid, self.invalid, self.want_labels = mass, valid, invalid, labels
+        self.mass, self.valid, self.invalid = mass, valid, invalid
         self.total = None if isinstance(mass, torch.Tensor) else float(mass)  # sum(a) on the host
-        self.err, self.labels = math.inf, None
+        self.err = math.inf
 
     @property
     def stop(self) -> float:
         return self.tol * self.total
 
-    def converged(self, row_sums, col_sums, plan) -> bool:
-        """Whether the plan of these sums is within tol; ``plan()`` makes it (only for ``labels``)."""
+    def converged(self, n_iter: int, row_sums, col_sums, plan) -> bool:
+        """Whether the plan of these sums, at sweep ``n_iter``, is within tol (``plan()`` makes it)."""
         err = _violation(row_sums, col_sums, self.a, self.b_low, self.b_up)
         if isinstance(err, torch.Tensor):
-            head = torch.stack([err, self.mass, self.valid.to(err.dtype)])
-            rows = [plan().argmax(1).to(err.dtype)] if self.want_labels else []
-            values = torch.cat([head, *rows]).cpu().numpy()  # the one read of the device per check
-            err, self.total, valid = values[0], float(values[1]), values[2]
-            if not valid:
-                self.invalid()
-                self.valid = torch.ones((), dtype=torch.bool, device=self.a.device)  # the host's check won
-            self.labels = values[3:].astype(np.int64) if self.want_labels else None
+            values = torch.stack([err, self.mass, self.valid.to(err.dtype)]).cpu().numpy()  # the one read
+            err, self.total = values[0], float(values[1])
+            self._check_valid(values[2])
         self.err = float(err)
         return self.err < self.stop
+
+    def _check_valid(self, valid) -> None:
+        if not valid:
+            self.invalid()
+            self.valid = torch.ones((), dtype=torch.bool, device=self.a.device)  # the host's check won
+
+
+class _Recorded(_Stopping):
+    """The stopping test of a tensor problem kept on its device and read after the solve (for
+    :func:`dbot_predict`, with other solves' in one copy: :func:`read_pending`). Each check records there,
+    with no read, the outcome of the first check below tol (while none is, of the latest check): a float64
+    vector (converged, violation, sweep, each row's argmax of the plan), and lets the solver go on, so that
+    it runs its max_iter sweeps (the same cap as the per-check test, the same numbers up to the recorded
+    check; what follows it is not used). The labels are those of the plan the per-check test stops on, or
+    of the final plan where no check converged: what the per-check test gives, without a read per check.
+    """
+
+    outcome = None
+
+    def converged(self, n_iter: int, row_sums, col_sums, plan) -> bool:
+        err = _violation(row_sums, col_sums, self.a, self.b_low, self.b_up)
+        # tol * sum(a) in float64 on the device: the same product and comparison as the host's `stop`
+        head = torch.stack([(err < self.tol * self.mass).to(err.dtype), err, err.new_full((), n_iter)])
+        now = torch.cat([head, plan().argmax(1).to(err.dtype)])
+        self.outcome = now if self.outcome is None else torch.where(self.outcome[0] > 0, self.outcome, now)
+        return False
+
+    def values(self, plan) -> torch.Tensor:
+        """What the read brings back, on the device: (valid, sum(a), converged, violation, sweep, labels)."""
+        labels = torch.where(self.outcome[0] > 0, self.outcome[3:], plan.argmax(1).to(plan.dtype))
+        head = torch.stack([self.valid.to(plan.dtype), self.mass])
+        return torch.cat([head, self.outcome[:3], labels])
+
+    def read(self, values: np.ndarray, method: str, reg: float) -> np.ndarray:
+        """The labels from `values` (read from :meth:`values`), after the checks the per-check test makes:
+        the inputs' (their error), the kernel's underflow, the convergence warning."""
+        valid, self.total, _, err, n_iter = values[:5]
+        self._check_valid(valid)
+        self.err = float(err)
+        _solve_log(method, reg, int(n_iter), self, {})
+        return values[5:].astype(np.int64)
 
 
 def dbot_objective(cost, plan, reg: float) -> float:
@@ -284,6 +315,7 @@ def _solve_sinkhorn(nx, cost, a, b_low, b_up, reg, max_iter, stopping, check_eve
             kw = nx.dot(kernel, q * v)
             # The row sums of the current plan come for free here, so checking costs O(m + n).
             if _checkpoint(n_iter, max_iter, check_every) and stopping.converged(
+                n_iter,
                 u * kw,
                 kappa * q * v,
                 lambda: u[:, None] * kernel * (q * v)[None, :],  # noqa: B023 (called at once)
@@ -314,6 +346,7 @@ def _solve_dual(nx, cost, a, b_low, b_up, reg, max_iter, stopping, check_every):
             h = _fmin(log_up - lam - g, 0.0)
             row_lse = logsumexp(neg_cost + (g + h)[None, :], axis=1)
             if _checkpoint(n_iter, max_iter, check_every) and stopping.converged(
+                n_iter,
                 nx.exp(f + row_lse),
                 nx.exp(lam + g + h),
                 lambda: nx.exp(neg_cost + f[:, None] + (g + h)[None, :]),  # noqa: B023 (called at once)
@@ -354,6 +387,7 @@ def _solve_bregman(nx, cost, a, b_low, b_up, reg, max_iter, stopping, check_ever
             plan *= column_scale[None, :]
             row_sums = plan.sum(axis=1)
             if _checkpoint(n_iter, max_iter, check_every) and stopping.converged(
+                n_iter,
                 row_sums,
                 col_sums,
                 lambda: plan,  # noqa: B023 (called at once)
@@ -407,10 +441,10 @@ def dbot(
     return (plan, info) if log else plan
 
 
-def _solve(cost, a, b_low, b_up, reg, method, max_iter, tol, check_every, labels: bool = False):
+def _solve(cost, a, b_low, b_up, reg, method, max_iter, tol, check_every, recorded: bool = False):
     """:func:`dbot`'s checks and solve: (plan, log, its :class:`_Stopping`). A tensor problem is checked
-    where it lives, its flag read with the first convergence check; ``labels`` reads each row's argmax
-    with every check (see :class:`_Stopping`)."""
+    where it lives, its flag read with the first convergence check; ``recorded`` (a tensor problem): the
+    checks kept on the device, no read, the log None (see :class:`_Recorded`)."""
     if method not in SOLVERS:
         raise ValueError(f"method={method!r}: must be one of {SOLVERS}")
     if not (isinstance(max_iter, (int, np.integer)) and max_iter >= 1):
@@ -427,10 +461,10 @@ def _solve(cost, a, b_low, b_up, reg, method, max_iter, tol, check_every, labels
         def invalid():  # the error path: the host's check, on copies, names the bad value
             check_problem(*(x.detach().cpu() if isinstance(x, torch.Tensor) else x for x in given), reg)
 
-        stopping = _Stopping(a, b_low, b_up, tol, mass, valid, invalid, labels)
+        stopping = (_Recorded if recorded else _Stopping)(a, b_low, b_up, tol, mass, valid, invalid)
     else:
         cost, a, b_low, b_up = check_problem(cost, a, b_low, b_up, reg)
-        stopping = _Stopping(a, b_low, b_up, tol, a.sum(), labels=labels)
+        stopping = _Stopping(a, b_low, b_up, tol, a.sum())
     nx = get_backend(cost)
     args = (nx, cost, a, b_low, b_up, reg, max_iter, stopping, check_every)
     if method == "sinkhorn":
@@ -439,12 +473,16 @@ def _solve(cost, a, b_low, b_up, reg, method, max_iter, tol, check_every, labels
         plan, n_iter, duals = _solve_dual(*args)
     else:
         plan, n_iter, duals = _solve_bregman(*args, dykstra=method == "bregman")
+    return plan, None if recorded else _solve_log(method, reg, n_iter, stopping, duals), stopping
+
+
+def _solve_log(method: str, reg: float, n_iter: int, stopping: _Stopping, duals: dict) -> dict:
+    """The solve's log (its warning when it stopped at max_iter); an error where the kernel underflowed."""
     if not math.isfinite(stopping.err):
         raise FloatingPointError(
             f"reg={reg} is too small for method={method!r} (the Gibbs kernel underflows): use method='dual'"
         )
-    info = convergence_log(f"dbot(method={method!r})", n_iter, stopping.err, stopping.stop, **duals)
-    return plan, info, stopping
+    return convergence_log(f"dbot(method={method!r})", n_iter, stopping.err, stopping.stop, **duals)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -630,7 +668,8 @@ class DBOTLoss:
     The prior is validated when the loss is built, on the host (one copy if it lives on a device);
     the calls then never read the device: classes absent from a batch are masked, not indexed out, so
     every shape is fixed. The prior's logarithms are made once per dtype and device of the logits,
-    where the logits live (a tensor prior already there is not copied).
+    where the logits live (a tensor prior already there is not copied, host values are copied there without
+    waiting).
     """
 
     def __init__(self, prior, delta: float = 0.0, n_sweeps: int = 1, mode: str = "paper"):
@@ -651,7 +690,10 @@ class DBOTLoss:
         key = (logits.dtype, logits.device)
         if key not in self._logs:  # in float32 at least: a half-precision sum of counts overflows
             work = torch.promote_types(logits.dtype, torch.float32)
-            prior = torch.as_tensor(self.prior, dtype=work, device=logits.device)
+            prior = torch.as_tensor(self.prior)
+            if prior.device.type == "cpu" and prior.device != logits.device:  # host values: copied unwaited
+                prior = to_device(prior, logits.device)
+            prior = prior.to(logits.device, work)
             prior = prior / prior.sum()
             low, up = (1.0 - self.delta) * prior, (1.0 + self.delta) * prior
             self._logs[key] = tuple(torch.log(v).to(logits.dtype) for v in (prior, low, up))
@@ -814,6 +856,7 @@ def dbot_predict(
     method: str = "sinkhorn",
     max_iter: int = 1000,
     tol: float = 1e-6,
+    read: bool = True,
 ):
     r"""Transductive DB-OT inference: argmax_j P_ij, P = DBOT(-logits, 1/B, (1 -/+ delta) r, reg).
 
@@ -826,12 +869,15 @@ def dbot_predict(
     reg : entropic regularisation in logit units.  batch_size : solve
     each consecutive batch of this many rows on its own (None: the whole set at once).
     method, max_iter, tol : passed to :func:`dbot`.
+    read : for tensor logits, False returns a :class:`PendingLabels` instead, read with others in one
+    copy by :func:`read_pending`.
 
     Returns
     -------
-    (N,) int64 predicted classes: a numpy array, or for tensor logits a CPU tensor. A device is read
-    once per convergence check of each solve (the labels come with the check that stops it), and
-    once for a prior that lives there.
+    (N,) int64 predicted classes: a numpy array, or for tensor logits a CPU tensor. A device other than
+    the CPU is read once, after every solve (each solve's convergence checks are kept there, see
+    :class:`_Recorded`: it runs its max_iter sweeps, the labels those of the check that stops the
+    per-check test), and once for a prior that lives there.
 
     >>> logits = np.array([[2.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
     >>> dbot_predict(logits, [2, 1]).tolist(), dbot_predict(logits, [1, 2]).tolist()
@@ -853,16 +899,45 @@ def dbot_predict(
     prior = prior / prior.sum()
     b_low, b_up = max(1.0 - delta, 0.0) * prior, (1.0 + delta) * prior
     if on_device:
-        b_low, b_up = _upload(b_low, logits.device), _upload(b_up, logits.device)
+        b_low, b_up = to_device(b_low, logits.device), to_device(b_up, logits.device)
     nx, step = get_backend(logits), n if batch_size is None else batch_size
-    labels = []
+    # the checks kept on the device where reading each would wait for it (not the host's CPU), or read later
+    recorded = on_device and (logits.device != torch.device("cpu") or not read)
+    solves = []
     for start in range(0, n, step):
         chunk = logits[start : start + step]
         a = nx.full((len(chunk),), 1.0 / len(chunk), type_as=chunk)
-        plan, info, stopping = _solve(-chunk, a, b_low, b_up, reg, method, max_iter, tol, 10, on_device)
-        if on_device and info["converged"]:  # read with the check that stopped the solver
-            labels.append(stopping.labels)
-        else:  # numpy, or stopped at max_iter: the final plan's (a read of the device)
-            labels.append(plan.argmax(1).cpu().numpy() if on_device else plan.argmax(1))
-    labels = np.concatenate(labels)
-    return torch.from_numpy(labels) if on_device else labels
+        plan, _, stopping = _solve(-chunk, a, b_low, b_up, reg, method, max_iter, tol, 10, recorded)
+        solves.append((stopping, stopping.values(plan)) if recorded else plan.argmax(1))
+    if not recorded:
+        return torch.cat(solves) if on_device else np.concatenate(solves)
+    pending = PendingLabels(solves, method, reg)
+    return torch.from_numpy(pending.labels(read_pending([pending])[0])) if read else pending
+
+
+class PendingLabels:
+    """The labels of :func:`dbot_predict` on tensor logits, not read yet: each solve's outcome on the
+    device (:meth:`_Recorded.values`), packed in ``values``; :func:`read_pending` reads them."""
+
+    def __init__(self, solves: list, method: str, reg: float):
+        self.stops = [stopping for stopping, _ in solves]
+        self.values = torch.cat([values for _, values in solves])
+        self.method, self.reg = method, reg
+
+    def labels(self, values: np.ndarray) -> np.ndarray:
+        """The labels from the host copy of ``values`` (each solve's errors and warnings raised here)."""
+        out, offset = [], 0
+        for stopping in self.stops:
+            size = 5 + len(stopping.a)  # (valid, sum(a), converged, violation, sweep) and a label per row
+            out.append(stopping.read(values[offset : offset + size], self.method, self.reg))
+            offset += size
+        return np.concatenate(out)
+
+
+def read_pending(pending: list[PendingLabels]) -> list[np.ndarray]:
+    """The ``values`` of each of `pending` (on one device) on the host, read in one copy; each one's
+    ``labels(values)`` gives its labels."""
+    if not pending:
+        return []
+    host = torch.cat([p.values for p in pending]).cpu().numpy()  # the one read
+    return np.split(host, np.cumsum([len(p.values) for p in pending])[:-1])

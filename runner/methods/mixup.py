@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runner.methods._common import to_device
 from runner.methods.comixup import (
     RANDOM_GRIDS,
     SOLVERS,
     _cells,
     _check_choice,
     _cut,
-    _to_device,
     _uncells,
     pool_saliency,
 )
@@ -110,7 +110,7 @@ def input_mixup(x, y, alpha: float = 1.0, rng=None):
     """x~ = lambda x + (1 - lambda) x[perm], y~ likewise; lambda ~ Beta(alpha, alpha)."""
     _check_batch(x, y)
     lam, perm = pairing(len(x), alpha, np.random.default_rng(rng))
-    return mix_pairs(x, y, lam, _to_device(perm, x.device))
+    return mix_pairs(x, y, lam, to_device(perm, x.device))
 
 
 def mix_pairs(x, y, lam, partner):
@@ -126,7 +126,7 @@ def cutmix(x, y, alpha: float = 1.0, rng=None):
     rng = np.random.default_rng(rng)
     lam, perm = pairing(len(x), alpha, rng)
     box, keep = cutmix_box(x.shape[-2:], lam, rng)
-    return paste_box(x, y, _to_device(box, x.device), keep, _to_device(perm, x.device))
+    return paste_box(x, y, to_device(box, x.device), keep, to_device(perm, x.device))
 
 
 def cutmix_box(size, lam: float, rng) -> tuple[list[int], float]:
@@ -185,7 +185,7 @@ def manifold_mixup(model: torch.nn.Module, x, y, alpha: float = 2.0, layers=None
     lam, perm = pairing(len(x), alpha, rng)
     layers = default_mixup_layers(model) if layers is None else list(layers)
     k = int(rng.integers(len(layers) + 1))
-    return mix_hidden(model, x, y, lam, _to_device(perm, x.device), _to_device(k, x.device), layers)
+    return mix_hidden(model, x, y, lam, to_device(perm, x.device), to_device(k, x.device), layers)
 
 
 def mix_hidden(model: torch.nn.Module, x, y, lam, partner, k: torch.Tensor, layers):
@@ -278,7 +278,7 @@ def puzzle_costs(
     z = torch.linspace(0, 1, n_labels, dtype=torch.float64)  # on the host, as are the pairwise costs
     prior = scipy.stats.binom.pmf(np.arange(n_labels), n_labels - 1, 1 - lam)
     log_prior = torch.as_tensor(-eta / n * np.log(prior + 1e-8))
-    z_there, log_prior = _to_device(torch.stack([z, log_prior]), s_own.device)
+    z_there, log_prior = to_device(torch.stack([z, log_prior]), s_own.device)
     unary = (1 - z_there) * keep_x.reshape(B, n, 1) + z_there * keep_partner.reshape(B, n, 1) + log_prior
     residual = [(p[1, 0] + p[0, 1] - p[1, 1] - p[0, 0]).reshape(B, -1) / 2 for p in (vert, horz)]
     edge_weight = (beta_n + torch.cat(residual, 1).double()).clamp(min=0)
@@ -401,9 +401,9 @@ def puzzle_mix(
     s = torch.as_tensor(saliency_maps, device=x.device)
     if s.shape != (B, H, W):
         raise ValueError(f"saliency_maps: shape {tuple(s.shape)}, expected ({B}, {H}, {W})")
-    index = _to_device(perm, x.device)
+    index = to_device(perm, x.device)
     shift, scale = (
-        _to_device(default if v is None else v, x.device, x.dtype).reshape(1, -1, 1, 1)
+        to_device(default if v is None else v, x.device, x.dtype).reshape(1, -1, 1, 1)
         for v, default in ((mean, 0.0), (std, 1.0))
     )
     raw = x * scale + shift
@@ -413,7 +413,7 @@ def puzzle_mix(
     )
     if not (np.isfinite(unary).all() and np.isfinite(edge_weight).all()):  # checked where read anyway
         raise ValueError("saliency_maps: contains NaN or inf (or x does)")
-    labels = _to_device(_cut(unary, pairwise, edge_weight, grid, method), x.device)
+    labels = to_device(_cut(unary, pairwise, edge_weight, grid, method), x.device)
     mask = 1 - labels.reshape(B, 1, grid, grid).to(x.dtype) / (n_labels - 1)  # weight of x
     own, partner = x, x[index]
     if noise is not None:

@@ -50,12 +50,13 @@ import logging
 import numpy as np
 import torch
 
-from runner.checkpoint import load_checkpoint, state_on_device
+from runner.checkpoint import load_checkpoint
 from runner.checks import ConfigError
 from runner.configs import hooks_factory
 from runner.configs.longtail import METHODS, LongTailConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
 from runner.distributed_passes import broadcast_from_main, predict_all
+from runner.hardware import state_on_device
 from runner.hooks.dbot import evaluate_rules, resampled_test_sets
 from runner.methods.dbot import CosineClassifier
 from runner.models import build_model
