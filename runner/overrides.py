@@ -32,6 +32,7 @@ def help_text() -> str:
     """`runner --help`: conf/hydra/help/runner.yaml's template (Hydra's help for the runner too)."""
     return OmegaConf.load(CONF_DIR / "hydra" / "help" / "runner.yaml").template
 
+
 # Hydra flags that consume the next argument.
 _FLAGS_WITH_VALUE = {
     "-c",

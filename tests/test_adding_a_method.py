@@ -50,7 +50,9 @@ def test_the_page_s_method_trains_in_a_copy_of_the_repository(tmp_path):
     for name in COPIED:
         source = ROOT / name
         if source.is_dir():
-            shutil.copytree(source, tmp_path / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                source, tmp_path / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+            )
         else:
             shutil.copy(source, tmp_path / name)
     apply(page_blocks(), tmp_path)
