@@ -34,7 +34,17 @@ from runner.losses import soft_cross_entropy
 from runner.method_hooks import MethodHooks
 from runner.methods.comixup import CONFIG_KEYS as COMIXUP_CONFIG_KEYS
 from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
-from runner.methods.comixup import ComixupPool, auto_workers, comixup
+from runner.methods.comixup import (
+    ComixupPool,
+    _cell_sources,
+    _solve_partitions,
+    auto_workers,
+    identity_sources,
+    mix_cells,
+    plan,
+    split_options,
+    summarise,
+)
 from runner.methods.mixup import (
     cutmix_box,
     default_mixup_layers,
@@ -123,7 +133,7 @@ def _own_parameters(module: torch.nn.Module) -> list:
 def _diverged_saliency(saliency_maps) -> None:
     """Diverged where a mix refused a non-finite saliency map: the clean pass's input gradient is not
     finite once the network (or the data) is, which the loop's deferred non-finite check would report only
-    some steps later. A read of the device, on the error path only."""
+    some steps later. A read of the device (or of the host's copy), on the error path only."""
     if saliency_maps is not None and not bool(torch.isfinite(saliency_maps).all()):
         raise Diverged(
             "non-finite saliency maps (the clean pass's input gradient): the network diverged; lower "
@@ -164,7 +174,10 @@ class MixupHooks(MethodHooks):
 
     The pair mixups (input mixup, CutMix, manifold mixup) make their host draws before the step (`draw`:
     the ratio, the partners, CutMix's box, manifold mixup's site), so that their step is device work a
-    CUDA graph may replay; Co-Mixup and Puzzle Mix draw and solve inside it.
+    CUDA graph may replay. Co-Mixup's step is split around its one host read (`read`: the clean pass and
+    the cut problem's summary; `solve`: its partitions drawn and solved on the host; `transform`: the mix
+    from the solved cells), each part device work a CUDA graph may replay; Puzzle Mix draws and solves
+    inside its step.
 
     normalize: the data's per-channel (mean, std), so that raw pixels are x * std + mean (Puzzle Mix's
     seam cost and adversarial noise live in raw pixels); None when x is raw.
@@ -173,12 +186,12 @@ class MixupHooks(MethodHooks):
     on an accelerator or with `lag` (`auto_workers`), in-process on the CPU otherwise (there the weight
     backward would take the cores the solvers need). With `lag`, `transform` returns the previous batch's
     mix, whose cuts the workers solved during this step's clean pass; the first step of a run (and of a
-    resumed one) returns its clean batch.
+    resumed one) returns its clean batch; a split step keeps the previous batch in buffers for it. Where
+    the step is captured (`hardware.cuda_graph`), the clean weight gradient is part of the captured clean
+    pass: `overlap` applies to the eager step only.
     """
 
     mid_epoch_resume = True  # on_epoch_start only arms the preview; the rng is in state_dict
-    why_not_capturable = ("Co-Mixup's and Puzzle Mix's cuts are solved on the host from the saliency of the "
-                          "step's own clean pass (a read inside the step)")  # fmt: skip
 
     @property
     def accumulate_ok(self) -> bool:
@@ -187,8 +200,23 @@ class MixupHooks(MethodHooks):
 
     @property
     def capturable(self) -> bool:
-        """The pair mixups' step, their draws made before it, is device work; the saliency methods' is not."""
-        return self.cfg.name not in SALIENCY_METHODS
+        """The pair mixups' step, their draws made before it, is device work, as is each part of Co-Mixup's
+        split step where its grid is fixed; Puzzle Mix's is not."""
+        return self.why_not_capturable is None
+
+    @property
+    def why_not_capturable(self) -> str | None:
+        if self.cfg.name == "puzzle_mix":
+            return ("Puzzle Mix's cuts are solved on the host from the saliency of the step's own clean pass "
+                    "(a read inside the step)")  # fmt: skip
+        if self.cfg.name == "comixup" and self.cfg.grid == -1:
+            return "Co-Mixup's grid drawn per batch (method.grid=-1) changes the shapes of the step's mix"
+        return None
+
+    @property
+    def read(self):
+        """Co-Mixup's clean pass and cut problem, up to its host read (`_read`); None for the others."""
+        return self._read if self.cfg.name == "comixup" else None
 
     @property
     def draw(self):
@@ -204,6 +232,8 @@ class MixupHooks(MethodHooks):
         self._clean = None  # (loss value, [(param, grad)]) of the current step's clean pass
         self._deferred = None  # (clean loss, params) whose weight gradient is still to take
         self._lagged = None  # with lag: the previous batch's pending mix
+        self._previous = None  # with lag, in a split step: the previous batch (x, y_soft), in buffers
+        self._problem = None  # Co-Mixup's cut problem, as `_read` set it up on the device
         self._adv = None  # Puzzle Mix's adversarial option: (noise in raw pixels, (mask x, mask partner))
         self._preview = False
 
@@ -232,32 +262,82 @@ class MixupHooks(MethodHooks):
     def _mixup_layers(model):
         return default_mixup_layers(getattr(model, "module", model))  # DDP wraps the model
 
-    def transform(self, x, y_soft, idx, model, drawn=None):
+    def transform(self, x, y_soft, idx, model, drawn=None, solved=None):
+        if self.read is not None:  # Co-Mixup: the mix from the solved cells (`_read`, `solve`)
+            if solved is None:  # called outside the loop: the step's read and solve here
+                host = self.solve(*(t.cpu() for t in self.read(x, y_soft, idx, model)))
+                solved = tuple(t.to(x.device) for t in host)
+            with torch.no_grad():
+                x_mix, y_mix = mix_cells(*self._mix_source(x, y_soft), *solved)
+            self._keep_previous(x, y_soft)
+            return x_mix, y_mix.to(y_soft.dtype)
         if drawn is None and self.cfg.name in INPUT_PAIR_MIXUPS:  # called outside the loop: draw here
             drawn = self._draw_pair(x, y_soft, idx, model)
-        pool = self._comixup_pool(x)
-        lag = pool is not None and self.cfg.lag
-        overlap = pool is not None and self.cfg.overlap and not lag
-        saliency_maps = self._clean_pass(model, x, y_soft, defer_weights=overlap)
+        saliency_maps = self._clean_pass(model, x, y_soft)
         try:
-            if pool is None:
-                with torch.no_grad():
-                    x_mix, y_mix = self._mix(x, y_soft, saliency_maps, drawn)
-            else:
-                with torch.no_grad():
-                    options = self._comixup_options()
-                    pending = pool.submit(x, y_soft, saliency_maps, rng=self.rng, with_masks=False, **options)
-                if lag:  # this batch's cuts run through the next step; this one trains on the previous mix
-                    pending, self._lagged = self._lagged, pending
-                self._weight_backward()  # a deferred one (overlap): on the device while the workers solve
-                with torch.no_grad():
-                    x_mix, y_mix = (x, y_soft) if pending is None else pending.result()
-                y_mix = y_mix.to(y_soft.dtype)
+            with torch.no_grad():
+                x_mix, y_mix = self._mix(x, y_soft, saliency_maps, drawn)
         except ValueError:
             _diverged_saliency(saliency_maps)
             raise
         self._preview_once(x_mix, y_mix)
         return x_mix, y_mix
+
+    def _read(self, x, y_soft, idx, model):
+        """The device work of a Co-Mixup step up to its host read: the clean pass (its weight gradient kept
+        for `loss`, or deferred where `overlap` applies) and the cut problem's summary (`summarise`)."""
+        pool = self._comixup_pool(x)
+        lag = pool is not None and self.cfg.lag
+        overlap = pool is not None and self.cfg.overlap and not lag and not self.ctx.cuda_graph
+        saliency_maps = self._clean_pass(model, x, y_soft, defer_weights=overlap)
+        sweeps, shape = split_options(**self._comixup_options())
+        with torch.no_grad():
+            self._problem = summarise(x, y_soft, saliency_maps, sweeps, *shape, self.rng)
+        return (self._problem["summary"],)
+
+    def solve(self, summary):
+        """The host's part of a Co-Mixup step: the partitions set up from the summary read (their draws
+        from `self.rng`) and solved, in process or by the workers (the deferred clean weight gradient taken
+        meanwhile); with `lag`, this batch's sent to the workers and the previous one's taken (the first
+        step: its own batch kept as it is). -> (the mix's cell sources, for `transform`); the preview."""
+        try:
+            problem = plan(self._problem, summary.numpy(), self.rng)
+        except ValueError:
+            _diverged_saliency(summary)
+            raise
+        sweeps, _ = split_options(**self._comixup_options())
+        if self.pool is None:
+            sources = _cell_sources(_solve_partitions(*problem["arrays"], sweeps)[0], problem["index"])
+        else:
+            pending = self.pool.start(problem, sweeps)
+            if self.cfg.lag:  # this batch's cuts run through the next step; this one mixes the previous batch
+                pending, self._lagged = self._lagged, pending
+            self._weight_backward()  # a deferred one (overlap): on the device while the workers solve
+            first = identity_sources(len(summary), problem["grid"])  # the first lagged step's
+            sources = first if pending is None else pending.sources()
+        sources = torch.from_numpy(sources)
+        if self._preview:  # here, outside a captured step: the preview reads the mix back
+            with torch.no_grad():
+                x, y = problem["x"], problem["y"]
+                self._preview_once(*mix_cells(*self._mix_source(x, y), to_device(sources, x.device)))
+        return (sources,)
+
+    def _mix_source(self, x, y_soft):
+        """The batch a Co-Mixup step mixes: its own, or with `lag` the previous one (the first step's own)."""
+        if self.cfg.lag and self._previous is not None:
+            return self._previous
+        return x, y_soft
+
+    def _keep_previous(self, x, y_soft):
+        """With `lag`, this batch kept for the next step: copied into the buffers of the previous one (which
+        a captured step reads and writes in place), new ones for a new batch shape."""
+        if not self.cfg.lag:
+            return
+        if self._previous is not None and self._previous[0].shape == x.shape:
+            self._previous[0].copy_(x)
+            self._previous[1].copy_(y_soft)
+        else:
+            self._previous = (x.clone(), y_soft.clone())
 
     def _preview_once(self, x_mix, y_mix):
         """mixup_preview.png of this mix where the epoch's preview is armed (`on_epoch_start`)."""
@@ -266,7 +346,7 @@ class MixupHooks(MethodHooks):
             path = save_mixup_preview(x_mix, y_mix, Path(self.ctx.dir) / "mixup_preview.png", self.cfg.name)
             self.ctx.tracker.image("mixup_preview", path)
 
-    def loss(self, model, x, y_soft, idx, epoch, drawn=None):
+    def loss(self, model, x, y_soft, idx, epoch, drawn=None, solved=None):
         if self.cfg.name == "manifold_mixup":  # the mix is inside the forward
             if drawn is None:  # called outside the loop: draw here
                 drawn = self._draw_pair(x, y_soft, idx, model)
@@ -371,13 +451,9 @@ class MixupHooks(MethodHooks):
             return paste_box(x, y_soft, box, keep, perm)
         if name == "manifold_mixup":  # mixed inside the forward, in `loss`
             return x, y_soft
-        if name == "puzzle_mix":
-            noise, adv_mask = self._adv if self._adv is not None else (None, (False, False))
-            return puzzle_mix(x, y_soft, saliency_maps, **{k: cfg[k] for k in PUZZLE_KEYS}, mean=self.mean,
-                              std=self.std, noise=noise, adv_mask=adv_mask, rng=self.rng)  # fmt: skip
-        options = self._comixup_options()
-        x_mix, y_mix = comixup(x, y_soft, saliency_maps, rng=self.rng, with_masks=False, **options)
-        return x_mix, y_mix.to(y_soft.dtype)
+        noise, adv_mask = self._adv if self._adv is not None else (None, (False, False))
+        return puzzle_mix(x, y_soft, saliency_maps, **{k: cfg[k] for k in PUZZLE_KEYS}, mean=self.mean,
+                          std=self.std, noise=noise, adv_mask=adv_mask, rng=self.rng)  # fmt: skip
 
     def state_dict(self):
         return {"rng": self.rng.bit_generator.state}
