@@ -161,8 +161,9 @@ LT_AT_CPU_SIZE = ["dataset=fake", "dataset.like=cifar10", "dataset.imbalance=10"
                   "model=mlp", "model.hidden=[16]"]  # fmt: skip
 PAIRS_AT_CPU_SIZE = [*CIFAR_AT_CPU_SIZE, "train.epochs=2", "model=cnn"]  # a small conv net: the same hooks
 # the synthetic hashing preset's one hash net (ours at ks 2, on the raw inputs: no base net), 24 iterations
-HASHING_AT_CPU_SIZE = ["+experiment=hier_hash_synthetic", "method.iters=24", "method.ks=[2]", "method.baselines=[]",
-                       "dataset.train_per_class=20", "dataset.test_per_class=10"]  # fmt: skip
+HASHING_AT_CPU_SIZE = ["+experiment=hier_hash_synthetic", "method.iters=24", "method.ks=[2]",
+                       "method.baselines=[]", "dataset.train_per_class=20",
+                       "dataset.test_per_class=10"]  # fmt: skip
 METHOD_RUNS = {
     "input_mixup": [*PAIRS_AT_CPU_SIZE, "+method=input_mixup", "method.clean_lam=1"],
     "cutmix": [*PAIRS_AT_CPU_SIZE, "+method=cutmix"],
@@ -297,11 +298,11 @@ def test_each_method_s_graph_ready_step_follows_its_eager_trajectory(tmp_path, m
     # optimizer differs, the graph's fused kernel with its float32 lr tensor (0.2 rounds by 1.5e-8 relative)
     # against foreach's float lr, a few ulp per step, as in the ERM test above. The training map then carries
     # them on: here they stay at 0 to 2e-7 relative, but for input mixup on the PreAct ResNet (lr 0.2, batch
-    # norm, random labels), 5e-5 by epoch 2, as its ERM step shows too; 5e-4 bounds that with room. A split step
-    # adds the host's read and solve between its two regions, on the values the eager step reads (the same
-    # summary, the same draws from the same stream): its cuts and codes change only where those few ulp cross
-    # a tie of the discrete solve, which would show as a jump far past 5e-4 (here: Co-Mixup's runs equal,
-    # hashing's within 3e-7, Adam's fused kernel against foreach's).
+    # norm, random labels), 5e-5 by epoch 2, as its ERM step shows too; 5e-4 bounds that with room. A split
+    # step adds the host's read and solve between its two regions, on the values the eager step reads (the
+    # same summary, the same draws from the same stream): its cuts and codes change only where those few ulp
+    # cross a tie of the discrete solve, which would show as a jump far past 5e-4 (here: Co-Mixup's runs
+    # equal, hashing's within 3e-7, Adam's fused kernel against foreach's).
     assert _series(graphed, "train/loss") == pytest.approx(_series(eager, "train/loss"), rel=5e-4)
 
 
