@@ -80,9 +80,9 @@ def test_a_method_s_loss_is_captured_only_where_it_says_so(tmp_path, caplog):
 # Whether a method's step may be captured as one CUDA graph (or two around its host read) and, without such a
 # read, compiled whole (`capturable`): plain training (fit's hooks=None), TargetLoss, the pair mixups (their
 # draws made before the step), DB-OT's and CSOT's losses run device work alone; Co-Mixup (at a fixed grid) and
-# hashing split the step around their host read; Puzzle Mix solves on the host inside the step.
+# Puzzle Mix (without its adversarial option) and hashing split the step around their host read.
 CAPTURABLE = {PlainTraining: True, TargetLoss: True, NoisyLabelHooks: True, LossHook: True, HashHooks: True,
-              MixupHooks: {"input_mixup": True, "cutmix": True, "manifold_mixup": True, "puzzle_mix": False,
+              MixupHooks: {"input_mixup": True, "cutmix": True, "manifold_mixup": True, "puzzle_mix": True,
                            "comixup": True}}  # fmt: skip
 
 
@@ -96,7 +96,7 @@ def _hooks_of_each_kind() -> dict:
     for cls, capturable in CAPTURABLE.items():
         for name in capturable if isinstance(capturable, dict) else [None]:
             kinds[cls, name] = hooks = object.__new__(cls)
-            hooks.cfg = SimpleNamespace(name=name, grid=4)  # Co-Mixup's preset grid
+            hooks.cfg = SimpleNamespace(name=name, grid=4, adv_p=0.0)  # Co-Mixup's preset grid
     return kinds
 
 
@@ -119,11 +119,16 @@ def test_each_method_s_step_is_captured_and_compiled_whole_only_where_it_was():
         assert hooks.capturable is expected, (cls, name)  # the whole-step compile reads this
         why = not_capturable(s, hooks)
         assert why is None if expected else why.endswith(hooks.why_not_capturable), (cls, name)
-    # the mixups whose draws go before the step are those captured; the others draw inside their solve
+    # the mixups whose draws go before the step; Co-Mixup draws inside its solve, on the host
     assert [name for (cls, name), hooks in decided.items() if cls is MixupHooks and hooks.draw] == [
-        "input_mixup", "cutmix", "manifold_mixup"]  # fmt: skip
-    # the reason names the host work inside the step, or what varies
-    assert "saliency of the step's own clean pass" in decided[MixupHooks, "puzzle_mix"].why_not_capturable
+        "input_mixup", "cutmix", "manifold_mixup", "puzzle_mix"]  # fmt: skip
+    # the saliency methods split their step around their host read
+    assert [name for (cls, name), hooks in decided.items() if cls is MixupHooks and hooks.read] == [
+        "puzzle_mix", "comixup"]  # fmt: skip
+    # the reason names what varies from step to step
+    puzzle_mix = decided[MixupHooks, "puzzle_mix"]
+    puzzle_mix.cfg.adv_p = 0.5
+    assert not puzzle_mix.capturable and "method.adv_p > 0" in not_capturable(s, puzzle_mix)
     comixup = decided[MixupHooks, "comixup"]
     comixup.cfg.grid = -1
     assert not comixup.capturable and "method.grid=-1" in not_capturable(s, comixup)
@@ -178,6 +183,8 @@ METHOD_RUNS = {
     "comixup_phases": [*PAIRS_AT_CPU_SIZE, "+method=comixup", "method.preview=false",
                        "train.schedule=none",
                        "train.phases=[{epochs:1,batch_size:16,lr:[0.1,0.05]},{epochs:1,batch_size:32,lr:[0.05,0.0]}]"],
+    # Puzzle Mix: its grid drawn per batch, among 2, 4 and 8 at 8 px (a capture each)
+    "puzzle_mix": [*PAIRS_AT_CPU_SIZE, "+method=puzzle_mix", "method.preview=false"],
     # the hash codes' forward to the unaries, then the loss with the codes the host's flow found
     **{f"hashing_{loss}": HASHING_AT_CPU_SIZE + [f"method.loss={loss}"] for loss in ("npairs", "triplet")},
 }  # fmt: skip
@@ -185,8 +192,8 @@ METHOD_RUNS = {
 
 # the captures each run makes (1: one batch shape, one key): LDAM-DRW's second at its re-weighting epoch,
 # CSOT's at the warm-up's end (its selection epochs' batches, and their key)
-CAPTURES = {"ldam_drw": 2, "csot": 2, "comixup_phases": 2}
-SPLIT = ("comixup", "hashing")  # the runs whose step is split around a host read
+CAPTURES = {"ldam_drw": 2, "csot": 2, "comixup_phases": 2, "puzzle_mix": 3}
+SPLIT = ("comixup", "puzzle_mix", "hashing")  # the runs whose step is split around a host read
 
 
 @pytest.mark.parametrize("method", METHOD_RUNS)

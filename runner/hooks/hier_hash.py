@@ -131,8 +131,8 @@ class HashHooks(MethodHooks):
     `classes_per_batch` x `per_class` (`ClassBalancedSampler`, seeded by `seed`), `loss(net, x)` per
     batch, Adam on `param_groups` (fused where `fused`) with the step decay over iterations. With
     `val_score` (a function of nothing, higher is better), `evaluate` reports it as `val/p@1` and fit keeps
-    the best net; the epoch is then `method.eval_every` training epochs long, else one pass over the training set.
-    `code_seconds` adds up the time spent on the codes; each epoch's is logged as `time/code_s`.
+    the best net; the epoch is then `method.eval_every` training epochs long, else one pass over the
+    training set. `code_seconds` adds up the time spent on the codes; each epoch's is logged as `time/code_s`.
     A `CodesLoss` splits the step around its host read (`read`: the forward to the unaries; `solve`: the
     codes; `loss`: the hash loss with them); the base and DCH losses are device work alone."""
 
