@@ -242,7 +242,8 @@ class MixupHooks(MethodHooks):
         self._problem = None  # Co-Mixup's cut problem, as `_read` set it up on the device
         self._adv = None  # Puzzle Mix's adversarial option: (noise in raw pixels, (mask x, mask partner))
         self._adv_drawn = None  # its draws for the step: ((mask x, mask partner), the noise's scale) or None
-        self._puzzle = None  # Puzzle Mix's step, as `_read` left it for the mix
+        self._grid = None  # Puzzle Mix's grid of this step, drawn before it
+        self._puzzle = {}  # per grid: Puzzle Mix's step as `_read` left it for the mix (each capture's)
         self._normalization = None  # Puzzle Mix's (shift, scale) of raw pixels, made once on the device
         self._preview = False
 
@@ -279,6 +280,7 @@ class MixupHooks(MethodHooks):
         perm, z, prior, grid = puzzle_draw(
             x.shape, cfg.alpha, cfg.eta, cfg.n_labels, cfg.grid, "gco_swap", self.rng
         )
+        self._grid = grid
         cell_prior = prior.expand(grid * grid, -1).contiguous()  # its shape names the grid: a capture each
         return tuple(to_device(v, x.device) for v in (perm, z, cell_prior))
 
@@ -287,8 +289,9 @@ class MixupHooks(MethodHooks):
         return default_mixup_layers(getattr(model, "module", model))  # DDP wraps the model
 
     def transform(self, x, y_soft, idx, model, drawn=None, solved=None):
-        if drawn is None and self.draw is not None:  # called outside the loop: draw here
-            drawn = self.draw(x, y_soft, idx, model)
+        if drawn is None and self.cfg.name in (*INPUT_PAIR_MIXUPS, "puzzle_mix"):  # outside the loop: draw
+            draw = self._draw_puzzle if self.cfg.name == "puzzle_mix" else self._draw_pair
+            drawn = draw(x, y_soft, idx, model)
         if self.read is not None:  # the saliency methods: the mix from the cuts (`_read`, `solve`)
             if solved is None:  # called outside the loop: the step's read and solve here
                 given = {} if drawn is None else {"drawn": drawn}
@@ -308,7 +311,7 @@ class MixupHooks(MethodHooks):
         """A saliency method's mix from its cuts: Co-Mixup's cell sources, Puzzle Mix's mask labels."""
         if self.cfg.name == "comixup":
             return mix_cells(*self._mix_source(x, y_soft), solved)
-        cfg, state = self.cfg, self._puzzle
+        cfg, state = self.cfg, self._puzzle[self._grid]
         noise, adv_mask = self._adv if self._adv is not None else (None, (False, False))
         t_grid = transport_grid(cfg.t_size, state["s_grid"].shape[-1], *x.shape[-2:], cfg.transport)
         return puzzle_apply(x, y_soft, solved, state["raw"], state["s"], state["s_grid"], state["index"],
@@ -324,13 +327,13 @@ class MixupHooks(MethodHooks):
             if self._normalization is None:  # made in the first, eager, step: a captured one reuses them
                 self._normalization = normalization(self.mean, self.std, x.device, x.dtype)
             index, z, cell_prior = drawn
-            grid = math.isqrt(len(cell_prior))
+            grid = math.isqrt(len(cell_prior))  # = self._grid
             cfg = self.cfg
             with torch.no_grad():
                 costs, raw, s_grid = puzzle_read(x, saliency_maps, index, z, cell_prior, *self._normalization,
                                                  grid, cfg.beta, cfg.gamma, cfg.neigh_size)  # fmt: skip
-            self._puzzle = {"raw": raw, "s": saliency_maps, "s_grid": s_grid, "index": index, "x": x,
-                            "y": y_soft}  # fmt: skip
+            self._puzzle[grid] = {"raw": raw, "s": saliency_maps, "s_grid": s_grid, "index": index, "x": x,
+                                  "y": y_soft}  # fmt: skip
             return (costs,)
         pool = self._comixup_pool(x)
         lag = pool is not None and self.cfg.lag
@@ -350,15 +353,14 @@ class MixupHooks(MethodHooks):
         cfg = self.cfg
         try:
             if cfg.name == "puzzle_mix":
-                grid = self._puzzle["s_grid"].shape[-1]
-                cuts = torch.from_numpy(puzzle_cut(read.numpy(), grid, cfg.n_labels, "gco_swap"))
+                cuts = torch.from_numpy(puzzle_cut(read.numpy(), self._grid, cfg.n_labels, "gco_swap"))
             else:
                 cuts = torch.from_numpy(self._comixup_cuts(plan(self._problem, read.numpy(), self.rng)))
         except ValueError:
             _diverged_saliency(read)
             raise
         if self._preview:  # here, outside a captured step: the preview reads the mix back
-            state = self._puzzle if cfg.name == "puzzle_mix" else self._problem
+            state = self._puzzle[self._grid] if cfg.name == "puzzle_mix" else self._problem
             with torch.no_grad():
                 x, y = state["x"], state["y"]
                 self._preview_once(*self._mix_solved(x, y, to_device(cuts, x.device)))
