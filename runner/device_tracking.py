@@ -35,6 +35,7 @@ import contextlib
 import copy
 import inspect
 import json
+import os
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -106,6 +107,11 @@ def _site() -> str:
             return f"{Path(name).parent.name}/{Path(name).name}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
     return "?"
+
+
+def _in_torch_optim() -> bool:
+    """Whether the op was called from torch's optimizers' code."""
+    return f"{os.sep}torch{os.sep}optim{os.sep}" in sys._getframe(3).f_code.co_filename
 
 
 class DeviceTracker(TorchFunctionMode):
@@ -232,7 +238,9 @@ class DeviceTracker(TorchFunctionMode):
             target, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **parse)
         if target is None:
             return _tag(func(*args, **kwargs), _where(src))
-        to_device = _is_stand_in(target)
+        # torch's optimizers move a per-device value (fused Adam's tensor lr) to each parameter's device,
+        # which on the stand-in is the real CPU's: a move from the device to the device
+        to_device = _is_stand_in(target) or (_where(src) and _in_torch_optim())
         if to_device and _where(src):  # already there: no copy (a CPU `.to(cpu:0)` would copy)
             kw = {"dtype": dtype, "memory_format": memory_format}
             return _tag(src.to(**{k: v for k, v in kw.items() if v is not None}), True)

@@ -14,7 +14,7 @@ class MethodHooks:
 
     - optional hooks, None here: where a method leaves one None the loop runs its own step instead (and
       may decide more on its absence, as each says); a subclass defines it as a method:
-      `on_epoch_start`, `draw`, `transform`, `loss`, `optimizer`, `evaluate`;
+      `on_epoch_start`, `draw`, `read` (with `solve`), `transform`, `loss`, `optimizer`, `evaluate`;
     - flags, class attributes (or properties) with the cautious default: `capturable` (and its
       `why_not_capturable`), `accumulate_ok`, `mid_epoch_resume`, `select`;
     - methods whose default leaves the loop as it is: `batch_sampler`, `batch_setting`, `capture_key`,
@@ -25,6 +25,8 @@ class MethodHooks:
     | on_epoch_start(epoch, model, data)            | None          | no per-epoch pass                     |
     | draw(x, y_soft, idx, model) -> tensors        | None          | nothing drawn before the step; with   |
     |                                               |               | it, transform and loss get `drawn=`   |
+    | read(x, y_soft, idx, model) -> tensors        | None          | no host read inside the step; with    |
+    | solve(*host tensors) -> host tensors          |               | it, transform and loss get `solved=`  |
     | transform(x, y_soft, idx, model) -> (x, y)    | None          | the batch as it is, nothing timed     |
     | loss(model, x, y_soft, idx, epoch) -> scalar  | None          | soft cross-entropy                    |
     | optimizer(model) -> (opt, sched, per_step)    | None          | train.optimizer, schedule, warm-up    |
@@ -56,6 +58,22 @@ class MethodHooks:
     copies the values into its static buffers before each replay, as it does the batch, so the host's
     random stream (and with it every CPU number) stays as it was."""
 
+    read: Callable[..., tuple] | None = None
+    """(x, y_soft, idx, model) -> tuple of device tensors: where a method's step needs the host's work on
+    device values (Co-Mixup's cuts from the clean pass's saliency, the hash codes' flow from the unaries),
+    the step's device work up to that one read, for one micro-batch (after `draw`, taking `drawn=` as
+    `transform` does). The loop copies the tensors to the host in one wait and hands them to `solve`,
+    whose results reach `transform` and `loss` on the device as the keyword `solved`: the step is split
+    around the read, and a `capturable` method's two parts are each captured as a CUDA graph (replayed in
+    that order, around the host's read and solve). What `read` keeps for the rest of the step (the clean
+    pass's kept gradients, the forward's output) it keeps on the hooks: a captured step replays both parts
+    on the tensors of their capture."""
+
+    solve: Callable[..., tuple] | None = None
+    """(*host tensors) -> tuple of host tensors or arrays: with `read`, the host's work on what it read
+    (every host draw of this part of the step made here, in the eager step's order), each result copied to
+    the device (into the static buffers of a captured step: their shapes follow the capture key)."""
+
     transform: Callable[..., tuple] | None = None
     """(x, y_soft, idx, model) -> (x, y_soft): a batch transform before the loss (the mixup family);
     `model` is the network the hooks may run their own passes through. Timed as `time/transform_s` (but in
@@ -75,9 +93,10 @@ class MethodHooks:
     (no calibration bins then); out of memory in it names the method's evaluation."""
 
     capturable: bool = False
-    """The hooks' share of a step is device work alone, the same every step (no host read; host randomness
-    only through `draw`; what else varies, through `capture_key`): the step may be captured as one CUDA
-    graph (`hardware.cuda_graph`) and compiled whole (`hardware.compile`). False unless a method declares
+    """The hooks' share of a step is device work alone, the same every step (no host read but `read`'s;
+    host randomness only through `draw` and `solve`; what else varies, through `capture_key`): the step may
+    be captured as one CUDA graph, or two around `read` (`hardware.cuda_graph`), and, without `read`,
+    compiled whole (`hardware.compile`). False unless a method declares
     it: one that reads the host must never inherit it."""
 
     why_not_capturable: str = "they read the host or draw host randomness in a step"

@@ -1,7 +1,7 @@
-"""One training step: its parts (`Step`), the method's host draws, the eager step (`eager_step`: transform,
-loss, backward, clip, optimizer step, EMA), the step captured as one CUDA graph (`GraphedStep`, where
-`not_capturable` finds nothing against it), and the checks the host reads from the device once every
-AGREE_EVERY steps (`DeferredChecks`)."""
+"""One training step: its parts (`Step`), the method's host draws and host read, the eager step
+(`eager_step`: transform, loss, backward, clip, optimizer step, EMA), the step captured as one CUDA graph
+(`GraphedStep`, where `not_capturable` finds nothing against it; two graphs around a method's host read),
+and the checks the host reads from the device once every AGREE_EVERY steps (`DeferredChecks`)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ class Step:
     """What one training step uses (`train_step`): the network to train through (compiled, or wrapped
     in DDP) and the model the hooks see (`hook_net`: the same, compiled if asked, for the batch
     transform's own passes), the optimizer, its scheduler (stepped per batch if `per_step`)
-    and loss scaler, the training labels on the device, the method's `transform`, `loss` and `draw`
-    hooks, the micro-batches per step (`accumulate`), the gradient-norm bound (`clip`, 0: none) and the
-    EMA of the weights (`ema`, an `AveragedModel`, or None). Kept on the device for the epoch's row: the
-    steps the fp16 scaler skipped, and the sum and count of finite pre-clip gradient norms."""
+    and loss scaler, the training labels on the device, the method's `transform`, `loss`, `draw`, `read`
+    and `solve` hooks, the micro-batches per step (`accumulate`), the gradient-norm bound (`clip`, 0:
+    none) and the EMA of the weights (`ema`, an `AveragedModel`, or None). Kept on the device for the
+    epoch's row: the steps the fp16 scaler skipped, and the sum and count of finite pre-clip gradient
+    norms."""
 
     net: torch.nn.Module
     model: torch.nn.Module
@@ -54,17 +55,24 @@ class Step:
     step_fn: object = None  # eager_step, or its torch.compile'd twin (set by `make_step`)
     draw: object = None  # the method's host draws before each step (`MethodHooks.draw`)
     graphed: GraphedStep | None = None  # the step captured as one CUDA graph (hardware.cuda_graph)
+    read: object = None  # the method's device work up to its one host read (`MethodHooks.read`)
+    solve: object = None  # the method's host work on what `read` gave (`MethodHooks.solve`)
 
 
 def train_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int) -> torch.Tensor:
     """One training step: the method's host draws (`draw_step`), then the step replayed from its CUDA graph
-    (`s.graphed`) or run by `s.step_fn` (`eager_step`, compiled where asked); the batch's mean loss, on the
-    device."""
+    (`s.graphed`) or run eagerly (`run_step`); the batch's mean loss, on the device."""
     with around("step", s, x, idx, epoch):
         drawn = draw_step(s, x, idx)
         if s.graphed is not None:
             return s.graphed(x, idx, epoch, drawn)
-        return s.step_fn(s, x, idx, epoch, drawn)
+        return run_step(s, x, idx, epoch, drawn)
+
+
+def run_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int, drawn: list[tuple]) -> torch.Tensor:
+    """The step, eagerly: the method's host read and solve, if any (`read_and_solve`), then `s.step_fn`
+    (`eager_step`, compiled where asked) with their results."""
+    return s.step_fn(s, x, idx, epoch, drawn, read_and_solve(s, x, idx, drawn))
 
 
 def draw_step(s: Step, x: torch.Tensor, idx: torch.Tensor) -> list[tuple]:
@@ -76,17 +84,55 @@ def draw_step(s: Step, x: torch.Tensor, idx: torch.Tensor) -> list[tuple]:
             for x_part, idx_part in zip(x.chunk(s.accumulate), idx.chunk(s.accumulate))]  # fmt: skip
 
 
-def eager_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int, drawn: list[tuple]) -> torch.Tensor:
-    """batch -> transform -> loss -> backward (per micro-batch, each with its `drawn` values) -> clip ->
-    optimizer step -> EMA; returns the batch's mean loss, detached, on the device (nothing here waits for
-    the device)."""
+def read_and_solve(s: Step, x: torch.Tensor, idx: torch.Tensor, drawn: list[tuple]) -> list[tuple]:
+    """For a method with a host read, per micro-batch: its device work up to the read (`read_step`), the
+    read and the host's solve (`solve_step`), the results sent to the device; [] for the others."""
+    if s.read is None:
+        return []
+    solved = solve_step(s, read_step(s, x, idx, drawn))
+    return [tuple(to_device(t, s.ctx.device) for t in part) for part in solved]
+
+
+def read_step(s: Step, x: torch.Tensor, idx: torch.Tensor, drawn: list[tuple]) -> list[tuple]:
+    """The method's device work up to its host read (`MethodHooks.read`), per micro-batch: the tensors the
+    host is to read (nothing here waits for the device)."""
+    parts = enumerate(zip(x.chunk(s.accumulate), idx.chunk(s.accumulate)))
+    return [s.read(x_part, _targets(s, idx_part), idx_part, s.hook_net, **_given(s, drawn, i))
+            for i, (x_part, idx_part) in parts]  # fmt: skip
+
+
+def solve_step(s: Step, values: list[tuple]) -> list[tuple]:
+    """The step's one host read: `values` (`read_step`'s) copied to the host, then the method's host work
+    on them (`MethodHooks.solve`), per micro-batch: host tensors for the device."""
+    host = _to_host([t for part in values for t in part], s.ctx.device)
+    parts = iter(host)
+    return [tuple(torch.as_tensor(v) for v in s.solve(*(next(parts) for _ in part))) for part in values]
+
+
+def _to_host(values: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`values` on the host: on CUDA into page-locked memory, all copies queued before the one wait."""
+    if device.type != "cuda":
+        return [t.cpu() for t in values]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in values]
+    for h, t in zip(host, values):
+        h.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(device).synchronize()
+    return host
+
+
+def eager_step(
+    s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int, drawn: list[tuple], solved: list[tuple] = ()
+) -> torch.Tensor:
+    """batch -> transform -> loss -> backward (per micro-batch, each with its `drawn` values and, for a
+    method with a host read, its `solved` ones) -> clip -> optimizer step -> EMA; returns the batch's mean
+    loss, detached, on the device (nothing here waits for the device)."""
     s.optimizer.zero_grad(set_to_none=True)
     total = 0.0
     for i, (x_part, idx_part) in enumerate(zip(x.chunk(s.accumulate), idx.chunk(s.accumulate))):
         # Under DDP the gradients are all-reduced once, with the last micro-batch's backward.
         last = i == s.accumulate - 1
         with contextlib.nullcontext() if last or not hasattr(s.net, "no_sync") else s.net.no_sync():
-            loss = _loss(s, x_part, idx_part, epoch, drawn[i] if drawn else None)
+            loss = _loss(s, x_part, idx_part, epoch, _given(s, drawn, i, solved))
             s.scaler.scale(loss / s.accumulate if s.accumulate > 1 else loss).backward()
         total = total + loss.detach()
     if s.clip:
@@ -106,8 +152,9 @@ def eager_step(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int, drawn: l
 
 
 def not_capturable(s: Step, hooks: MethodHooks) -> str | None:
-    """Why the step of this fit cannot be captured as one CUDA graph, or None when it can: every step
-    must run the same device work on the same memory, with no host read or host-made value inside."""
+    """Why the step of this fit cannot be captured as one CUDA graph (or two around the method's host read,
+    `MethodHooks.read`), or None when it can: every step must run the same device work on the same memory,
+    with no host read or host-made value inside either graph."""
     ctx = s.ctx
     if ctx.distributed:
         return "DDP's gradient buckets are not captured"
@@ -127,28 +174,34 @@ def not_capturable(s: Step, hooks: MethodHooks) -> str | None:
 class GraphedStep:
     """The step (`Step.step_fn`) captured as one CUDA graph and replayed each step: one launch for the
     network's forward, backward, loss and optimizer step, where the eager step launches hundreds from Python.
+    A method with one host read inside its step (`MethodHooks.read`) is captured as two graphs sharing one
+    memory pool, always replayed in the order they were captured: its device work up to the read
+    (`read_step`), then, after the host read and solve (`solve_step`) whose results are copied into static
+    buffers, the rest of the step.
 
     The batch and the method's host draws (`MethodHooks.draw`) are copied into static buffers before each
     replay; the lr lives in a tensor on the device (`set_lr` and the schedulers write it in place), so the
-    schedules hold. Each batch shape (with the hooks' `capture_key`) is first run `WARMUP` times eagerly
-    on a side stream (cuDNN's autotuning, the optimizer's lazy state, a method's constants made at its
-    first call), then captured: a new shape (a training phase's) or key is captured anew. Off CUDA nothing
-    is captured: the warm-up steps and then the same region run eagerly on the same static buffers (the
-    same copies in and the loss's copy out), which is how the CPU tests and `runner.device_tracking`
-    follow it."""
+    schedules hold. Each batch shape (with the drawn tensors' shapes and the hooks' `capture_key`) is first
+    run `WARMUP` times eagerly on a side stream (cuDNN's autotuning, the optimizer's lazy state, a method's
+    constants made at its first call), then captured: a new batch shape (a training phase's) or key is
+    captured anew, in place of the last one; drawn shapes that vary from step to step within one (Puzzle
+    Mix's grid drawn per batch) each keep their capture. Off CUDA nothing is captured: the warm-up steps and
+    then the same regions run eagerly on the same static buffers (the same copies in and the loss's copy
+    out), which is how the CPU tests and `runner.device_tracking` follow it."""
 
     WARMUP = 3
 
     def __init__(self, s: Step, capture_key=lambda epoch: None):
         self.s, self.capture_key, self.cuda = s, capture_key, s.ctx.device.type == "cuda"
-        # the batch transform runs inside the one graph: not timed apart (time/transform_s stays 0)
+        # the batch transform runs inside the graphs: not timed apart (time/transform_s stays 0)
         s.transform_time = Stopwatch(self.cuda, timing=False)
         for group in s.optimizer.param_groups:
             if not isinstance(group["lr"], torch.Tensor):
                 # filled on the device (no host copy to wait for); float32 as torch.tensor(float) made it
                 group["lr"] = torch.full((), float(group["lr"]), device=s.ctx.device)
-        self.graph = self.pool = self.key = None
+        self.captures: dict[tuple, _Capture] = {}
         self.warm: dict[tuple, int] = {}
+        self.solved: list[tuple] = []  # the last warm-up step's solved values: their static buffers' shapes
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, epoch: int, drawn: list[tuple]) -> torch.Tensor:
         inputs = (x, idx, *(t for part in drawn for t in part))
@@ -157,46 +210,94 @@ class GraphedStep:
             self.warm[key] = self.warm.get(key, 0) + 1
             with around("warm_up"):
                 return self.warm_up(x, idx, epoch, drawn)
-        if key != self.key:
-            self.capture(inputs, epoch, drawn, key)
+        c = self.captures.get(key)
+        if c is None:
+            c = self.capture(inputs, epoch, drawn, key)
         else:
-            for static, value in zip(self.inputs, inputs):
+            for static, value in zip(c.inputs, inputs):
                 static.copy_(value, non_blocking=True)
+        s = self.s
+        if s.read is not None:
+            x_static, idx_static, _, drawn_static = c.step_inputs
+            self._replay(c, 0, lambda: setattr(c, "read", read_step(s, x_static, idx_static, drawn_static)))
+            solved = [t for part in solve_step(s, c.read) for t in part]
+            if [t.shape for t in solved] != [t.shape for t in c.solved]:
+                raise RuntimeError(
+                    f"the method's solve gave shapes {[tuple(t.shape) for t in solved]}, its "
+                    f"capture {[tuple(t.shape) for t in c.solved]}: they must follow the "
+                    "capture key"
+                )
+            for static, value in zip(c.solved, solved):
+                static.copy_(value.pin_memory() if self.cuda else value, non_blocking=True)
+        self._replay(c, -1, lambda: setattr(c, "loss", s.step_fn(s, *c.step_inputs, c.static_solved)))
+        return c.loss.clone()
+
+    def _replay(self, c: _Capture, part: int, run) -> None:
+        """Replay graph `part` of capture `c`; off CUDA, run its region eagerly on the static buffers."""
         if self.cuda:
-            self.graph.replay()
-        else:  # the captured region, run eagerly on the static buffers as a replay would
+            c.graphs[part].replay()
+        else:
             with around("captured"):
-                self.loss = self.s.step_fn(self.s, *self.static_step_inputs)
-        return self.loss.clone()
+                run()
 
     def warm_up(self, x, idx, epoch: int, drawn: list[tuple]) -> torch.Tensor:
-        """One eager step (on a side stream on CUDA), outside what is captured."""
+        """One eager step (on a side stream on CUDA), outside what is captured; its solved values kept."""
         if not self.cuda:
-            return self.s.step_fn(self.s, x, idx, epoch, drawn)
+            return self._eager(x, idx, epoch, drawn)
         side = torch.cuda.Stream(self.s.ctx.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            loss = self.s.step_fn(self.s, x, idx, epoch, drawn)
+            loss = self._eager(x, idx, epoch, drawn)
         torch.cuda.current_stream().wait_stream(side)
         return loss
 
-    def capture(self, inputs: tuple, epoch: int, drawn: list[tuple], key: tuple) -> None:
-        """The static buffers of this key's inputs and, on CUDA, the step captured on them."""
-        self.graph = None  # the last shape's graph: its memory back to the pool
-        self.inputs, self.key = tuple(t.clone() for t in inputs), key
-        x, idx, *flat = self.inputs
+    def _eager(self, x, idx, epoch: int, drawn: list[tuple]) -> torch.Tensor:
+        self.solved = read_and_solve(self.s, x, idx, drawn)
+        return self.s.step_fn(self.s, x, idx, epoch, drawn, self.solved)
+
+    def capture(self, inputs: tuple, epoch: int, drawn: list[tuple], key: tuple) -> _Capture:
+        """The static buffers of this key's inputs and, on CUDA, the step captured on them; the captures of
+        other batch shapes or capture keys dropped first (their memory back)."""
+        base = (key[:2], key[-1])  # the batch's shapes and the hooks' key: what a phase or an epoch changes
+        dropped = [c for k, c in self.captures.items() if (k[:2], k[-1]) != base]
+        self.captures = {k: c for k, c in self.captures.items() if (k[:2], k[-1]) == base}
+        # the last shape's graphs go, their memory back to their pool, which the new capture takes
+        pool = dropped[0].graphs[0].pool() if dropped and dropped[0].graphs else None
+        del dropped
+        c = self.captures[key] = _Capture()
+        c.inputs = tuple(t.clone() for t in inputs)
+        x, idx, *flat = c.inputs
         parts = iter(flat)  # the static draws, grouped per micro-batch again
         static_drawn = [tuple(next(parts) for _ in part) for part in drawn]
-        self.static_step_inputs = (x, idx, epoch, static_drawn)
+        c.step_inputs = (x, idx, epoch, static_drawn)
+        c.static_solved = [tuple(t.clone() for t in part) for part in self.solved]
+        c.solved = [t for part in c.static_solved for t in part]
         if not self.cuda:
-            return
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: the DataLoader's pin-memory thread keeps calling CUDA while this thread captures
-        capturing = torch.cuda.graph(self.graph, pool=self.pool, capture_error_mode="thread_local")
-        with capturing, around("captured"):
-            self.loss = self.s.step_fn(self.s, *self.static_step_inputs)
-        self.pool = self.graph.pool()
-        log.info("training step captured as one CUDA graph (batch %s)", tuple(x.shape))
+            return c
+        s = self.s
+        regions = [lambda: setattr(c, "loss", s.step_fn(s, x, idx, epoch, static_drawn, c.static_solved))]
+        if s.read is not None:  # the device work up to the read first, replayed first
+            regions.insert(0, lambda: setattr(c, "read", read_step(s, x, idx, static_drawn)))
+        for region in regions:
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the DataLoader's pin-memory thread keeps calling CUDA while this thread captures
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"), around("captured"):
+                region()
+            c.graphs.append(graph)
+            pool = graph.pool()
+        log.info("training step captured as %d CUDA graph(s) (batch %s)", len(c.graphs), tuple(x.shape))
+        return c
+
+
+class _Capture:
+    """One key's captured step: its static inputs (`inputs`, as the step takes them: `step_inputs`), the
+    static buffers of its solve's results (`static_solved`, flat: `solved`), its graphs, and the static
+    outputs of its regions (`read`: what the host reads; `loss`)."""
+
+    def __init__(self):
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.read: list[tuple] = []
+        self.loss: torch.Tensor | None = None
 
 
 def _targets(s: Step, idx: torch.Tensor) -> torch.Tensor:
@@ -204,9 +305,15 @@ def _targets(s: Step, idx: torch.Tensor) -> torch.Tensor:
     return F.one_hot(s.y_train[idx], s.num_classes).float()
 
 
-def _loss(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int, drawn: tuple | None) -> torch.Tensor:
+def _given(s: Step, drawn: list[tuple], i: int, solved: list[tuple] | None = None) -> dict:
+    """What the host gave micro-batch i, as the keywords a method's hooks take: its draws (`drawn=`, with a
+    `draw` hook) and its solve's results (`solved=`, with a `read` hook; none yet in `read_step`)."""
+    given = {} if s.draw is None else {"drawn": drawn[i]}
+    return given if s.read is None or solved is None else given | {"solved": solved[i]}
+
+
+def _loss(s: Step, x: torch.Tensor, idx: torch.Tensor, epoch: int, given: dict) -> torch.Tensor:
     y_soft = _targets(s, idx)
-    given = {} if s.draw is None else {"drawn": drawn}  # a method's transform and loss take its draws
     if s.transform is not None:
         with s.transform_time.span():
             x, y_soft = s.transform(x, y_soft, idx, s.hook_net, **given)
@@ -226,8 +333,9 @@ def make_step(model, data: Data, cfg, ctx: RunContext, hooks: MethodHooks) -> St
         scheduler, per_step = make_scheduler(optimizer, cfg), False
     else:
         optimizer, scheduler, per_step = hooks.optimizer(model)
-    # torch.compile takes the whole step where the method's hooks run device work alone; else the network
-    whole_step = ctx.compile != "false" and hooks.capturable
+    # torch.compile takes the whole step where the method's hooks run device work alone (no host read
+    # inside: `read`); else the network
+    whole_step = ctx.compile != "false" and hooks.capturable and hooks.read is None
     net = ctx.prepare(model, compile_network=not whole_step)
     ema = None
     if cfg.ema:  # on the device beside the model, buffers (batch-norm statistics) averaged too
@@ -242,7 +350,8 @@ def make_step(model, data: Data, cfg, ctx: RunContext, hooks: MethodHooks) -> St
         # the transform's passes through the compiled network, but not through DDP (whose gradient
         # hooks expect one backward per forward): under DDP a compiled twin of the model
         net if not ctx.distributed else ctx.compiled(model),
-        step_fn=ctx.compiled(eager_step) if whole_step else eager_step, draw=hooks.draw,
+        step_fn=ctx.compiled(eager_step) if whole_step else eager_step, draw=hooks.draw, read=hooks.read,
+        solve=hooks.solve,
     )  # fmt: skip
     if ctx.cuda_graph:
         why = not_capturable(s, hooks)

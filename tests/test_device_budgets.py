@@ -80,8 +80,6 @@ EAGER_OPS_PER_STEP = {
 }
 # Co-Mixup, Puzzle Mix and hashing read the host inside the step: the read and the copies around it.
 SPLIT_STEP_OPS = 40
-NOT_SPLIT = pytest.mark.xfail(strict=True, reason="issue 47 item 1: the step around the host read is not "
-                              "captured yet, its two passes run eagerly")  # fmt: skip
 EPOCH_START_SYNCS = 100  # CSOT's allocation: the chunks solved as one batched problem
 
 
@@ -128,8 +126,7 @@ def test_training_step_waits_for_the_device_at_most_twice(tmp_path_factory, name
 
 
 @pytest.mark.parametrize("side", SIDES)
-@pytest.mark.parametrize("name", [*EAGER_OPS_PER_STEP, *(pytest.param(name, marks=NOT_SPLIT) for name in
-                                                        ("comixup", "puzzle_mix", "hashing"))])  # fmt: skip
+@pytest.mark.parametrize("name", [*EAGER_OPS_PER_STEP, "comixup", "puzzle_mix", "hashing"])
 def test_training_step_leaves_little_eager_device_work(tmp_path_factory, name, side):
     report = _report(tmp_path_factory, name, side)
     assert report["steps"] > report["warm_up_steps"], report

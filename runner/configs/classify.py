@@ -139,7 +139,8 @@ class CoMixupConfig(InputMixupConfig):
     solver: Literal[SOLVERS] = "exact"  # each label step's exact minimum; gco_swap: the authors' local one
     workers: int = -1  # -1: auto (CUDA, or lag: a process per partition up to the cores; CPU: in-process)
     # with workers: take the clean weight gradient while they solve (the activation gradients are computed
-    # twice); false: one clean backward, then the solve (faster where the solve is shorter than that repeat)
+    # twice); false: one clean backward, then the solve (faster where the solve is shorter than that repeat).
+    # The eager step's: a captured one (hardware.cuda_graph) takes the weight gradient in its clean pass
     overlap: bool = True
     # true: a batch's cuts are solved during the next step, which trains on that batch's mix (the masks from
     # saliency one weight update old; a deviation from the paper). The first step trains on its clean batch.

@@ -4,6 +4,7 @@ net by iterations on class-balanced batches, and the retrieval evaluation of cod
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -28,20 +29,63 @@ def hash_loss_and_codes(net, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg
     `remap`, else the classes) -> `hh.hash_loss` on the active dims. Returns (loss, seconds on codes).
     Under DDP x is this rank's slice of the batch: the loss and codes are those of the gathered batch.
     The flow runs on the host: the step reads the unaries, its one wait for the device, and sends codes
-    and labels back in one copy the host does not wait for (`runner.hardware.to_device`)."""
+    and labels back in one copy the host does not wait for (`runner.hardware.to_device`). The same three
+    parts as `CodesLoss`, whose step is split around that read."""
+    out, unary = hash_unaries(net, x, nc=nc, m=m, k=k, d=d, method=method)
+    packed, code_seconds = hash_codes(unary.cpu().numpy(), ks=ks, method=method, beta=beta, remap=remap)
+    return codes_loss(out, to_device(packed, out.device), method, margin, l2_reg), code_seconds
+
+
+def hash_unaries(net, x, *, nc, m, k, d, method):
+    """The device work of Alg. 1 up to its host read: the net's outputs (nc, m, k, d) of the (gathered)
+    batch and their class-mean unaries per level."""
     (out,) = global_batch(net(x))
     out = out.view(nc, m, k, d)
-    unary = hh.class_unaries(out.float(), method.loss).cpu().numpy()
+    return out, hh.class_unaries(out.float(), method.loss)
+
+
+def hash_codes(unary: np.ndarray, *, ks, method, beta, remap) -> tuple[torch.Tensor, float]:
+    """On the host: the exact codes of the unaries (`hh.cascade_codes`) and their labels per level, packed
+    as one int64 tensor (..., d + 1) [codes, label] for one copy to the device; and the seconds it took."""
     start = time.perf_counter()
     codes = hh.cascade_codes(
         unary, ks, method.alpha, beta, method=method.solver, cost_scale=method.cost_scale
     )
     labels = hh.level_labels(codes, remap)
     code_seconds = time.perf_counter() - start
-    host = torch.from_numpy(np.concatenate([codes, labels[..., None]], axis=-1).astype(np.int64))
-    packed = to_device(host, out.device)
-    loss = hh.hash_loss(out, packed[..., :d], packed[..., d], method.loss, margin, l2_reg)
-    return loss, code_seconds
+    return torch.from_numpy(
+        np.concatenate([codes, labels[..., None]], axis=-1).astype(np.int64)
+    ), code_seconds
+
+
+def codes_loss(out, packed, method, margin, l2_reg):
+    """`hh.hash_loss` of the outputs (nc, m, k, d) with the codes and labels `hash_codes` packed."""
+    d = out.shape[-1]
+    return hh.hash_loss(out, packed[..., :d], packed[..., d], method.loss, margin, l2_reg)
+
+
+class CodesLoss:
+    """Alg. 1's loss of one hash net (the keywords of `hash_loss_and_codes` bound), called whole as
+    (net, x) -> (loss, code seconds), or in the parts of a step split around its host read (`HashHooks`):
+    `hash_unaries` under the step's `autocast`, `hash_codes`, `codes_loss`."""
+
+    def __init__(self, autocast=contextlib.nullcontext, **keywords):
+        self.autocast, self.keywords = autocast, keywords
+
+    def __call__(self, net, x):
+        return hash_loss_and_codes(net, x, **self.keywords)
+
+    def unaries(self, net, x):
+        shape = {key: self.keywords[key] for key in ("nc", "m", "k", "d", "method")}
+        with self.autocast():
+            return hash_unaries(net, x, **shape)
+
+    def codes(self, unary: np.ndarray) -> tuple[torch.Tensor, float]:
+        return hash_codes(unary, **{key: self.keywords[key] for key in ("ks", "method", "beta", "remap")})
+
+    def loss(self, out, packed):
+        kw = self.keywords
+        return codes_loss(out, packed, kw["method"], kw["margin"], kw["l2_reg"])
 
 
 def base_loss(net, x, *, nc, m, method):
@@ -85,16 +129,18 @@ def lr_schedule(optimizer, decay_at, decay):
 class HashHooks(MethodHooks):
     """`runner.train.fit` hooks training one net for `method.iters` (or `iters`) iterations: batches of
     `classes_per_batch` x `per_class` (`ClassBalancedSampler`, seeded by `seed`), `loss(net, x)` per
-    batch, Adam on `param_groups` with the step decay over iterations. With `val_score` (a function of
-    nothing, higher is better), `evaluate` reports it as `val/p@1` and fit keeps the best net; the
-    epoch is then `method.eval_every` training epochs long, else one pass over the training set.
-    `code_seconds` adds up the time spent on the codes; each epoch's is logged as `time/code_s`."""
+    batch, Adam on `param_groups` (fused where `fused`) with the step decay over iterations. With
+    `val_score` (a function of nothing, higher is better), `evaluate` reports it as `val/p@1` and fit keeps
+    the best net; the epoch is then `method.eval_every` training epochs long, else one pass over the
+    training set. `code_seconds` adds up the time spent on the codes; each epoch's is logged as `time/code_s`.
+    A `CodesLoss` splits the step around its host read (`read`: the forward to the unaries; `solve`: the
+    codes; `loss`: the hash loss with them); the base and DCH losses are device work alone."""
 
-    why_not_capturable = ("the hash codes' min-cost flow is solved on the host from the step's own "
-                          "class-mean unaries (a read inside the step)")  # fmt: skip
+    capturable = True  # device work but the codes' read, whose flow `solve` runs between the two graphs
 
-    def __init__(self, method, labels, seed, param_groups, loss, iters=None, val_score=None):
+    def __init__(self, method, labels, seed, param_groups, loss, iters=None, val_score=None, fused=False):
         self.method, self.param_groups, self._loss, self.val_score = method, param_groups, loss, val_score
+        self.fused = fused  # Adam as one kernel, its step count on the device (`RunContext.fused_optimizer`)
         self.iters = iters or method.iters
         self.per_batch = method.classes_per_batch * method.per_class
         self.sampler = ClassBalancedSampler(labels, method.classes_per_batch, method.per_class, seed)
@@ -120,14 +166,35 @@ class HashHooks(MethodHooks):
         return ClassBalancedEpochs(self.sampler, self.epoch_iters, self.iters, rank, world_size)
 
     def optimizer(self, model):
-        optimizer = torch.optim.Adam(self.param_groups)
+        kernel = {"fused": True, "capturable": True} if self.fused else {}  # as `runner.optim.make_optimizer`
+        optimizer = torch.optim.Adam(self.param_groups, **kernel)
         return optimizer, lr_schedule(optimizer, self.method.decay_at, self.method.decay), True
 
-    def loss(self, net, x, y_soft, idx, epoch):
+    @property
+    def read(self):
+        """`CodesLoss`'s forward to the unaries, kept for `loss`; None for a loss without a host read."""
+        return self._unaries if isinstance(self._loss, CodesLoss) else None
+
+    def _unaries(self, x, y_soft, idx, model):
+        self._out, unary = self._loss.unaries(model, x)
+        return (unary,)
+
+    def solve(self, unary):
+        packed, code_seconds = self._loss.codes(unary.numpy())
+        self._count(code_seconds)
+        return (packed,)
+
+    def loss(self, net, x, y_soft, idx, epoch, solved=None):
+        if solved is not None:  # the step's second part: the outputs `read` kept, the codes `solve` found
+            out, self._out = self._out, None
+            return self._loss.loss(out, *solved)
         loss, code_seconds = self._loss(net, x)
+        self._count(code_seconds)
+        return loss
+
+    def _count(self, code_seconds: float) -> None:
         self.code_seconds += code_seconds
         self.epoch_code_seconds += code_seconds
-        return loss
 
     def evaluate(self, model):
         out = {"time/code_s": self.epoch_code_seconds}

@@ -22,6 +22,7 @@ One step, as in the Co-Mixup / Puzzle Mix code:
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 
 import numpy as np
@@ -34,22 +35,35 @@ from runner.losses import soft_cross_entropy
 from runner.method_hooks import MethodHooks
 from runner.methods.comixup import CONFIG_KEYS as COMIXUP_CONFIG_KEYS
 from runner.methods.comixup import OPTIONS as COMIXUP_OPTIONS
-from runner.methods.comixup import ComixupPool, auto_workers, comixup
+from runner.methods.comixup import (
+    ComixupPool,
+    _cell_sources,
+    _solve_partitions,
+    auto_workers,
+    identity_sources,
+    mix_cells,
+    plan,
+    split_options,
+    summarise,
+)
 from runner.methods.mixup import (
     cutmix_box,
     default_mixup_layers,
     mix_hidden,
     mix_pairs,
+    normalization,
     pairing,
     paste_box,
-    puzzle_mix,
+    puzzle_apply,
+    puzzle_cut,
+    puzzle_draw,
+    puzzle_read,
+    transport_grid,
 )
 from runner.plots import new_figure, save_figure
 
 SALIENCY_METHODS = ("comixup", "puzzle_mix")
 INPUT_PAIR_MIXUPS = ("input_mixup", "cutmix")  # mix the batch in `transform`; manifold mixup in `loss`
-PUZZLE_KEYS = ("alpha", "beta", "gamma", "eta", "n_labels", "grid", "neigh_size", "transport", "t_eps",
-               "t_size")  # fmt: skip
 
 
 def mixed_loss(logits: torch.Tensor, target: torch.Tensor, kind: str = "ce") -> torch.Tensor:
@@ -123,7 +137,7 @@ def _own_parameters(module: torch.nn.Module) -> list:
 def _diverged_saliency(saliency_maps) -> None:
     """Diverged where a mix refused a non-finite saliency map: the clean pass's input gradient is not
     finite once the network (or the data) is, which the loop's deferred non-finite check would report only
-    some steps later. A read of the device, on the error path only."""
+    some steps later. A read of the device (or of the host's copy), on the error path only."""
     if saliency_maps is not None and not bool(torch.isfinite(saliency_maps).all()):
         raise Diverged(
             "non-finite saliency maps (the clean pass's input gradient): the network diverged; lower "
@@ -164,7 +178,10 @@ class MixupHooks(MethodHooks):
 
     The pair mixups (input mixup, CutMix, manifold mixup) make their host draws before the step (`draw`:
     the ratio, the partners, CutMix's box, manifold mixup's site), so that their step is device work a
-    CUDA graph may replay; Co-Mixup and Puzzle Mix draw and solve inside it.
+    CUDA graph may replay. Co-Mixup's and Puzzle Mix's steps are split around their one host read (`read`:
+    the clean pass and the cut problems' summary or costs; `solve`: the cuts, Co-Mixup's partitions drawn,
+    on the host; `transform`: the mix from the cuts), each part device work a CUDA graph may replay;
+    Puzzle Mix's draws (lambda, the pairing, the grid, the adversarial option's) are made before the step.
 
     normalize: the data's per-channel (mean, std), so that raw pixels are x * std + mean (Puzzle Mix's
     seam cost and adversarial noise live in raw pixels); None when x is raw.
@@ -173,12 +190,12 @@ class MixupHooks(MethodHooks):
     on an accelerator or with `lag` (`auto_workers`), in-process on the CPU otherwise (there the weight
     backward would take the cores the solvers need). With `lag`, `transform` returns the previous batch's
     mix, whose cuts the workers solved during this step's clean pass; the first step of a run (and of a
-    resumed one) returns its clean batch.
+    resumed one) returns its clean batch; a split step keeps the previous batch in buffers for it. Where
+    the step is captured (`hardware.cuda_graph`), the clean weight gradient is part of the captured clean
+    pass: `overlap` applies to the eager step only.
     """
 
     mid_epoch_resume = True  # on_epoch_start only arms the preview; the rng is in state_dict
-    why_not_capturable = ("Co-Mixup's and Puzzle Mix's cuts are solved on the host from the saliency of the "
-                          "step's own clean pass (a read inside the step)")  # fmt: skip
 
     @property
     def accumulate_ok(self) -> bool:
@@ -187,24 +204,47 @@ class MixupHooks(MethodHooks):
 
     @property
     def capturable(self) -> bool:
-        """The pair mixups' step, their draws made before it, is device work; the saliency methods' is not."""
-        return self.cfg.name not in SALIENCY_METHODS
+        """The pair mixups' step, their draws made before it, is device work, as is each part of the saliency
+        methods' split step (but where `why_not_capturable` says)."""
+        return self.why_not_capturable is None
+
+    @property
+    def why_not_capturable(self) -> str | None:
+        if self.cfg.name == "puzzle_mix" and self.cfg.adv_p > 0:
+            return ("Puzzle Mix's adversarial noise (method.adv_p > 0) enters the step only for the batches "
+                    "the host picks")  # fmt: skip
+        if self.cfg.name == "comixup" and self.cfg.grid == -1:
+            return "Co-Mixup's grid drawn per batch (method.grid=-1) changes the shapes of the step's mix"
+        return None
+
+    @property
+    def read(self):
+        """The saliency methods' clean pass and cut problems, up to their host read (`_read`)."""
+        return self._read if self.cfg.name in SALIENCY_METHODS else None
 
     @property
     def draw(self):
-        """The pair mixups' `_draw_pair`; None for Co-Mixup and Puzzle Mix (their draws go with the solve)."""
-        return self._draw_pair if self.cfg.name not in SALIENCY_METHODS else None
+        """The pair mixups' `_draw_pair`, Puzzle Mix's `_draw_puzzle`; None for Co-Mixup (its draws go
+        with the solve)."""
+        return {"comixup": None, "puzzle_mix": self._draw_puzzle}.get(self.cfg.name, self._draw_pair)
 
     def __init__(self, cfg, num_classes: int, ctx, seed: int, normalize=None):
         self.cfg, self.num_classes, self.ctx = cfg, num_classes, ctx
         self.rng = np.random.default_rng(seed)
         self.mean, self.std = normalize if normalize is not None else (None, None)
         self.workers = cfg.get("workers", 0) if cfg.name == "comixup" else 0
+        self.lag = cfg.name == "comixup" and cfg.lag
         self.pool = None  # started at the first batch (auto workers need its size)
         self._clean = None  # (loss value, [(param, grad)]) of the current step's clean pass
         self._deferred = None  # (clean loss, params) whose weight gradient is still to take
         self._lagged = None  # with lag: the previous batch's pending mix
+        self._previous = None  # with lag, in a split step: the previous batch (x, y_soft), in buffers
+        self._problem = None  # Co-Mixup's cut problem, as `_read` set it up on the device
         self._adv = None  # Puzzle Mix's adversarial option: (noise in raw pixels, (mask x, mask partner))
+        self._adv_drawn = None  # its draws for the step: ((mask x, mask partner), the noise's scale) or None
+        self._grid = None  # Puzzle Mix's grid of this step, drawn before it
+        self._puzzle = {}  # per grid: Puzzle Mix's step as `_read` left it for the mix (each capture's)
+        self._normalization = None  # Puzzle Mix's (shift, scale) of raw pixels, made once on the device
         self._preview = False
 
     def on_epoch_start(self, epoch, model, data):
@@ -225,39 +265,136 @@ class MixupHooks(MethodHooks):
         drawn = tuple(to_device(np.asarray(value), x.device) for value in values)
         if self._preview:  # here, outside a captured step: the preview reads the mix back
             with torch.no_grad():
-                self._preview_once(*self._mix(x, y_soft, None, drawn))
+                self._preview_once(*self._mix(x, y_soft, drawn))
         return drawn
+
+    def _draw_puzzle(self, x, y_soft, idx, model):
+        """Puzzle Mix's host draws, in the order of the step that drew them inside: the adversarial option's
+        (kept on the hooks: `_adv_drawn`), then lambda, the pairing and the grid (`puzzle_draw`) -> the
+        partners, the label levels and each cell's label prior (n, L), on x's device."""
+        cfg = self.cfg
+        self._adv_drawn = None
+        if cfg.adv_p > 0:
+            masks = tuple(bool(self.rng.binomial(1, cfg.adv_p)) for _ in range(2))
+            self._adv_drawn = (masks, self.rng.uniform(0, 1)) if any(masks) else None
+        perm, z, prior, grid = puzzle_draw(
+            x.shape, cfg.alpha, cfg.eta, cfg.n_labels, cfg.grid, "gco_swap", self.rng
+        )
+        self._grid = grid
+        cell_prior = prior.expand(grid * grid, -1).contiguous()  # its shape names the grid: a capture each
+        return tuple(to_device(v, x.device) for v in (perm, z, cell_prior))
 
     @staticmethod
     def _mixup_layers(model):
         return default_mixup_layers(getattr(model, "module", model))  # DDP wraps the model
 
-    def transform(self, x, y_soft, idx, model, drawn=None):
-        if drawn is None and self.cfg.name in INPUT_PAIR_MIXUPS:  # called outside the loop: draw here
-            drawn = self._draw_pair(x, y_soft, idx, model)
-        pool = self._comixup_pool(x)
-        lag = pool is not None and self.cfg.lag
-        overlap = pool is not None and self.cfg.overlap and not lag
-        saliency_maps = self._clean_pass(model, x, y_soft, defer_weights=overlap)
-        try:
-            if pool is None:
-                with torch.no_grad():
-                    x_mix, y_mix = self._mix(x, y_soft, saliency_maps, drawn)
-            else:
-                with torch.no_grad():
-                    options = self._comixup_options()
-                    pending = pool.submit(x, y_soft, saliency_maps, rng=self.rng, with_masks=False, **options)
-                if lag:  # this batch's cuts run through the next step; this one trains on the previous mix
-                    pending, self._lagged = self._lagged, pending
-                self._weight_backward()  # a deferred one (overlap): on the device while the workers solve
-                with torch.no_grad():
-                    x_mix, y_mix = (x, y_soft) if pending is None else pending.result()
-                y_mix = y_mix.to(y_soft.dtype)
-        except ValueError:
-            _diverged_saliency(saliency_maps)
-            raise
+    def transform(self, x, y_soft, idx, model, drawn=None, solved=None):
+        if drawn is None and self.cfg.name in (*INPUT_PAIR_MIXUPS, "puzzle_mix"):  # outside the loop: draw
+            draw = self._draw_puzzle if self.cfg.name == "puzzle_mix" else self._draw_pair
+            drawn = draw(x, y_soft, idx, model)
+        if self.read is not None:  # the saliency methods: the mix from the cuts (`_read`, `solve`)
+            if solved is None:  # called outside the loop: the step's read and solve here
+                given = {} if drawn is None else {"drawn": drawn}
+                host = self.solve(*(t.cpu() for t in self.read(x, y_soft, idx, model, **given)))
+                solved = tuple(t.to(x.device) for t in host)
+            with torch.no_grad():
+                x_mix, y_mix = self._mix_solved(x, y_soft, *solved)
+            self._keep_previous(x, y_soft)
+            return x_mix, y_mix.to(y_soft.dtype)
+        self._clean_pass(model, x, y_soft)  # the clean term's gradient, where clean_lam > 0
+        with torch.no_grad():
+            x_mix, y_mix = self._mix(x, y_soft, drawn)
         self._preview_once(x_mix, y_mix)
         return x_mix, y_mix
+
+    def _mix_solved(self, x, y_soft, solved):
+        """A saliency method's mix from its cuts: Co-Mixup's cell sources, Puzzle Mix's mask labels."""
+        if self.cfg.name == "comixup":
+            return mix_cells(*self._mix_source(x, y_soft), solved)
+        cfg, state = self.cfg, self._puzzle[self._grid]
+        noise, adv_mask = self._adv if self._adv is not None else (None, (False, False))
+        t_grid = transport_grid(cfg.t_size, state["s_grid"].shape[-1], *x.shape[-2:], cfg.transport)
+        return puzzle_apply(x, y_soft, solved, state["raw"], state["s"], state["s_grid"], state["index"],
+                            *self._normalization, cfg.n_labels, cfg.transport, cfg.t_eps, t_grid, noise,
+                            adv_mask)  # fmt: skip
+
+    def _read(self, x, y_soft, idx, model, drawn=None):
+        """The device work of a saliency method's step up to its host read: the clean pass (its weight
+        gradient kept for `loss`, or deferred where `overlap` applies) and Co-Mixup's cut problem summary
+        (`summarise`), or Puzzle Mix's cut costs (`puzzle_read`)."""
+        if self.cfg.name == "puzzle_mix":
+            saliency_maps = self._clean_pass(model, x, y_soft)
+            if self._normalization is None:  # made in the first, eager, step: a captured one reuses them
+                self._normalization = normalization(self.mean, self.std, x.device, x.dtype)
+            index, z, cell_prior = drawn
+            grid = math.isqrt(len(cell_prior))  # = self._grid
+            cfg = self.cfg
+            with torch.no_grad():
+                costs, raw, s_grid = puzzle_read(x, saliency_maps, index, z, cell_prior, *self._normalization,
+                                                 grid, cfg.beta, cfg.gamma, cfg.neigh_size)  # fmt: skip
+            self._puzzle[grid] = {"raw": raw, "s": saliency_maps, "s_grid": s_grid, "index": index, "x": x,
+                                  "y": y_soft}  # fmt: skip
+            return (costs,)
+        pool = self._comixup_pool(x)
+        lag = pool is not None and self.cfg.lag
+        overlap = pool is not None and self.cfg.overlap and not lag and not self.ctx.cuda_graph
+        saliency_maps = self._clean_pass(model, x, y_soft, defer_weights=overlap)
+        sweeps, shape = split_options(**self._comixup_options())
+        with torch.no_grad():
+            self._problem = summarise(x, y_soft, saliency_maps, sweeps, *shape, self.rng)
+        return (self._problem["summary"],)
+
+    def solve(self, read):
+        """The host's part of a saliency method's step: Puzzle Mix's cuts from the costs read; Co-Mixup's
+        partitions set up from the summary read (their draws from `self.rng`) and solved, in process or by
+        the workers (the deferred clean weight gradient taken meanwhile), with `lag` this batch's sent to
+        the workers and the previous one's taken (the first step: its own batch kept as it is). -> (the
+        cuts, for `transform`); the preview, when armed."""
+        cfg = self.cfg
+        try:
+            if cfg.name == "puzzle_mix":
+                cuts = torch.from_numpy(puzzle_cut(read.numpy(), self._grid, cfg.n_labels, "gco_swap"))
+            else:
+                cuts = torch.from_numpy(self._comixup_cuts(plan(self._problem, read.numpy(), self.rng)))
+        except ValueError:
+            _diverged_saliency(read)
+            raise
+        if self._preview:  # here, outside a captured step: the preview reads the mix back
+            state = self._puzzle[self._grid] if cfg.name == "puzzle_mix" else self._problem
+            with torch.no_grad():
+                x, y = state["x"], state["y"]
+                self._preview_once(*self._mix_solved(x, y, to_device(cuts, x.device)))
+        return (cuts,)
+
+    def _comixup_cuts(self, problem: dict) -> np.ndarray:
+        """The cell sources of Co-Mixup's mix (`_cell_sources`) of a problem set up on the host."""
+        sweeps, _ = split_options(**self._comixup_options())
+        if self.pool is None:
+            return _cell_sources(_solve_partitions(*problem["arrays"], sweeps)[0], problem["index"])
+        pending = self.pool.start(problem, sweeps)
+        if self.lag:  # this batch's cuts run through the next step; this one mixes the previous batch
+            pending, self._lagged = self._lagged, pending
+        self._weight_backward()  # a deferred one (overlap): on the device while the workers solve
+        if pending is None:  # the first lagged step: its own batch as it is
+            return identity_sources(len(problem["x"]), problem["grid"])
+        return pending.sources()
+
+    def _mix_source(self, x, y_soft):
+        """The batch a Co-Mixup step mixes: its own, or with `lag` the previous one (the first step's own)."""
+        if self.lag and self._previous is not None:
+            return self._previous
+        return x, y_soft
+
+    def _keep_previous(self, x, y_soft):
+        """With `lag`, this batch kept for the next step: copied into the buffers of the previous one (which
+        a captured step reads and writes in place), new ones for a new batch shape."""
+        if not self.lag:
+            return
+        if self._previous is not None and self._previous[0].shape == x.shape:
+            self._previous[0].copy_(x)
+            self._previous[1].copy_(y_soft)
+        else:
+            self._previous = (x.clone(), y_soft.clone())
 
     def _preview_once(self, x_mix, y_mix):
         """mixup_preview.png of this mix where the epoch's preview is armed (`on_epoch_start`)."""
@@ -266,7 +403,7 @@ class MixupHooks(MethodHooks):
             path = save_mixup_preview(x_mix, y_mix, Path(self.ctx.dir) / "mixup_preview.png", self.cfg.name)
             self.ctx.tracker.image("mixup_preview", path)
 
-    def loss(self, model, x, y_soft, idx, epoch, drawn=None):
+    def loss(self, model, x, y_soft, idx, epoch, drawn=None, solved=None):
         if self.cfg.name == "manifold_mixup":  # the mix is inside the forward
             if drawn is None:  # called outside the loop: draw here
                 drawn = self._draw_pair(x, y_soft, idx, model)
@@ -328,7 +465,7 @@ class MixupHooks(MethodHooks):
         if self._adv is not None:  # one signed-gradient step from the random start, then a random scale
             eps = self.cfg.adv_eps / 255
             noise = (self._adv[0] + (self.cfg.adv_eps + 2) / 255 * grads[0].sign()).clamp(-eps, eps)
-            self._adv = (noise * self.rng.uniform(0, 1), self._adv[1])
+            self._adv = (noise * self._adv_drawn[1], self._adv[1])
         return grads[0].pow(2).mean(1).sqrt() if needs_saliency else None
 
     def _weight_backward(self):
@@ -345,14 +482,12 @@ class MixupHooks(MethodHooks):
 
     def _adversarial_start(self, x):
         """Puzzle Mix with adv_p > 0: per batch, x and the partner each get noise with probability
-        adv_p; the saliency is then taken at a uniform random start in the adv_eps / 255 ball (raw
-        pixels, clipped to [0, 1]), as the authors."""
+        adv_p (drawn before the step: `_draw_puzzle`); the saliency is then taken at a uniform random start
+        in the adv_eps / 255 ball (raw pixels, clipped to [0, 1]), as the authors."""
         self._adv = None
-        if self.cfg.name != "puzzle_mix" or self.cfg.adv_p == 0:
+        if self.cfg.name != "puzzle_mix" or self._adv_drawn is None:
             return x
-        masks = tuple(bool(self.rng.binomial(1, self.cfg.adv_p)) for _ in range(2))
-        if not any(masks):
-            return x
+        masks = self._adv_drawn[0]
         shape = (1, -1, 1, 1)
         mean = to_device(0.0 if self.mean is None else self.mean, x.device).reshape(shape)
         std = to_device(1.0 if self.std is None else self.std, x.device).reshape(shape)
@@ -362,22 +497,14 @@ class MixupHooks(MethodHooks):
         self._adv = (noisy - raw, masks)
         return (noisy - mean) / std
 
-    def _mix(self, x, y_soft, saliency_maps, drawn):
-        cfg, name = self.cfg, self.cfg.name
-        if name == "input_mixup":
+    def _mix(self, x, y_soft, drawn):
+        """A pair mixup's mix of the batch with its draws (manifold mixup's is inside the forward)."""
+        if self.cfg.name == "input_mixup":
             return mix_pairs(x, y_soft, *drawn)
-        if name == "cutmix":
+        if self.cfg.name == "cutmix":
             lam, perm, box, keep = drawn
             return paste_box(x, y_soft, box, keep, perm)
-        if name == "manifold_mixup":  # mixed inside the forward, in `loss`
-            return x, y_soft
-        if name == "puzzle_mix":
-            noise, adv_mask = self._adv if self._adv is not None else (None, (False, False))
-            return puzzle_mix(x, y_soft, saliency_maps, **{k: cfg[k] for k in PUZZLE_KEYS}, mean=self.mean,
-                              std=self.std, noise=noise, adv_mask=adv_mask, rng=self.rng)  # fmt: skip
-        options = self._comixup_options()
-        x_mix, y_mix = comixup(x, y_soft, saliency_maps, rng=self.rng, with_masks=False, **options)
-        return x_mix, y_mix.to(y_soft.dtype)
+        return x, y_soft
 
     def state_dict(self):
         return {"rng": self.rng.bit_generator.state}

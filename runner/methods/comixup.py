@@ -768,6 +768,19 @@ def choose_grid(grid: int, H: int, W: int, rng: np.random.Generator) -> int:
     return grid
 
 
+def split_options(**kwargs) -> tuple[_Sweeps, tuple]:
+    """`comixup`'s keyword options (its defaults for the others): those of the sweeps, and (omega, alpha,
+    grid, part)."""
+    options = _option_defaults()
+    unknown = set(kwargs) - set(options)
+    if unknown:
+        raise ValueError(f"unknown comixup option(s) {sorted(unknown)}; allowed: {sorted(options)}")
+    options.update(kwargs)
+    return _Sweeps(*(options[k] for k in _Sweeps._fields)), tuple(
+        options[k] for k in ("omega", "alpha", "grid", "part")
+    )
+
+
 def _option_defaults() -> dict:
     """The keyword options of `comixup` that shape the mix (all but rng, log, with_masks), with defaults."""
     parameters = inspect.signature(comixup).parameters.items()
@@ -776,9 +789,18 @@ def _option_defaults() -> dict:
 
 
 def _prepare(x, y_onehot, saliency_maps, sweeps: _Sweeps, omega, alpha, grid, part, rng) -> dict:
-    """Validate, summarise the batch on its device (`_batch_summary`), read the summary (the one wait for
-    the device) and set up the partitions from it (`_partitions`). x, y and the saliency stay where they
-    are (numpy: torch views on the CPU)."""
+    """Validate, summarise the batch on its device (`summarise`), read the summary (the one wait for the
+    device) and set up the partitions from it (`plan`). x, y and the saliency stay where they are (numpy:
+    torch views on the CPU)."""
+    rng = np.random.default_rng(rng)
+    problem = summarise(x, y_onehot, saliency_maps, sweeps, omega, alpha, grid, part, rng)
+    return plan(problem, problem["summary"].cpu().numpy(), rng)
+
+
+def summarise(x, y_onehot, saliency_maps, sweeps: _Sweeps, omega, alpha, grid, part, rng) -> dict:
+    """Co-Mixup's device work before its host read: the options and the batch checked, the grid chosen
+    (drawn from `rng` where grid=-1) and the batch summarised on x's device (`_batch_summary`). -> the
+    problem so far: {"summary", "x", "y", "grid", "numpy_out", "shape": (omega, alpha, part)}."""
     sweeps._checked()
     _check_range("omega", omega, 0.0, 1.0)
     if not 0 < alpha < math.inf:
@@ -798,11 +820,17 @@ def _prepare(x, y_onehot, saliency_maps, sweeps: _Sweeps, omega, alpha, grid, pa
     s = torch.as_tensor(saliency_maps, device=x.device)
     if s.shape != (B, H, W):
         raise ValueError(f"saliency_maps: shape {tuple(s.shape)}, expected ({B}, {H}, {W})")
-    rng = np.random.default_rng(rng)
     grid = choose_grid(grid, H, W, rng)
-    summary = _batch_summary(y, s, grid).cpu().numpy()
-    problem = _partitions(summary, omega, alpha, grid, part, rng)
-    return {**problem, "x": x, "y": y, "numpy_out": numpy_out}
+    summary = _batch_summary(y, s, grid)
+    return {"summary": summary, "x": x, "y": y, "grid": grid, "numpy_out": numpy_out,
+            "shape": (omega, alpha, part)}  # fmt: skip
+
+
+def plan(problem: dict, summary: np.ndarray, rng) -> dict:
+    """On the host, from the summary `summarise` made, read: the partitions set up (`_partitions`, which
+    draws lambda and the start from `rng`) -> the problem with the "arrays" of `_solve_partitions`, and
+    "index"."""
+    return problem | _partitions(summary, *problem["shape"][:2], problem["grid"], problem["shape"][2], rng)
 
 
 def _batch_summary(y: torch.Tensor, s: torch.Tensor, grid: int) -> torch.Tensor:
@@ -867,13 +895,21 @@ def _cell_sources(W: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 
 def _mix(problem: dict, W: np.ndarray, with_masks: bool):
-    """Cell-wise mixing on x's device, x_j = sum_i Z[j,i] * x_i, from `_cell_sources` (one non-blocking
-    copy): a cell draws on at most two inputs, so the mix is two gathers instead of a B x B product, and
-    y_mixed = (mean over cells of Z) @ y. Returns (x_mixed, y_mixed[, masks (B, g, g, B)]), float32
-    labels and masks, in the type of the input x."""
-    x, y, g = problem["x"], problem["y"], problem["grid"]
-    B, n = len(x), g * g
+    """Cell-wise mixing on x's device from the solved weights W (`mix_cells` of `_cell_sources`, sent in
+    one non-blocking copy), in the type of the input x."""
+    x = problem["x"]
     packed = to_device(_cell_sources(W, problem["index"]), x.device)
+    out = mix_cells(x, problem["y"], packed, with_masks)
+    return tuple(o.numpy() for o in out) if problem["numpy_out"] else out
+
+
+def mix_cells(x: torch.Tensor, y: torch.Tensor, packed: torch.Tensor, with_masks: bool = False):
+    """Cell-wise mixing on x's device, x_j = sum_i Z[j,i] * x_i, from `_cell_sources` (`packed`, on x's
+    device, (B, g^2, 4)): a cell draws on at most two inputs, so the mix is two gathers instead of a B x B
+    product, and y_mixed = (mean over cells of Z) @ y. Returns (x_mixed, y_mixed[, masks (B, g, g, B)]),
+    float32 labels and masks."""
+    B, n = len(x), packed.shape[1]
+    g = math.isqrt(n)
     sources, weights = packed[..., :2].long(), packed[..., 2:]
     cells, cell_idx, w = _cells(x, g), torch.arange(n, device=x.device), weights.to(x.dtype)
     mixed = w[..., :1] * cells[sources[..., 0], cell_idx] + w[..., 1:] * cells[sources[..., 1], cell_idx]
@@ -882,7 +918,14 @@ def _mix(problem: dict, W: np.ndarray, with_masks: bool):
     if with_masks:
         masks = torch.zeros(B, n, B, device=x.device).scatter_add_(2, sources, weights)
         out += (masks.reshape(B, g, g, B),)
-    return tuple(o.numpy() for o in out) if problem["numpy_out"] else out
+    return out
+
+
+def identity_sources(B: int, g: int) -> np.ndarray:
+    """`_cell_sources` of the mix that keeps each input as it is (every cell its own, weight 1)."""
+    own = np.broadcast_to(np.arange(B, dtype=np.float32)[:, None, None], (B, g * g, 2))
+    weights = np.broadcast_to(np.array([0.0, 1.0], dtype=np.float32), (B, g * g, 2))
+    return np.concatenate([own, weights], -1)
 
 
 def _cells(x: torch.Tensor, g: int) -> torch.Tensor:
@@ -928,14 +971,11 @@ class ComixupPool:
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="comixup")
 
     def submit(self, x, y_onehot, saliency_maps, rng=None, with_masks: bool = True, **kwargs) -> _PendingMix:
-        options = _option_defaults()
-        unknown = set(kwargs) - set(options)
-        if unknown:
-            raise ValueError(f"unknown comixup option(s) {sorted(unknown)}; allowed: {sorted(options)}")
-        options.update(kwargs)
-        sweeps = _Sweeps(*(options[k] for k in _Sweeps._fields))
-        shape = (options[k] for k in ("omega", "alpha", "grid", "part"))
-        problem = _prepare(x, y_onehot, saliency_maps, sweeps, *shape, rng)
+        sweeps, shape = split_options(**kwargs)
+        return self.start(_prepare(x, y_onehot, saliency_maps, sweeps, *shape, rng), sweeps, with_masks)
+
+    def start(self, problem: dict, sweeps: _Sweeps, with_masks: bool = False) -> _PendingMix:
+        """The partitions of a problem set up on the host (`plan`) sent to the workers, each a share."""
         arrays = problem["arrays"]
         shares = np.array_split(np.arange(len(arrays[-1])), min(self.workers, len(arrays[-1])))
         futures = [
@@ -957,9 +997,16 @@ class _PendingMix:
     def __init__(self, problem: dict, futures: list[Future], with_masks: bool):
         self._problem, self._futures, self._with_masks = problem, futures, with_masks
 
+    def weights(self) -> np.ndarray:
+        """The solved weights W (P, m', n, m) of every partition, once the workers are done."""
+        return np.concatenate([f.result()[0] for f in self._futures])
+
+    def sources(self) -> np.ndarray:
+        """`_cell_sources` of the solved weights, for `mix_cells`."""
+        return _cell_sources(self.weights(), self._problem["index"])
+
     def result(self):
-        W = np.concatenate([f.result()[0] for f in self._futures])
-        return _mix(self._problem, W, self._with_masks)
+        return _mix(self._problem, self.weights(), self._with_masks)
 
 
 # ----------------------------------------------------------------------------------------------

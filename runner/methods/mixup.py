@@ -257,6 +257,39 @@ def puzzle_costs(
     (unary (B, n, L), edge weights (B, E) in `grid_cut` order (clipped at 0), pairwise (L, L)), the
     first two computed on the inputs' device and read in one copy.
     """
+    z, log_prior = label_prior(lam, s_own.shape[1] ** 2, n_labels, eta)
+    z_there, log_prior = to_device(torch.stack([z, log_prior]), s_own.device)
+    costs = puzzle_cost_tensor(s_own, s_partner, raw_own, raw_partner, z_there, log_prior, beta, gamma,
+                               neigh_size)  # fmt: skip
+    n = s_own.shape[1] ** 2
+    return (*split_costs(costs.cpu().numpy(), n, n_labels), pairwise_costs(n_labels))  # the step's one read
+
+
+def label_prior(lam: float, n: int, n_labels: int, eta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the host: the label levels z (L,) and each label's prior cost -eta / n log(Binom(l; L - 1,
+    1 - lam) + 1e-8) (L,), float64 (`puzzle_costs`)."""
+    z = torch.linspace(0, 1, n_labels, dtype=torch.float64)
+    prior = scipy.stats.binom.pmf(np.arange(n_labels), n_labels - 1, 1 - lam)
+    return z, torch.as_tensor(-eta / n * np.log(prior + 1e-8))
+
+
+def pairwise_costs(n_labels: int) -> np.ndarray:
+    """The label cost (z_a - z_b)^2 of each pair of labels (L, L), on the host."""
+    z = torch.linspace(0, 1, n_labels, dtype=torch.float64)
+    return ((z[:, None] - z[None, :]) ** 2).numpy()
+
+
+def split_costs(costs: np.ndarray, n: int, n_labels: int) -> tuple[np.ndarray, np.ndarray]:
+    """`puzzle_cost_tensor`'s rows of n cells, read: (unary (B, n, L), edge weights (B, E)), float64."""
+    return costs[:, : n * n_labels].reshape(len(costs), n, n_labels), costs[:, n * n_labels :]
+
+
+def puzzle_cost_tensor(
+    s_own, s_partner, raw_own, raw_partner, z, prior, beta, gamma, neigh_size
+) -> torch.Tensor:
+    """`puzzle_costs` on the inputs' device, before its read: each pair's unary (n L) and edge weights (E)
+    in one float64 row (B, n L + E). z (L,) the label levels and prior ((L,), or (n, L): each cell's) the
+    labels' prior costs, on the device (`label_prior`)."""
     B, g, _ = s_own.shape
     n = g * g
     block = raw_own.shape[-1] // g
@@ -275,16 +308,10 @@ def puzzle_costs(
         cost[:, 1:, :] += (vert[0, a] + vert[1, a]) / 2  # this cell below
         cost[:, :, :-1] += (horz[a, 0] + horz[a, 1]) / 2
         cost[:, :, 1:] += (horz[0, a] + horz[1, a]) / 2
-    z = torch.linspace(0, 1, n_labels, dtype=torch.float64)  # on the host, as are the pairwise costs
-    prior = scipy.stats.binom.pmf(np.arange(n_labels), n_labels - 1, 1 - lam)
-    log_prior = torch.as_tensor(-eta / n * np.log(prior + 1e-8))
-    z_there, log_prior = to_device(torch.stack([z, log_prior]), s_own.device)
-    unary = (1 - z_there) * keep_x.reshape(B, n, 1) + z_there * keep_partner.reshape(B, n, 1) + log_prior
+    unary = (1 - z) * keep_x.reshape(B, n, 1) + z * keep_partner.reshape(B, n, 1) + prior
     residual = [(p[1, 0] + p[0, 1] - p[1, 1] - p[0, 0]).reshape(B, -1) / 2 for p in (vert, horz)]
     edge_weight = (beta_n + torch.cat(residual, 1).double()).clamp(min=0)
-    costs = torch.cat([unary.reshape(B, -1), edge_weight], 1).cpu().numpy()  # the step's one read
-    unary, edge_weight = costs[:, : n * n_labels].reshape(B, n, n_labels), costs[:, n * n_labels :]
-    return unary, edge_weight, ((z[:, None] - z[None, :]) ** 2).numpy()
+    return torch.cat([unary.reshape(B, -1), edge_weight], 1)
 
 
 def transport_plan(mask: torch.Tensor, saliency: torch.Tensor, t_eps: float = 0.8) -> torch.Tensor:
@@ -375,6 +402,25 @@ def puzzle_mix(
     _check_choice("method", method, SOLVERS)
     rng = np.random.default_rng(rng)
     B, C, H, W = x.shape
+    perm, z, prior, grid = puzzle_draw(x.shape, alpha, eta, n_labels, grid, method, rng)
+    t_grid = transport_grid(t_size, grid, H, W, transport)
+    s = torch.as_tensor(saliency_maps, device=x.device)
+    if s.shape != (B, H, W):
+        raise ValueError(f"saliency_maps: shape {tuple(s.shape)}, expected ({B}, {H}, {W})")
+    index = to_device(perm, x.device)
+    shift, scale = normalization(mean, std, x.device, x.dtype)
+    z_there, prior = to_device(torch.stack([z, prior]), x.device)
+    costs, raw, s_grid = puzzle_read(x, s, index, z_there, prior, shift, scale, grid, beta, gamma, neigh_size)
+    labels = to_device(puzzle_cut(costs.cpu().numpy(), grid, n_labels, method), x.device)  # the one read
+    return puzzle_apply(x, y, labels, raw, s, s_grid, index, shift, scale, n_labels, transport, t_eps, t_grid,
+                        noise, adv_mask)  # fmt: skip
+
+
+def puzzle_draw(shape, alpha, eta, n_labels, grid, method, rng):
+    """Puzzle Mix's host draws for a batch of `shape` (B, C, H, W), the options checked: lambda ~
+    Beta(alpha, alpha) and the pairing, then the grid (grid=-1: one of {2, 4, 8, 16} dividing the image).
+    -> (partners, the label levels z (L,), their prior costs (L,) (`label_prior`), the grid)."""
+    B, C, H, W = shape
     if H != W:
         raise ValueError(f"x: images of {H}x{W}; puzzle_mix needs square ones (g x g cells of square blocks)")
     lam, perm = pairing(B, alpha, rng)
@@ -392,28 +438,50 @@ def puzzle_mix(
         grid = int(rng.choice(choices))
     if not (isinstance(grid, int) and grid >= 2 and H % grid == 0 and W % grid == 0):
         raise ValueError(f"grid={grid}: must be a divisor >= 2 of the image size {H}x{W}, or -1")
+    return perm, *label_prior(lam, grid * grid, n_labels, eta), grid
+
+
+def transport_grid(t_size: int, grid: int, H: int, W: int, transport: bool) -> int:
+    """The side of the transport's grid: cells of `t_size` pixels where finer than the cut's, else the cut's
+    (0: 4 px on images of at most 32 px)."""
     if t_size == 0:  # at 224 px, 4-px cells would make a 56 x 56 transport grid: 3136^2 costs per image
         t_size = 4 if W <= 32 else -1
     finer = t_size != -1 and t_size < W // grid  # transport cells of t_size pixels, finer than the cut's
     t_grid = W // t_size if finer and t_size > 0 else grid
     if transport and (t_size < -1 or (finer and (W % t_size or H % t_grid))):
         raise ValueError(f"t_size={t_size}: the transport cells must tile the {H}x{W} image (or -1, or 0)")
-    s = torch.as_tensor(saliency_maps, device=x.device)
-    if s.shape != (B, H, W):
-        raise ValueError(f"saliency_maps: shape {tuple(s.shape)}, expected ({B}, {H}, {W})")
-    index = to_device(perm, x.device)
-    shift, scale = (
-        to_device(default if v is None else v, x.device, x.dtype).reshape(1, -1, 1, 1)
-        for v, default in ((mean, 0.0), (std, 1.0))
-    )
+    return t_grid
+
+
+def normalization(mean, std, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shift, scale) (1, C, 1, 1) on `device`: raw pixels are x * scale + shift (None: 0 and 1)."""
+    return tuple(to_device(default if v is None else v, device, dtype).reshape(1, -1, 1, 1)
+                 for v, default in ((mean, 0.0), (std, 1.0)))  # fmt: skip
+
+
+def puzzle_read(x, s, index, z, prior, shift, scale, grid, beta, gamma, neigh_size):
+    """Puzzle Mix's device work before its host read: the raw pixels, the saliency pooled to the grid and the
+    cut problems' costs (`puzzle_cost_tensor`) -> (costs, raw, pooled saliency)."""
     raw = x * scale + shift
     s_grid = pool_saliency(s, grid)
-    unary, edge_weight, pairwise = puzzle_costs(
-        s_grid, s_grid[index], raw, raw[index], lam, beta, gamma, eta, n_labels, neigh_size
-    )
+    costs = puzzle_cost_tensor(s_grid, s_grid[index], raw, raw[index], z, prior, beta, gamma, neigh_size)
+    return costs, raw, s_grid
+
+
+def puzzle_cut(costs: np.ndarray, grid: int, n_labels: int, method: str) -> np.ndarray:
+    """On the host: each pair's mask labels (B, n) from the costs read (`grid_cut` by `method`)."""
+    unary, edge_weight = split_costs(costs, grid * grid, n_labels)
     if not (np.isfinite(unary).all() and np.isfinite(edge_weight).all()):  # checked where read anyway
         raise ValueError("saliency_maps: contains NaN or inf (or x does)")
-    labels = to_device(_cut(unary, pairwise, edge_weight, grid, method), x.device)
+    return _cut(unary, pairwise_costs(n_labels), edge_weight, grid, method)
+
+
+def puzzle_apply(x, y, labels, raw, s, s_grid, index, shift, scale, n_labels, transport, t_eps, t_grid, noise,
+                 adv_mask):  # fmt: skip
+    """Puzzle Mix's device work after its host read: the masks from the cut's labels (on the device), the
+    adversarial noise, the transport and the mix -> (x_mix, y_mix)."""
+    B, _, H, W = x.shape
+    grid = s_grid.shape[-1]
     mask = 1 - labels.reshape(B, 1, grid, grid).to(x.dtype) / (n_labels - 1)  # weight of x
     own, partner = x, x[index]
     if noise is not None:

@@ -48,12 +48,12 @@ from runner.checks import ConfigError
 from runner.configs.hashing import METHODS, PER_KS, HierHashConfig  # noqa: F401  (tests import them here)
 from runner.data import load_data
 from runner.hooks.hier_hash import (
+    CodesLoss,
     HashHooks,
     base_loss,
     baseline_codes,
     bucket_bits,
     dch_batch_loss,
-    hash_loss_and_codes,
     outputs,
     pixel_mean_input,
     retrieval_tables,
@@ -98,7 +98,8 @@ def train_net(cfg, ctx, data, tag, net, param_groups, loss, iters, val_score=Non
     `runner.train.fit` (checkpoint `checkpoints/<tag>.pt`, rows `<tag>/...`); with `val_score` and
     `method.eval_every`, the best-validation net is kept. Returns its timings and validation score."""
     seed = [cfg.seed, zlib.crc32(tag.encode())]
-    hooks = HashHooks(cfg.method, data.train.y.numpy(), seed, param_groups, loss, iters, val_score)
+    hooks = HashHooks(cfg.method, data.train.y.numpy(), seed, param_groups, loss, iters, val_score,
+                      fused=ctx.fused_optimizer)  # fmt: skip
     train = train_config(cfg.train, hooks)
     metrics = fit(net, data, train, ctx, hooks, augment=cfg.dataset.augment, tag=tag)
     seconds = metrics["time/train_total_s"]
@@ -167,9 +168,8 @@ def train_hash_nets(cfg, ctx, data, embed, backbone, input_norm, splits):
         for i, ks in enumerate(method.ks):
             net, groups = new_hash_net(method, backbone, input_norm, d * k, ctx.device)
             beta, margin, l2_reg = (per_ks(values, i) for values in (betas, margins, l2s))
-            loss = partial(hash_loss_and_codes, nc=method.classes_per_batch, m=method.per_class, k=k, d=d,
-                           ks=ks, method=method, beta=beta, margin=margin, l2_reg=l2_reg,
-                           remap=remap)  # fmt: skip
+            loss = CodesLoss(ctx.autocast, nc=method.classes_per_batch, m=method.per_class, k=k, d=d, ks=ks,
+                             method=method, beta=beta, margin=margin, l2_reg=l2_reg, remap=remap)  # fmt: skip
 
             def val_score(net=net, d=d, k=k, ks=ks):
                 act = outputs(net, data.val, ctx, batch_size)
