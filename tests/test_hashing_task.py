@@ -260,7 +260,8 @@ def test_hash_lr_steps_per_iteration(tmp_path):
         lrs.append(hooks.opt.param_groups[0]["lr"])
         return net(x).sum() * 0, 0.0
 
-    hooks = Recording(cfg.method, data.train.y.numpy(), 0, [{"params": net.parameters(), "lr": 1.0}], loss)
+    groups = [{"params": net.parameters(), "lr": 1.0}]
+    hooks = Recording(cfg.method, data.train.y.numpy(), 0, groups, loss, ctx)
     fit(net, data, hash_training.train_config(cfg.train, hooks), ctx, hooks, tag="lr")
     assert lrs == [1.0] * 3 + [0.5] * 5  # iteration i runs at lr * 0.5^#{3 < i}, across epochs
 

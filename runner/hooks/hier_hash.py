@@ -129,18 +129,22 @@ def lr_schedule(optimizer, decay_at, decay):
 class HashHooks(MethodHooks):
     """`runner.train.fit` hooks training one net for `method.iters` (or `iters`) iterations: batches of
     `classes_per_batch` x `per_class` (`ClassBalancedSampler`, seeded by `seed`), `loss(net, x)` per
-    batch, Adam on `param_groups` (fused where `fused`) with the step decay over iterations. With
-    `val_score` (a function of nothing, higher is better), `evaluate` reports it as `val/p@1` and fit keeps
-    the best net; the epoch is then `method.eval_every` training epochs long, else one pass over the
-    training set. `code_seconds` adds up the time spent on the codes; each epoch's is logged as `time/code_s`.
-    A `CodesLoss` splits the step around its host read (`read`: the forward to the unaries; `solve`: the
-    codes; `loss`: the hash loss with them); the base and DCH losses are device work alone."""
+    batch, Adam on `param_groups` (fused where `ctx` fuses optimizers) with the step decay over
+    iterations. With `val_score` (a function of nothing, higher is better), `evaluate` reports it as
+    `val/p@1` and fit keeps the best net; the epoch is then `method.eval_every` training epochs long, else
+    one pass over the training set. `code_seconds` adds up the time spent on the codes; each epoch's is
+    logged as `time/code_s`. A `CodesLoss` splits the step around its host read (`read`: the forward to
+    the unaries; `solve`: the codes; `loss`: the hash loss with them); the base and DCH losses are device
+    work alone."""
 
     capturable = True  # device work but the codes' read, whose flow `solve` runs between the two graphs
 
-    def __init__(self, method, labels, seed, param_groups, loss, iters=None, val_score=None, fused=False):
+    def __init__(self, method, labels, seed, param_groups, loss, ctx, iters=None, val_score=None):
         self.method, self.param_groups, self._loss, self.val_score = method, param_groups, loss, val_score
-        self.fused = fused  # Adam as one kernel, its step count on the device (`RunContext.fused_optimizer`)
+        self.fused = ctx.fused_optimizer  # Adam as one kernel, its step count on the device
+        # Under DDP the forward must run through the DDP net, whose backward all-reduces the gradients;
+        # the loop's `read` takes the plain network: the loss runs whole there (never captured under DDP).
+        self.split = not ctx.distributed
         self.iters = iters or method.iters
         self.per_batch = method.classes_per_batch * method.per_class
         self.sampler = ClassBalancedSampler(labels, method.classes_per_batch, method.per_class, seed)
@@ -172,8 +176,9 @@ class HashHooks(MethodHooks):
 
     @property
     def read(self):
-        """`CodesLoss`'s forward to the unaries, kept for `loss`; None for a loss without a host read."""
-        return self._unaries if isinstance(self._loss, CodesLoss) else None
+        """`CodesLoss`'s forward to the unaries, kept for `loss`; None for a loss without a host read (and
+        under DDP)."""
+        return self._unaries if self.split and isinstance(self._loss, CodesLoss) else None
 
     def _unaries(self, x, y_soft, idx, model):
         self._out, unary = self._loss.unaries(model, x)

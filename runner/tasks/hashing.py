@@ -98,8 +98,7 @@ def train_net(cfg, ctx, data, tag, net, param_groups, loss, iters, val_score=Non
     `runner.train.fit` (checkpoint `checkpoints/<tag>.pt`, rows `<tag>/...`); with `val_score` and
     `method.eval_every`, the best-validation net is kept. Returns its timings and validation score."""
     seed = [cfg.seed, zlib.crc32(tag.encode())]
-    hooks = HashHooks(cfg.method, data.train.y.numpy(), seed, param_groups, loss, iters, val_score,
-                      fused=ctx.fused_optimizer)  # fmt: skip
+    hooks = HashHooks(cfg.method, data.train.y.numpy(), seed, param_groups, loss, ctx, iters, val_score)
     train = train_config(cfg.train, hooks)
     metrics = fit(net, data, train, ctx, hooks, augment=cfg.dataset.augment, tag=tag)
     seconds = metrics["time/train_total_s"]
