@@ -39,7 +39,10 @@ ONE_OF_EACH_TASK = ("comixup_cifar100_preactresnet18", "csot_cifar100", "dbot_ci
                     "hier_hash_cifar100_npairs", "pwc_cifar10")  # fmt: skip
 
 
-@pytest.mark.parametrize("size", ["small", pytest.param("as_shipped", marks=pytest.mark.slow)])
+# Both slow (`make test-slow`): the miniature alone took 97 s of the suite; the suite keeps bench.main's
+# record, failure and crash paths on one cheap preset (the tests below).
+@pytest.mark.slow
+@pytest.mark.parametrize("size", ["small", "as_shipped"])
 def test_smoke_runs_every_preset_and_its_baseline_and_records_them_outside_the_repo(
     bench, tmp_path, capsys, monkeypatch, size
 ):
