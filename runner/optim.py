@@ -26,14 +26,19 @@ def decay_groups(model) -> list[dict]:
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def adam_kernel(fused: bool) -> dict:
+    """Adam's keywords for `fused`: one kernel, its step count kept on the device (capturable), as a graph
+    needs; none otherwise."""
+    return {"fused": True, "capturable": True} if fused else {}
+
+
 def make_optimizer(model, cfg, fused: bool = False):
     """`train.optimizer` over `model`'s parameters; `fused`: one kernel for all of them (CUDA's fast path,
     and a tensor lr without a host read, which a captured step needs)."""
     params = model.parameters() if cfg.bn_weight_decay else decay_groups(model)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **adam_kernel(fused))
     kernel = {"fused": True} if fused else {}
-    if cfg.optimizer == "adam":  # capturable: its step count stays on the device, as a graph needs
-        capturable = {"capturable": True} if fused else {}
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, **kernel, **capturable)
     return torch.optim.SGD(
         params,
         lr=cfg.lr,

@@ -21,6 +21,7 @@ from runner.hardware import to_device
 from runner.method_hooks import MethodHooks
 from runner.methods import hier_hash as hh
 from runner.models.hashing import PixelMeanInput
+from runner.optim import adam_kernel
 
 
 def hash_loss_and_codes(net, x, *, nc, m, k, d, ks, method, beta, margin, l2_reg, remap):
@@ -170,8 +171,7 @@ class HashHooks(MethodHooks):
         return ClassBalancedEpochs(self.sampler, self.epoch_iters, self.iters, rank, world_size)
 
     def optimizer(self, model):
-        kernel = {"fused": True, "capturable": True} if self.fused else {}  # as `runner.optim.make_optimizer`
-        optimizer = torch.optim.Adam(self.param_groups, **kernel)
+        optimizer = torch.optim.Adam(self.param_groups, **adam_kernel(self.fused))
         return optimizer, lr_schedule(optimizer, self.method.decay_at, self.method.decay), True
 
     @property
