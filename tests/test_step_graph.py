@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_device_budgets import assert_captured_whole
 from test_train import blobs, setup
 
 import runner.hooks
@@ -150,13 +151,6 @@ CIFAR_AT_CPU_SIZE = ["+experiment=comixup_cifar100_preactresnet18", "dataset=fak
                      "train.batch_size=16", "train.epochs=1", "train.phases=[]"]  # fmt: skip
 
 
-def test_the_captured_region_reads_nothing_from_the_host_and_makes_no_host_tensor(tmp_path):
-    report = _track(tmp_path, *CIFAR_AT_CPU_SIZE, "+method=erm")
-    # every step past the warm-up ones (eager on CUDA too, where lazy state is made) is in the region
-    assert report["steps"] == 8 and report["entered"][device_tracking.CAPTURED] == 8 - GraphedStep.WARMUP
-    assert report["counts"].get(device_tracking.CAPTURED, {}) == {}, report["sites"]
-
-
 # The newly capturable steps at CPU size: the pair mixups on the CIFAR preset's data (a small CNN, whose
 # pooling layers manifold mixup mixes after); DB-OT's loss on CIFAR-10-LT with its AutoAugment + Cutout batch
 # augmentation, and LDAM-DRW, whose re-weighting epoch recaptures; CSOT's paper loss on its digits preset
@@ -190,20 +184,22 @@ METHOD_RUNS = {
 }  # fmt: skip
 
 
-# the captures each run makes (1: one batch shape, one key): LDAM-DRW's second at its re-weighting epoch,
-# CSOT's at the warm-up's end (its selection epochs' batches, and their key)
-CAPTURES = {"ldam_drw": 2, "csot": 2, "comixup_phases": 2, "puzzle_mix": 3}
 SPLIT = ("comixup", "puzzle_mix", "hashing")  # the runs whose step is split around a host read
+# The tracked runs beside tests/test_device_budgets.py's, which track every family's paper preset captured
+# and check the same region: what recaptures (LDAM-DRW's re-weighting epoch, a phase's new batch size),
+# Puzzle Mix's drawn grids, Co-Mixup's lag through the worker pool, the npairs codes loss and DB-OT's
+# policy augmentation.
+TRACKED_HERE = ["dbot", "ldam_drw", "comixup_lag", "comixup_phases", "puzzle_mix", "hashing_npairs"]
+# the captures each run makes (1: one batch shape, one key): LDAM-DRW's second at its re-weighting epoch,
+# a phase's new batch size, one per drawn grid
+CAPTURES = {"ldam_drw": 2, "comixup_phases": 2, "puzzle_mix": 3}
 
 
-@pytest.mark.parametrize("method", METHOD_RUNS)
+@pytest.mark.parametrize("method", TRACKED_HERE)
 def test_each_method_s_captured_region_reads_nothing_from_the_host(tmp_path, method):
     report = _track(tmp_path, *METHOD_RUNS[method])
-    # every step is in the region but each capture's warm-up ones, so a key that changes is warmed up anew
-    captured = report["steps"] - CAPTURES.get(method, 1) * GraphedStep.WARMUP
-    regions = 2 if method.startswith(SPLIT) else 1  # a split step: the part before its host read, the rest
-    assert report["entered"].get(device_tracking.CAPTURED, 0) == regions * captured > 0, report
-    assert report["counts"].get(device_tracking.CAPTURED, {}) == {}, report["sites"]
+    assert report["warm_up_steps"] == CAPTURES.get(method, 1) * GraphedStep.WARMUP, report
+    assert_captured_whole(report, 2 if method.startswith(SPLIT) else 1)
 
 
 def test_the_tracker_counts_a_host_tensor_made_in_the_captured_region():
@@ -294,8 +290,13 @@ def _series(rows: list[dict], name: str) -> list[float]:
 WITH_SCHEDULES = ["train.schedule=cosine", "train.warmup_epochs=1"]
 
 
+# the methods whose hooks draw before the step (`draw`); without it they draw inside the step
+DRAWN_BEFORE = {"input_mixup": MixupHooks, "cutmix": MixupHooks, "manifold_mixup": MixupHooks,
+                "csot": NoisyLabelHooks}  # fmt: skip
+
+
 @pytest.mark.parametrize("method", METHOD_RUNS)
-def test_each_method_s_graph_ready_step_follows_its_eager_trajectory(tmp_path, method):
+def test_each_method_s_graph_ready_step_follows_its_eager_trajectory(tmp_path, method, monkeypatch):
     phases = any(o.startswith("train.phases=[{") for o in METHOD_RUNS[method])  # their lr ramps: the schedule
     runs = [*METHOD_RUNS[method], *([] if phases else WITH_SCHEDULES)]
     eager = _cli_rows(tmp_path / "eager", *runs)
@@ -311,17 +312,13 @@ def test_each_method_s_graph_ready_step_follows_its_eager_trajectory(tmp_path, m
     # cross a tie of the discrete solve, which would show as a jump far past 5e-4 (here: Co-Mixup's runs
     # equal, hashing's within 3e-7, Adam's fused kernel against foreach's).
     assert _series(graphed, "train/loss") == pytest.approx(_series(eager, "train/loss"), rel=5e-4)
-
-
-@pytest.mark.parametrize("method", ["input_mixup", "cutmix", "manifold_mixup", "csot"])
-def test_drawing_before_the_step_keeps_the_cpu_numbers(tmp_path, method, monkeypatch):
-    before = _cli_rows(tmp_path / "before", *METHOD_RUNS[method])
-    # without `draw` the loop hands nothing, and the hooks draw inside the step, as they did before
-    monkeypatch.setattr(NoisyLabelHooks if method == "csot" else MixupHooks, "draw", None)
-    inside = _cli_rows(tmp_path / "inside", *METHOD_RUNS[method])
-    # the same random draws in the same order, and the same float arithmetic (a float64 ratio on the device
-    # rounds as the host's number did; a masked paste and a where at each site select the same values)
-    assert _untimed(before) == _untimed(inside)
+    if method in DRAWN_BEFORE:
+        # without `draw` the loop hands nothing, and the hooks draw inside the step, as they did before: the
+        # same random draws in the same order, and the same float arithmetic (a float64 ratio on the device
+        # rounds as the host's number did; a masked paste and a where at each site select the same values)
+        monkeypatch.setattr(DRAWN_BEFORE[method], "draw", None)
+        inside = _cli_rows(tmp_path / "inside", *runs)
+        assert _untimed(inside) == _untimed(eager)
 
 
 def _untimed(rows: list[dict]) -> list[dict]:
