@@ -317,7 +317,8 @@ def _main() -> None:
         return _job(cfg, line.preset_note)
 
     try:
-        job()
+        with _mode_from(line):
+            job()
     except KeyboardInterrupt:  # outside a job (a job reports its own, with the command to resume it)
         if single:
             print("runner: interrupted before the run started; its command line starts it", file=sys.stderr)
@@ -328,6 +329,24 @@ def _main() -> None:
                   file=sys.stderr)  # fmt: skip
         cancel_sweep_summary()
         sys.exit(130)
+
+
+@contextlib.contextmanager
+def _mode_from(line: CommandLine):
+    """Hydra composes a command line's whole config once only to read its `hydra.mode` (`Hydra.get_mode`),
+    then again to run it; the command line's first job, composed already, holds that value (a compose
+    saved: 0.3-1 s of every start)."""
+    from hydra._internal.hydra import Hydra
+
+    if line.overrides is None:  # help and info: Hydra reads no mode
+        yield
+        return
+    mode, composing = line.hydra_config.hydra.mode, Hydra.get_mode
+    Hydra.get_mode = lambda self, config_name, overrides: mode
+    try:
+        yield
+    finally:
+        Hydra.get_mode = composing
 
 
 def run_in_process(args: list[str]) -> None:

@@ -115,3 +115,19 @@ def test_the_cli_starts_without_importing_pot_or_scikit_learn():
     code = "import sys, runner.cli; print(*(name in sys.modules for name in ('ot', 'sklearn')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_a_run_composes_its_config_twice_to_check_it_and_to_run_it(cli_here, monkeypatch):
+    """The command line's check composes the first job once (`CommandLine`), Hydra once more to run it; its
+    compose that only reads `hydra.mode` takes that value from the first (each compose: 0.3-1 s)."""
+    from hydra._internal.hydra import Hydra
+
+    composes, compose_config = [], Hydra.compose_config
+
+    def counted(self, *args, **kwargs):
+        composes.append(kwargs.get("run_mode"))
+        return compose_config(self, *args, **kwargs)
+
+    monkeypatch.setattr(Hydra, "compose_config", counted)
+    cli_here("+debug=smoke", "logger=none", "train.progress=false", "hydra.run.dir=run")
+    assert len(composes) == 2, composes
