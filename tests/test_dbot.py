@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runner.device_tracking import STAND_IN, DeviceTracker
-from runner.methods._common import ConvergenceWarning
+from runner.methods._common import ConvergenceWarning, logsumexp
 from runner.methods.dbot import (
     SOLVERS,
     DBOTLoss,
@@ -604,6 +604,36 @@ def test_bad_input_on_a_device_is_named_as_on_the_host():
 
 # ----------------------------------------------------------------------------------------------------
 # 14. The solver convention (runner.methods._common): reg, log keys, warnings
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.int64])
+def test_the_solvers_logsumexp_is_scipy_s_bit_for_bit(dtype):
+    """The solvers' `logsumexp` does scipy's float operations without its dispatch: the same bits on every
+    shape and axis, with tied maxima, -inf and inf terms, all -inf and NaN slices, and empty sums."""
+    from scipy.special import logsumexp as scipy_logsumexp
+
+    rng = np.random.default_rng(0)
+    for shape in [(7,), (5, 9), (3, 4, 6), (1, 1), (0, 3), (2, 0, 3)]:
+        x = rng.normal(size=shape) * 30
+        tied, some_inf, infinite, none, nan = (
+            np.round(x / 10),
+            x.copy(),
+            x.copy(),
+            np.full(shape, -np.inf),
+            x.copy(),
+        )
+        some_inf[..., :1] = -np.inf
+        if x.size:
+            infinite.flat[0], nan.flat[x.size // 2] = np.inf, np.nan
+        for values in (x, tied, some_inf, infinite, none, nan) if dtype != np.int64 else (np.round(x),):
+            values = values.astype(dtype)
+            for axis in range(len(shape)):
+                for keepdims in (False, True):
+                    with np.errstate(all="ignore"):
+                        expected = scipy_logsumexp(values, axis=axis, keepdims=keepdims)
+                    got = logsumexp(values, axis=axis, keepdims=keepdims)
+                    assert type(got) is type(expected) and np.asarray(got).dtype == np.asarray(expected).dtype
+                    np.testing.assert_array_equal(got, expected, strict=True)
+
+
 def test_lp_oracle_is_feasible_and_below_the_entropic_objective():
     cost, a, b_low, b_up = random_problem(3, m=12, n=4)
     plan, log = dbot_lp(cost, a, b_low, b_up, log=True)
