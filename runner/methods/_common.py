@@ -123,7 +123,8 @@ def logsumexp(x, axis: int, keepdims: bool = False):
         top = x.max(axis, keepdims=True)
         at_top = x == top
         m = at_top.sum(axis, keepdims=True, dtype=x.dtype)
-        rest = np.exp(np.where(at_top, -np.inf, x) - top).sum(axis, keepdims=True) / m  # 0 stays 0: m >= 1
+        # scipy's where(sum == 0, sum, sum / m): the same, for m >= 1 wherever the sum is 0
+        rest = np.exp(np.where(at_top, -np.inf, x) - top).sum(axis, keepdims=True) / m
         out = np.log1p(rest) + np.log(m) + top
         finite = np.isfinite(out)
         if not finite.all():  # an infinite or all -inf slice: the direct sum's log, as scipy's
