@@ -763,7 +763,7 @@ def test_lag_trains_each_batch_on_its_mix_one_step_later():
     for t in (1, 2):
         assert not torch.equal(got[t][0], batches[t - 1][0])  # mixed
         assert torch.equal(got[t][0], expected[t - 1][0]) and torch.equal(got[t][1], expected[t - 1][1])
-    with pytest.raises(ConfigError, match="method.lag=true solves in worker processes"):
+    with pytest.raises(ConfigError, match="method.lag=true solves on the pool.s threads"):
         CoMixupConfig(lag=True, workers=0)
 
 

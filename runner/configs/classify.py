@@ -137,7 +137,7 @@ class CoMixupConfig(InputMixupConfig):
     set_resolve: bool = True
     mixed_labels: bool = True  # half/half blends of two inputs from the second sweep
     solver: Literal[SOLVERS] = "exact"  # each label step's exact minimum; gco_swap: the authors' local one
-    workers: int = -1  # -1: auto (CUDA, or lag: a process per partition up to the cores; CPU: in-process)
+    workers: int = -1  # -1: auto (CUDA, or lag: a thread per partition up to the cores; CPU: in-process)
     # with workers: take the clean weight gradient while they solve (the activation gradients are computed
     # twice); false: one clean backward, then the solve (faster where the solve is shorter than that repeat).
     # The eager step's: a captured one (hardware.cuda_graph) takes the weight gradient in its clean pass
@@ -156,7 +156,7 @@ class CoMixupConfig(InputMixupConfig):
         check_range("method.workers", self.workers, -1)
         if self.lag and self.workers == 0:
             raise ConfigError(
-                "method.lag=true solves in worker processes: set method.workers to -1 (auto) or >= 1"
+                "method.lag=true solves on the pool's threads: set method.workers to -1 (auto) or >= 1"
             )
         if self.solver == "gco_expansion" and self.mixed_labels:  # else it fails at the first batch
             raise ConfigError(
