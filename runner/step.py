@@ -201,7 +201,9 @@ class GraphedStep:
                 group["lr"] = torch.full((), float(group["lr"]), device=s.ctx.device)
         self.captures: dict[tuple, _Capture] = {}
         self.warm: dict[tuple, int] = {}
-        self.solved: list[tuple] = []  # the last warm-up step's solved values: their static buffers' shapes
+        # per key, its last warm-up step's solved values: the shapes of its capture's static buffers (a key's
+        # solve, e.g. Puzzle Mix's cuts on the grid it drew, differs in shape from another key's)
+        self.solved: dict[tuple, list[tuple]] = {}
 
     def __call__(self, x: torch.Tensor, idx: torch.Tensor, epoch: int, drawn: list[tuple]) -> torch.Tensor:
         inputs = (x, idx, *(t for part in drawn for t in part))
@@ -209,7 +211,7 @@ class GraphedStep:
         if self.warm.get(key, 0) < self.WARMUP:
             self.warm[key] = self.warm.get(key, 0) + 1
             with around("warm_up"):
-                return self.warm_up(x, idx, epoch, drawn)
+                return self.warm_up(x, idx, epoch, drawn, key)
         c = self.captures.get(key)
         if c is None:
             c = self.capture(inputs, epoch, drawn, key)
@@ -240,20 +242,20 @@ class GraphedStep:
             with around("captured"):
                 run()
 
-    def warm_up(self, x, idx, epoch: int, drawn: list[tuple]) -> torch.Tensor:
+    def warm_up(self, x, idx, epoch: int, drawn: list[tuple], key: tuple) -> torch.Tensor:
         """One eager step (on a side stream on CUDA), outside what is captured; its solved values kept."""
         if not self.cuda:
-            return self._eager(x, idx, epoch, drawn)
+            return self._eager(x, idx, epoch, drawn, key)
         side = torch.cuda.Stream(self.s.ctx.device)
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            loss = self._eager(x, idx, epoch, drawn)
+            loss = self._eager(x, idx, epoch, drawn, key)
         torch.cuda.current_stream().wait_stream(side)
         return loss
 
-    def _eager(self, x, idx, epoch: int, drawn: list[tuple]) -> torch.Tensor:
-        self.solved = read_and_solve(self.s, x, idx, drawn)
-        return self.s.step_fn(self.s, x, idx, epoch, drawn, self.solved)
+    def _eager(self, x, idx, epoch: int, drawn: list[tuple], key: tuple) -> torch.Tensor:
+        self.solved[key] = read_and_solve(self.s, x, idx, drawn)
+        return self.s.step_fn(self.s, x, idx, epoch, drawn, self.solved[key])
 
     def capture(self, inputs: tuple, epoch: int, drawn: list[tuple], key: tuple) -> _Capture:
         """The static buffers of this key's inputs and, on CUDA, the step captured on them; the captures of
@@ -270,7 +272,7 @@ class GraphedStep:
         parts = iter(flat)  # the static draws, grouped per micro-batch again
         static_drawn = [tuple(next(parts) for _ in part) for part in drawn]
         c.step_inputs = (x, idx, epoch, static_drawn)
-        c.static_solved = [tuple(t.clone() for t in part) for part in self.solved]
+        c.static_solved = [tuple(t.clone() for t in part) for part in self.solved[key]]
         c.solved = [t for part in c.static_solved for t in part]
         if not self.cuda:
             return c
