@@ -18,8 +18,8 @@ run: $(STAMP)
 test: $(STAMP)  # one test process per core (pytest-xdist); a single file: .venv/bin/python -m pytest FILE
 	$(PY) -m pytest -n auto
 
-test-slow: $(STAMP)
-	$(PY) -m pytest -m slow
+test-slow: $(STAMP)  # the checks `make test` leaves out for time (tests/conftest.py's quick_first, @pytest.mark.slow)
+	$(PY) -m pytest -n auto -m slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check runner tests benchmarks

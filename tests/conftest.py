@@ -16,6 +16,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from _pytest.mark import ParameterSet
 
 # One intra-op thread, in this process and the CLI's subprocesses: the tests' tensors are small, and on a
 # shared 2-core machine a second thread mostly waits for the first (the same tests took 20-25% longer with
@@ -135,3 +136,22 @@ def cli(tmp_path):
 def cli_here(tmp_path):
     """`cli_here(*args)` runs the CLI inside this test's tmp dir, in this process (`run_cli_here`)."""
     return lambda *args, **kw: run_cli_here(list(args), tmp_path, **kw)
+
+
+def quick_first(params, family=lambda param: param) -> list:
+    """`params` for `pytest.mark.parametrize`, the first of each `family` run by `make test` and the others
+    marked slow (`make test-slow`): the quick suite takes each family's path once, the longer one checks
+    every member."""
+    seen, out = set(), []
+    for param in params:
+        key = family(param)
+        if key in seen:
+            given = (
+                param
+                if isinstance(param, ParameterSet)
+                else pytest.param(*(param if isinstance(param, tuple) else (param,)))
+            )  # a tuple: the values of several names
+            param = pytest.param(*given.values, marks=[*given.marks, pytest.mark.slow], id=given.id)
+        seen.add(key)
+        out.append(param)
+    return out

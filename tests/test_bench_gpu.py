@@ -82,6 +82,7 @@ def test_smoke_runs_every_preset_and_its_baseline_and_records_them_outside_the_r
     assert sorted((ROOT / "benchmarks" / "results").iterdir()) == before
 
 
+@pytest.mark.slow  # runs rows of `make bench-gpu`: 7 s
 def test_a_failed_row_is_one_line_the_others_run_and_the_status_says_so(bench, tmp_path, monkeypatch, capsys):
     good = bench.plan("pwc_cifar10", smoke=True, steps=1)[0]
     bad = bench.Row("pwc_cifar10", "nope", ["+experiment=nope", "logger=none"], 1)
@@ -95,6 +96,7 @@ def test_a_failed_row_is_one_line_the_others_run_and_the_status_says_so(bench, t
     assert any("experiment='nope' is not an option" in line for line in rows["nope"]["log_tail"])
 
 
+@pytest.mark.slow  # runs rows of `make bench-gpu`: 8 s
 def test_the_record_holds_the_rows_measured_before_a_crash(bench, tmp_path, monkeypatch):
     """A run stopped part-way (a device machine's time limit, a crash) keeps what it measured."""
     good = bench.plan("pwc_cifar10", smoke=True, steps=1)
@@ -137,6 +139,7 @@ def test_variants_run_only_the_kinds_asked_and_no_method_option_on_a_baseline(be
     assert bench.variants([], tmp_path, ("lag",)) == ([], [])
 
 
+@pytest.mark.slow  # runs a row of `make bench-gpu` twice: 5 s
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's tracking harness")
 def test_a_run_the_tracking_harness_breaks_runs_again_without_it(bench, tmp_path, monkeypatch, capsys):
     @contextlib.contextmanager

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import quick_first
 
 from runner.canvas_metrics import box_iou, cam_boxes, canvas_metrics
 from runner.compose import CONF_DIR
@@ -1018,7 +1019,7 @@ PAPER_TRAIN = dict(epochs=300, batch_size=100, optimizer="sgd", lr=0.2, momentum
 PAPER_TRAIN |= dict(weight_decay=1e-4, schedule="step", milestones=[100, 200], gamma=0.1)
 
 
-@pytest.mark.parametrize("net", ["preactresnet18", "wrn16_8", "resnext29"])
+@pytest.mark.parametrize("net", quick_first(["preactresnet18", "wrn16_8", "resnext29"], lambda _: "Table 1"))
 def test_table1_rows_compose_with_one_train_block_and_loss(net):
     from runner.compose import compose
     from runner.validate import validate

@@ -142,6 +142,7 @@ def test_longtail_loss_hook_runs_on_the_device(device, loss):
     assert out.device.type == device and abs(float(out) - float(ref)) < 1e-5  # float32
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and POT: 14 s
 def test_pot_is_imported_without_the_libraries_that_reserve_gpu_memory():
     """JAX reserves 75% of a GPU when POT loads it; runner turns POT's other array libraries off before
     POT is imported, and leaves a user's own setting alone."""

@@ -228,7 +228,8 @@ def test_clustering_on_network_features_under_ddp_matches_one_process(tmp_path):
     assert ddp["cluster/sizes"] == single["cluster/sizes"]
 
 
-@pytest.mark.parametrize("selector", ["ctrans", pytest.param("entropy", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two ranks and one process training: 20 s
+@pytest.mark.parametrize("selector", ["ctrans", "entropy"])
 def test_covering_on_network_features_under_ddp_matches_one_process(tmp_path, selector):
     overrides = ["+method=pwc", "method.features=net", f"method.selector={selector}", "method.n_app=60",
                  "method.n_dev=60", "method.k=6", "train.epochs=2", "method.plot=false"]  # fmt: skip
@@ -363,12 +364,12 @@ def test_mixup_methods_train_under_ddp_with_synchronised_weights(tmp_path, metho
     assert not np.allclose(ranks[0], 0)
 
 
+@pytest.mark.slow  # two ranks and one process, each training the hash nets: 25 s
 @pytest.mark.parametrize(
     "extra",
     [
         pytest.param(["method.base=raw", "method.eval_every=0.5", "dataset.val_per_class=5"], id="select"),
-        pytest.param(["method.base=pretrain", "method.base_iters=8", "method.base_dim=16"], id="npairs-base",
-                     marks=pytest.mark.slow),
+        pytest.param(["method.base=pretrain", "method.base_iters=8", "method.base_dim=16"], id="npairs-base"),
     ],
 )  # fmt: skip
 def test_hashing_under_ddp_matches_one_process(tmp_path, extra):
@@ -401,6 +402,7 @@ def test_a_torchrun_rank_uses_rank_0s_run_dir_and_leaves_no_other(tmp_path, monk
     assert rundir.shared(own, rank=1) == main and own.exists()
 
 
+@pytest.mark.slow  # two ranks and one process training: 23 s
 def test_accumulation_under_ddp_matches_one_process_without_it(tmp_path):
     """2 ranks x 2 micro-batches, gradients all-reduced once per step: the steps of one process with whole
     batches (the MLP has no batch norm), up to float32 summation order (~1e-7 per step, 3 epochs)."""

@@ -16,6 +16,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from conftest import quick_first
 from omegaconf import OmegaConf
 
 from runner.compose import CONF_DIR
@@ -112,6 +113,11 @@ def _commands():
 COMMANDS = list(_commands())
 
 
+def _page(param) -> str:
+    """The page a documented command's test param comes from (its id: PAGE:LINE: COMMAND)."""
+    return param.id.split(":")[0]
+
+
 def _first_values(overrides: list[str]) -> list[str]:
     """Overrides with every comma / range sweep at its first value; each value of a group sweep must
     name a file in conf/."""
@@ -134,7 +140,7 @@ def _first_values(overrides: list[str]) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("args", [a for _, a in COMMANDS], ids=[i for i, _ in COMMANDS])
+@pytest.mark.parametrize("args", quick_first([pytest.param(a, id=i) for i, a in COMMANDS], _page))
 def test_every_runner_command_in_the_docs_composes(args):
     from runner.checks import ConfigError
     from runner.compose import preflight

@@ -481,6 +481,7 @@ def test_a_download_that_fails_says_so_with_its_url_and_where_the_files_go(tmp_p
     assert "run with dataset.download=true" not in line
 
 
+@pytest.mark.slow  # a console-script start piped to a reader that quits: 14 s
 @pytest.mark.skipif(not RUNNER.exists(), reason="no runner console script beside this Python")
 def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path):
     """`runner print_config=true ... | head -3`: the run goes on and ends with its own exit code."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import run_cli_here
+from conftest import quick_first, run_cli_here
 from omegaconf import OmegaConf
 
 from runner import hardware
@@ -161,6 +161,7 @@ def test_any_network_replaces_a_presets_with_its_own_defaults():
         validate(compose(typed))
 
 
+@pytest.mark.slow  # composes all 28 presets (test_config composes each with its method): 10 s
 def test_every_preset_composes_the_network_it_names():
     for path in sorted((CONF_DIR / "experiment").glob("*.yaml")):
         defaults = yaml.safe_load(path.read_text())["defaults"]
@@ -230,7 +231,12 @@ def test_a_method_and_dataset_compose_as_their_preset_on_the_command_line(tmp_pa
     assert method_cfg["model"]["name"] == "preactresnet18" and method_cfg["train"]["epochs"] == 450
 
 
-@pytest.mark.parametrize("method", sorted(METHODS))
+# the papers' methods first: each task's paper method is the one `make test` runs
+PAPERS = ("comixup", "hier_hash", "csot", "pwc", "dbot", "dbot_cluster")
+
+
+@pytest.mark.parametrize("method", quick_first(sorted(METHODS, key=lambda m: (m not in PAPERS, m)),
+                                               lambda m: METHODS[m]().task))  # fmt: skip
 def test_every_method_runs_on_the_default_and_its_log_starts_with_the_preset_and_device(tmp_path, method):
     run_cli_here([f"+method={method}", *TINY, "hydra.run.dir=run"], tmp_path)
     assert (tmp_path / "run" / "summary.json").exists()

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from conftest import quick_first
 from test_train import KillAt, blobs, setup
 
 import runner.evaluate_run
@@ -207,7 +208,10 @@ def test_a_run_resumed_inside_its_warm_up_continues_it_exactly(tmp_path):
     assert [r["lr"] for r in rows(tmp_path / "a")] == [r["lr"] for r in rows(tmp_path / "b")]
 
 
-@pytest.mark.parametrize("method, ok", [("input_mixup", True), ("cutmix", True), ("comixup", False)])
+ACCUMULATES = [("input_mixup", True), ("cutmix", True), ("comixup", False)]
+
+
+@pytest.mark.parametrize("method, ok", quick_first(ACCUMULATES, lambda case: case[1]))
 def test_mixup_methods_say_whether_they_accumulate(cli_here, method, ok):
     proc = cli_here("logger=none", f"+method={method}", "train.epochs=1", "train.accumulate=2",
                     "+debug=smoke", check=False)  # fmt: skip
@@ -238,6 +242,7 @@ def test_the_transform_runs_through_the_compiled_network(tmp_path):
     assert hooks.seen == ["OptimizedModule"] * 2  # a saliency pass gets the compiled speed-up too
 
 
+@pytest.mark.slow  # a CSOT run and its evaluation: 14 s (`make test` keeps the classify runs' runner-eval)
 def test_runner_eval_rebuilds_a_noisy_label_run_s_network(cli_here, tmp_path):
     cli_here("logger=none", "+experiment=csot_digits", "train.epochs=2", "method.warmup=1",
         "train.checkpoint=true", "hydra.run.dir=run")  # fmt: skip

@@ -39,6 +39,7 @@ def summary(folder) -> dict:
     return found
 
 
+@pytest.mark.slow  # a run killed and started again, then two syncs: four processes, 40 s
 def test_killed_and_restarted_offline_run_syncs_as_one_run_with_each_epoch_once(tmp_path):
     run_dir = tmp_path / "run"
     args = [*ARGS, f"hydra.run.dir={run_dir}"]
