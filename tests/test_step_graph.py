@@ -79,6 +79,33 @@ def test_a_method_s_loss_is_captured_only_where_it_says_so(tmp_path, caplog):
         caplog.clear()
 
 
+class _GridDrawn(PlainTraining):
+    """A split step whose solve's shape follows its draw, as Puzzle Mix's cuts follow the grid it draws:
+    grids 1, 2 and 1 again, each step's (its cells' prior names the grid, hence the capture key), then a
+    cut per cell of it that scales the inputs."""
+
+    def __init__(self, grids):
+        self.grids = iter(grids)
+
+    def draw(self, x, y_soft, idx, model):
+        return (torch.zeros(next(self.grids) ** 2, device=x.device),)
+
+    def read(self, x, y_soft, idx, model, drawn):
+        return (x.new_zeros(len(x), len(drawn[0])),)
+
+    def solve(self, read):
+        return (read.numpy() + 1.0,)
+
+    def transform(self, x, y_soft, idx, model, drawn, solved):
+        return x * solved[0].mean(1, keepdim=True), y_soft
+
+
+def test_a_capture_takes_its_own_key_s_solved_shapes(tmp_path):
+    """Puzzle Mix at 32 px: one grid's capture after another grid's warm-up step took that step's shapes."""
+    grids = [1] * GraphedStep.WARMUP + [2] + [1] * 6  # grid 1's capture comes after grid 2's warm-up step
+    _fit(tmp_path, "train.epochs=1", "train.batch_size=10", graph=True, hooks=_GridDrawn(grids))  # 10 steps
+
+
 # Whether a method's step may be captured as one CUDA graph (or two around its host read) and, without such a
 # read, compiled whole (`capturable`): plain training (fit's hooks=None), TargetLoss, the pair mixups (their
 # draws made before the step), DB-OT's and CSOT's losses run device work alone; Co-Mixup (at a fixed grid) and
