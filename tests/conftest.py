@@ -146,12 +146,9 @@ def quick_first(params, family=lambda param: param) -> list:
     for param in params:
         key = family(param)
         if key in seen:
-            given = (
-                param
-                if isinstance(param, ParameterSet)
-                else pytest.param(*(param if isinstance(param, tuple) else (param,)))
-            )  # a tuple: the values of several names
-            param = pytest.param(*given.values, marks=[*given.marks, pytest.mark.slow], id=given.id)
+            if not isinstance(param, ParameterSet):  # a tuple: the values of several names
+                param = pytest.param(*(param if isinstance(param, tuple) else (param,)))
+            param = pytest.param(*param.values, marks=[*param.marks, pytest.mark.slow], id=param.id)
         seen.add(key)
         out.append(param)
     return out

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import quick_first
-from test_device_budgets import assert_captured_whole
+from test_device_budgets import PAIR_MIXUPS, assert_captured_whole
 from test_train import blobs, setup
 
 import runner.hooks
@@ -324,9 +324,8 @@ DRAWN_BEFORE = {"input_mixup": MixupHooks, "cutmix": MixupHooks, "manifold_mixup
 
 
 # one run of each family in `make test`: a pair mixup, a long-tail loss, CSOT, Co-Mixup, Puzzle Mix, hashing
-FAMILY = {"input_mixup": "pair", "cutmix": "pair", "manifold_mixup": "pair", "ldam_drw": "dbot",
-          "comixup_lag": "comixup", "comixup_phases": "comixup",
-          "hashing_triplet": "hashing_npairs"}  # fmt: skip
+FAMILY = {**dict.fromkeys(PAIR_MIXUPS, "pair"), "ldam_drw": "dbot", "comixup_lag": "comixup",
+          "comixup_phases": "comixup", "hashing_triplet": "hashing_npairs"}  # fmt: skip
 
 
 @pytest.mark.parametrize("method", quick_first(METHOD_RUNS, lambda m: FAMILY.get(m, m)))
