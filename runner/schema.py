@@ -437,6 +437,10 @@ def store_schemas() -> None:
         for name, option in {"base": schema, **options}.items():
             node = dataclasses.asdict(option())
             store.store(group=f"schema/{group}", name=name, node=node, provider="runner")
+    # Hydra deep-copies its config repository at each compose (`CachingConfigRepository`), and the ConfigStore
+    # it holds with it: with these nodes, a quarter of a compose. The store is read only through
+    # `ConfigStore.load`, which copies what it returns, so each copy would hold what the one store holds.
+    type(store).__deepcopy__ = lambda self, memo: self
 
 
 # `field(metadata=ALLOW_INF)` marks a float key for which an infinity is meaningful; NaN never is.

@@ -121,8 +121,10 @@ BAD = [
 ]
 
 
-def test_bad_input_is_one_line_before_anything_runs(straight, tmp_path):
+def test_bad_input_is_one_line_before_anything_runs(tmp_path):
     (tmp_path / "empty").mkdir()
+    straight = tmp_path / "run"  # a finished run of BASE's config, made here: no process of its own to start
+    run_cli_here([*BASE, "train.epochs=1", f"hydra.run.dir={straight}"], tmp_path)
     resume = [  # resuming: train.resume and a changed config, refused before Hydra writes into the run dir
         ([*BASE, f"hydra.run.dir={straight}", "seed=1", "train.lr=0.2", "train.epochs=5"],
          f"{straight} was started with another config (seed 3 -> 1; train.lr 0.1 -> 0.2): resume it with "

@@ -100,25 +100,23 @@ def test_presets_compose():
 
 
 def test_learning_rate_at_given_iterations():
+    """Iteration i (1-based) runs at lr * decay^#{t in decay_at : t < i}: the paper's Cifar-100 rule (decay_at
+    [20000] over 70k iterations) at a thousandth of its length, stepped as training steps it; the ImageNet32
+    presets' milestones give two decays by their last iteration."""
     net = torch.nn.Linear(2, 2)
     optimizer = torch.optim.Adam([{"params": net.weight, "lr": 1e-3}, {"params": net.bias, "lr": 1e-4}])
-    scheduler = hash_training.lr_schedule(optimizer, [20000], 0.3)  # the paper's Cifar-100 rule
+    scheduler = hash_training.lr_schedule(optimizer, [20], 0.3)
     seen = {}
-    for i in range(1, 70001):  # the lr iteration i runs at, then the step
-        if i in (1, 20000, 20001, 70000):
+    for i in range(1, 71):  # the lr iteration i runs at, then the step
+        if i in (1, 20, 21, 70):
             seen[i] = [g["lr"] for g in optimizer.param_groups]
         optimizer.step()
         scheduler.step()
-    assert seen[1] == seen[20000] == pytest.approx([1e-3, 1e-4])
-    assert seen[20001] == seen[70000] == pytest.approx([3e-4, 3e-5])  # one decay only
-    for preset, at in (("hier_hash_imagenet32_npairs", 15000), ("hier_hash_imagenet32_triplet", 30000)):
+    assert seen[1] == seen[20] == pytest.approx([1e-3, 1e-4])
+    assert seen[21] == seen[70] == pytest.approx([3e-4, 3e-5])  # one decay only
+    for preset, last in (("hier_hash_imagenet32_npairs", 15000), ("hier_hash_imagenet32_triplet", 30000)):
         method = composed(f"+experiment={preset}")["method"]
-        optimizer = torch.optim.Adam(net.parameters(), lr=1.0)
-        scheduler = hash_training.lr_schedule(optimizer, method.decay_at, method.decay)
-        for _ in range(at - 1):
-            optimizer.step()
-            scheduler.step()
-        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.09)  # two decays by the last iteration
+        assert method.iters == last and sum(t < last for t in method.decay_at) == 2 and method.decay == 0.3
 
 
 def test_level1_baseline_trains_on_class_labels_with_its_own_settings(monkeypatch):

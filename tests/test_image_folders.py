@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli, run_cli_here
+from conftest import run_cli_here
 from fixtures_data import write_image
 from omegaconf import OmegaConf
 from PIL import Image
@@ -146,7 +146,7 @@ def test_an_unreadable_image_stops_the_run_in_one_line_with_the_last_checkpoint_
     bad = write_bad(tmp_path / "pets" / "val" / "dog" / "empty.jpg", "empty")
     run = tmp_path / "run"
     # evaluated at epoch 2 only: the run meets the file after the checkpoint of epoch 1
-    proc = run_cli(cli_args(tmp_path / "pets", run, "train.eval_every=2"), tmp_path, check=False)
+    proc = run_cli_here(cli_args(tmp_path / "pets", run, "train.eval_every=2"), tmp_path, check=False)
     output = proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("runner: error:")]
     assert proc.returncode == 1 and "Traceback" not in output, output[-3000:]

@@ -271,8 +271,10 @@ def documented_default_datasets() -> dict[str, str]:
 def test_a_method_composes_the_same_with_its_default_dataset_written_out(method):
     """`+method=X` composes on the dataset of the preset its task applies there (its CPU study), else the
     config's default, as docs/adding-a-method.md's table says per task; naming that dataset changes
-    nothing, in every family (presets are declared per method, `register_method(presets=)`)."""
+    nothing, in every family (presets are declared per method, `register_method(presets=)`); and the config
+    validates."""
     alone = _as_the_cli_composes([f"+method={method}"])
+    assert validate(alone)["method"].name == alone.method.name
     assert alone.dataset.name == documented_default_datasets()[METHODS[method]().task]
     written = _as_the_cli_composes([f"+method={method}", f"dataset={alone.dataset.name}"])
     assert OmegaConf.to_yaml(written) == OmegaConf.to_yaml(alone)
