@@ -55,7 +55,7 @@ BAD = [
     (["hydra.sweeper.n_jobs=0", "-m", "hydra/sweeper=optuna"], "hydra.sweeper.n_jobs=0", "[1, inf]"),
     (["train.milestones=[1,2"], "train.milestones=[1,2", "Hydra cannot read this override"),
     (["+method=csot", "dataset=cifar100", "dataset.root=nowhere"], "dataset.root=", "cifar100 not found"),
-    # README's examples, and what tests/test_cli.py, test_config.py, test_faults.py, test_presets.py check
+    # README's examples, and the bad input of the tests of the config, the CLI, faults and presets
     (["dataset=imagenett"], "dataset='imagenett'", "choices: blobs, cifar10"),
     (["train.lr=-1"], "train.lr=-1.0", "(0.0, inf]"),
     (["model=transformer"], "model='transformer'", "choices: cnn, inception"),
@@ -76,6 +76,9 @@ BAD = [
     (["train.lr=inf"], "train.lr=inf", "finite"),
     (["train.weight_decay=nan"], "train.weight_decay=nan", "finite"),
     (["+method=csot", "method.m0=nan"], "method.m0=nan", "finite"),
+    (["+method=dbot", "method.delta=nan"], "method.delta=nan", "finite"),
+    (["dataset.label_noise.kind=symmetric", "dataset.label_noise.rate=nan"], "label_noise.rate=nan",
+     "finite"),
     (["train.epochs=0"], "train.epochs=0", "[1, inf]"),
     (["+method=pwc", "method.k=0"], "method.k=0", "[1, inf]"),
     (["+method=dbot_cluster", "method.tau=2"], "method.tau=2.0", "[0.0, 1.0)"),
