@@ -23,6 +23,8 @@ def test_every_group_option_composes_and_validates(group, option):
     checked = validate(cfg)
     declared = OmegaConf.load(CONF_DIR / group / f"{option}.yaml").name  # a variant names its base
     assert checked[group].name == declared and option.startswith(declared)  # preactresnet18_64px
+    if group == "model":  # no network option loads weights unless asked
+        assert checked["model"].pretrained is False
 
 
 @pytest.mark.parametrize("experiment", [e for e in options("experiment") if e != "none"])  # none: no preset

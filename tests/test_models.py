@@ -11,13 +11,10 @@ import torch
 from omegaconf import OmegaConf
 
 from runner.checks import ConfigError
-from runner.compose import CONF_DIR
 from runner.methods.mixup import default_mixup_layers, manifold_mixup
 from runner.models import build_model
 from runner.models.cifar import SameAvgPool2d, SameMaxPool2d
 from runner.schema import model_config
-
-CONF = CONF_DIR / "model"
 
 
 def model(name, shape=(3, 32, 32), classes=100, **cfg):
@@ -255,11 +252,6 @@ def test_pretrained_weights_file(tmp_path):
         model("cnn", (3, 8, 8), 10, channels=[4, 8], pretrained=str(pickled))
 
 
-def test_model_configs_compose_and_check_their_keys():
-    from runner.compose import compose
-
-    for path in sorted(CONF.glob("*.yaml")):
-        checked = model_config(compose([f"model={path.stem}"]).model)
-        assert checked.pretrained is False, path.name
+def test_a_model_config_s_unknown_key_is_named():  # every option composes: tests/test_config.py
     with pytest.raises(ConfigError, match="unknown key model.stem_stride"):
         model_config(OmegaConf.create({"name": "resnet18", "stem_stride": 2}))
