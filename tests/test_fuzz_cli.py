@@ -28,7 +28,8 @@ from runner.methods._common import usable_cores
 # A log record's line (Hydra's format, `[time][logger][LEVEL] - message`), or its indented continuation.
 LOG_RECORD = re.compile(r"^(\[\d{4}-\d\d-\d\d [\d:,]+\]\[[\w.]+\](\[[A-Z]+\])?|\s)")  # Hydra's own: no level
 
-# (command line, the key the error must name, what else it must say); all are refused with exit code 2.
+# (command line, the key the error must name, what else it must say: one fragment or several); all are refused
+# with exit code 2.
 BAD = [
     # the issue's table
     (["train.phases=[{epochs:1,image_size:16,batch_size:32,lr:[0.1,0.0]}]", "train.epochs=1",
@@ -59,37 +60,45 @@ BAD = [
     # README's examples, and the bad input of the tests of the config, the CLI, faults and presets
     (["dataset=imagenett"], "dataset='imagenett'", "choices: blobs, cifar10"),
     (["train.lr=-1"], "train.lr=-1.0", "(0.0, inf]"),
+    (["train.lr=-0.1"], "train.lr=-0.1", "(0.0, inf]"),
     (["model=transformer"], "model='transformer'", "choices: cnn, inception"),
     (["train.batch_size=-3"], "train.batch_size=-3", "out of range"),
     (["+method=erm", "method.alpha=1"], "method.alpha", "unknown key"),
-    (["dataset=nope"], "dataset='nope'", "digits"),
+    (["dataset=nope"], "dataset='nope'", ("digits", "synthetic")),
     (["+method=nope"], "method='nope'", "erm"),
     (["+experiment=nope"], "experiment='nope'", "csot_digits"),
     (["+method=comixup", "method.thres_type=hardest"], "method.thres_type='hardest'", "hard, soft, none"),
-    (["train.nope=1"], "train.nope", "epochs"),
+    (["train.nope=1"], "train.nope", "epochs, batch_size"),
     (["train.epochs=many"], "train.epochs", "many"),
     (["train.optimizer=rmsprop"], "train.optimizer='rmsprop'", "sgd, adam"),
-    (["dataset.label_noise.kind=weird"], "dataset.label_noise.kind='weird'", "symmetric"),
+    (["dataset.label_noise.kind=weird"], "dataset.label_noise.kind='weird'", "symmetric, asymmetric"),
     (["seed=0,1", "dataset=digits,nope"], "dataset='nope'", "choices"),
-    (["logger.mode=sometimes"], "logger.mode='sometimes'", "offline"),
-    (["seed=-1"], "seed=-1", "[0, 4294967295]"),
-    (["train.lr=nan"], "train.lr=nan", "finite"),
-    (["train.lr=inf"], "train.lr=inf", "finite"),
-    (["train.weight_decay=nan"], "train.weight_decay=nan", "finite"),
-    (["+method=csot", "method.m0=nan"], "method.m0=nan", "finite"),
-    (["+method=dbot", "method.delta=nan"], "method.delta=nan", "finite"),
-    (["dataset.label_noise.kind=symmetric", "dataset.label_noise.rate=nan"], "label_noise.rate=nan",
+    (["logger.mode=sometimes"], "logger.mode='sometimes'", "offline, online"),
+    (["seed=-1"], "seed=-1 is out of range; must be in [0, 4294967295]", "[0, 4294967295]"),
+    (["train.lr=nan"], "train.lr=nan: must be a finite number", "finite"),
+    (["train.lr=inf"], "train.lr=inf: must be a finite number", "finite"),
+    (["train.weight_decay=nan"], "train.weight_decay=nan: must be a finite number", "finite"),
+    (["+method=csot", "method.m0=nan"], "method.m0=nan: must be a finite number", "finite"),
+    (["+method=dbot", "method.delta=nan"], "method.delta=nan: must be a finite number", "finite"),
+    (["dataset.label_noise.kind=symmetric", "dataset.label_noise.rate=nan"], "label_noise.rate=nan: must",
      "finite"),
-    (["train.epochs=0"], "train.epochs=0", "[1, inf]"),
-    (["+method=pwc", "method.k=0"], "method.k=0", "[1, inf]"),
-    (["+method=dbot_cluster", "method.tau=2"], "method.tau=2.0", "[0.0, 1.0)"),
-    (["+method=dbot", "method.delta=1.5"], "method.delta=1.5", "[0.0, 1.0)"),
-    (["dataset.label_noise.rate=1.5"], "dataset.label_noise.rate=1.5", "[0.0, 1.0]"),
-    (["train.resume=sometimes"], "train.resume='sometimes'", "auto, must"),
-    (["train.checkpoint_every_minutes=-1"], "train.checkpoint_every_minutes=-1.0", "out of range"),
-    (["-m", "+method=dbot_cluster", "method.eps=interval(-1, 0.5)"], "method.eps=-1.0", "out of range"),
-    (["-m", "hydra/sweeper=optuna", "train.lr=tag(log, interval(0.01, inf))"], "train.lr=inf", "finite"),
-    (["-m", "train.batch_size=32,0"], "train.batch_size=0", "[1, inf]"),
+    (["train.epochs=0"], "train.epochs=0 is out of range; must be in [1, inf]", "[1, inf]"),
+    (["+method=pwc", "method.k=0"], "method.k=0 is out of range; must be in [1, inf]", "[1, inf]"),
+    (["+method=dbot_cluster", "method.tau=2"], "method.tau=2.0 is out of range; must be in [0.0, 1.0)",
+     "[0.0, 1.0)"),
+    (["+method=dbot", "method.delta=1.5"], "method.delta=1.5 is out of range; must be in [0.0, 1.0)",
+     "[0.0, 1.0)"),
+    (["dataset.label_noise.rate=1.5"], "dataset.label_noise.rate=1.5 is out of range; must be in [0.0, 1.0]",
+     "[0.0, 1.0]"),
+    (["train.resume=sometimes"], "train.resume='sometimes' is not a valid choice; choose one of: auto, must",
+     "auto, must"),
+    (["train.checkpoint_every_minutes=-1"], "train.checkpoint_every_minutes=-1.0 is out of range",
+     "out of range"),
+    (["-m", "+method=dbot_cluster", "method.eps=interval(-1, 0.5)"], "method.eps=-1.0 is out of range",
+     "out of range"),
+    (["-m", "hydra/sweeper=optuna", "train.lr=tag(log, interval(0.01, inf))"], "train.lr=inf: must be a",
+     "finite"),
+    (["-m", "train.batch_size=32,0"], "train.batch_size=0 is out of range; must be in [1, inf]", "[1, inf]"),
     (["+method=comixup", "method.solver=magic"], "method.solver='magic'", "gco_swap"),
     (["+experiment=csot_digits", "method.budget=soon"], "method.budget='soon'", "paper, code"),
     (["+method=focal", "method.loss=magic"], "method.loss='magic'", "ce,"),
@@ -157,7 +166,7 @@ def _kind_of_check(entry):
     """`make test`'s family of an entry (`quick_first`): a plain key's bound, a range or a finite number, is
     one check (`runner.checks`) whichever key it is on; an entry of a sweep and any other is its own."""
     args, _, says = entry
-    bound = says == "finite" or re.fullmatch(r"out of range|[\[(][-\d.]+, ([-\d.]+|inf)[\])]", says)
+    bound = says == "finite" or re.fullmatch(r"out of range|[\[(][-\d.]+, ([-\d.]+|inf)[\])]", str(says))
     return ("bound", says == "finite") if bound and "-m" not in args else tuple(args)
 
 
@@ -170,7 +179,10 @@ def test_a_bad_command_line_is_one_short_error_naming_its_key(tmp_path, monkeypa
     code, stderr = _in_process([*args, "logger=none"])
     lines = _own_lines(stderr)
     assert code == 2 and "Traceback" not in stderr and len(lines) <= 3, stderr
-    assert lines[-1].startswith("runner: error: ") and key in lines[-1] and says in lines[-1], lines
+    says = (says,) if isinstance(says, str) else says  # one fragment of the message, or several
+    assert lines[-1].startswith("runner: error: ") and key in lines[-1], lines
+    assert all(fragment in lines[-1] for fragment in says), lines
+    assert sum(line.startswith("runner: ") for line in lines) == 1, lines  # the error, nothing else of ours
     assert not (tmp_path / "outputs").exists()  # refused before any run dir is made
 
 
